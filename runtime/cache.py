@@ -1,0 +1,103 @@
+"""KV cache with a monotonic offset and a trimmable live window (DESIGN.md section 5).
+
+Two quantities that a bounded cache separates, and that generated code reads by label:
+
+- ``offset``   (``monotonic-position``): tokens ever written. RoPE, MRoPE and the Llama-4
+  attention scale read it. It never decreases, ``trim_front`` included.
+- ``live_len`` (``live-window``): keys physically present, ``offset - live_start``. The causal
+  mask's key width and any slice of the returned K/V are sized from it.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class KVCache:
+    """Per-layer key/value store for one sequence (or a batch moving in lockstep).
+
+    Keys and values live in a buffer ``[B, H, capacity, D]`` that grows in steps of ``step``
+    tokens; the live window occupies ``[0, live_len)`` of it, oldest first, so a prefix of the
+    buffer is always exactly the keys a query may attend to.
+    """
+
+    step = 256
+
+    def __init__(self) -> None:
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+        self.live_start = 0
+
+    @property
+    def live_len(self) -> int:
+        return self.offset - self.live_start
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append ``keys``/``values`` ``[B, H, L, D]``; return the live window after the append."""
+        n_new = keys.shape[2]
+        start = self.live_len
+        end = start + n_new
+        if self.keys is None or end > self.keys.shape[2]:
+            self._grow(keys, values, end)
+        self.keys[..., start:end, :] = keys
+        self.values[..., start:end, :] = values
+        self.offset += n_new
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
+        capacity = (needed + self.step - 1) // self.step * self.step
+        B, H, _, Dk = keys.shape
+        Dv = values.shape[3]
+        new_k = mx.zeros((B, H, capacity, Dk), keys.dtype)
+        new_v = mx.zeros((B, H, capacity, Dv), values.dtype)
+        if self.keys is not None:
+            n = self.live_len
+            new_k[..., :n, :] = self.keys[..., :n, :]
+            new_v[..., :n, :] = self.values[..., :n, :]
+        self.keys, self.values = new_k, new_v
+
+    def trim_front(self, n: int, keep: int = 0) -> int:
+        """Drop the oldest ``n`` live tokens that follow the first ``keep`` (attention sinks).
+
+        ``offset`` is unchanged; ``live_len`` shrinks by the number dropped, which is returned
+        (``n`` clamped to what is there to drop).
+        """
+        if n < 0 or keep < 0:
+            raise ValueError(f"trim_front needs n >= 0 and keep >= 0, got n={n}, keep={keep}")
+        live = self.live_len
+        n = min(n, max(live - keep, 0))
+        if n == 0:
+            return 0
+        if self.keys is not None:
+            # Slide the survivors down; assignment reads the old buffer, so overlap is safe.
+            self.keys[..., keep : live - n, :] = self.keys[..., keep + n : live, :]
+            self.values[..., keep : live - n, :] = self.values[..., keep + n : live, :]
+        self.live_start += n
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the live window (not the spare capacity)."""
+        if self.keys is None:
+            return 0
+        per_token = (self.keys.nbytes + self.values.nbytes) // self.keys.shape[2]
+        return per_token * self.live_len
+
+
+def enforce_max_kv(caches: list[KVCache], max_kv_size: int | None, keep: int = 0) -> int:
+    """Trim every cache whose live length passed ``max_kv_size``; return the most dropped.
+
+    The one place the bounded-cache rule lives: generation, ``mlxc verify`` and the scheduler
+    call it after every prefill chunk and every decode step.
+    """
+    if max_kv_size is None:
+        return 0
+    if keep >= max_kv_size:
+        raise ValueError(f"kv sink ({keep}) must be smaller than max-kv-size ({max_kv_size})")
+    dropped = 0
+    for cache in caches:
+        excess = cache.live_len - max_kv_size
+        if excess > 0:
+            dropped = max(dropped, cache.trim_front(excess, keep=keep))
+    return dropped
