@@ -13,7 +13,229 @@ def main() -> None:
     """mlxc: compile declarative model specs to MLX and run them."""
 
 
+def _specs_or_exit(fn, *args):
+    """Run a compiler step; unusable input (no such path, no specs) exits 2."""
+    from mlxc.compiler.lint import UnusableInput
+
+    try:
+        return fn(*args)
+    except UnusableInput as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(2)
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True)
+@click.option(
+    "--format", "fmt", type=click.Choice(["text", "json", "github"]), default="text",
+    show_default=True, help="Output format of the findings.",
+)
+def lint(paths: tuple[str, ...], fmt: str) -> None:
+    """Check specs; print findings as PATH:LINE:COL: CODE message.
+
+    Exit 0 when clean, 1 with findings, 2 on unusable input.
+    """
+    from mlxc.compiler import lint as lint_mod
+    from mlxc.compiler.findings import render
+
+    checked = _specs_or_exit(lint_mod.check_all, list(paths))
+    findings = [f for c in checked for f in c.findings]
+    if findings or fmt == "json":
+        click.echo(render(findings, fmt))
+    if findings:
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True)
+@click.option("-o", "--output", default="generated", show_default=True, help="Output directory.")
+@click.option("--check", is_flag=True, help="Write nothing; exit 1 with a diff if output is stale.")
+def build(paths: tuple[str, ...], output: str, check: bool) -> None:
+    """Compile specs into MLX model modules and the model_type registry."""
+    from pathlib import Path
+
+    from mlxc.compiler import build as build_mod
+    from mlxc.compiler.findings import render
+
+    result = _specs_or_exit(build_mod.render, list(paths))
+    if result.findings:
+        click.echo(render(result.findings, "text"), err=True)
+        click.echo("error: lint findings; nothing written", err=True)
+        sys.exit(1)
+    out = Path(output)
+    if check:
+        text = build_mod.diff(result.files, out)
+        if text:
+            click.echo(text, nl=False)
+            click.echo(f"error: {out}/ is stale; run `mlxc build {' '.join(paths)}`", err=True)
+            sys.exit(1)
+        click.echo(f"{out}/ is up to date ({len(result.files)} files)")
+        return
+    written = build_mod.write(result.files, out)
+    for name in written:
+        click.echo(f"wrote {out / name}")
+    click.echo(f"{len(written)} changed, {len(result.files) - len(written)} unchanged")
+
+
 # --- generate (runtime) -------------------------------------------------------------------
+
+
+class _OneLineError(click.ClickException):
+    """Printed as a single ``error: ...`` line on stderr, no usage block, no traceback."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+class _GenerateCommand(click.Command):
+    # Flag errors (click.UsageError, exit 2) come from parsing or from the body: reword both.
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.UsageError as e:
+            raise _OneLineError(e.format_message(), e.exit_code) from e
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as e:
+            raise _OneLineError(e.format_message(), e.exit_code) from e
+
+
+@main.command(cls=_GenerateCommand)
+@click.option(
+    "--model",
+    "model_dir",
+    required=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="HF checkpoint directory.",
+)
+@click.option(
+    "--prompt", required=True, help="Prompt text (a user message under the chat template)."
+)
+@click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=0))
+@click.option(
+    "--temp",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Sampling temperature; 0 is greedy.",
+)
+@click.option(
+    "--top-p",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(0, 1, min_open=True),
+    help="Nucleus sampling mass.",
+)
+@click.option(
+    "--top-k",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Keep the k most likely tokens; 0 keeps all.",
+)
+@click.option("--seed", default=None, type=int, help="Seed of the sampler's random key.")
+@click.option(
+    "--max-kv-size",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Keep at most this many tokens in each KV cache (default: unbounded).",
+)
+@click.option(
+    "--kv-sink",
+    default=None,
+    type=click.IntRange(min=0),
+    help="Tokens kept at the front under --max-kv-size  [default: 4]",
+)
+@click.option("--prefill-chunk-size", default=512, show_default=True, type=click.IntRange(min=1))
+@click.option("--no-chat-template", is_flag=True, help="Encode the prompt as raw text.")
+def generate(
+    model_dir,
+    prompt,
+    max_tokens,
+    temp,
+    top_p,
+    top_k,
+    seed,
+    max_kv_size,
+    kv_sink,
+    prefill_chunk_size,
+    no_chat_template,
+):
+    """Generate a completion for PROMPT, streaming the text to stdout."""
+    import time
+
+    # MLX and transformers load here, not at CLI start-up: lint and build never need them.
+    from mlxc.runtime.generate import DEFAULT_KV_SINK, generate_tokens
+    from mlxc.runtime.loading import CheckpointError, load_model, read_config
+    from mlxc.runtime.sample import make_sampler
+    from mlxc.runtime.tokenizer import (
+        StreamingDetokenizer,
+        encode_prompt,
+        eos_token_ids,
+        load_tokenizer,
+    )
+
+    kv_sink = DEFAULT_KV_SINK if kv_sink is None else kv_sink
+    if max_kv_size is not None and max_kv_size <= kv_sink:
+        raise click.BadParameter(
+            f"must be larger than --kv-sink ({kv_sink})", param_hint="'--max-kv-size'"
+        )
+    try:
+        read_config(model_dir)  # "not a checkpoint" before "no tokenizer"
+        tokenizer = load_tokenizer(model_dir)
+        if tokenizer is None:
+            raise CheckpointError(
+                f"no tokenizer in {model_dir} (tokenizer.json, tokenizer_config.json or "
+                "tokenizer.model): copy the tokenizer files of the model there"
+            )
+        model = load_model(model_dir)
+    except CheckpointError as e:
+        raise _OneLineError(str(e), 1) from e
+
+    ids = encode_prompt(tokenizer, prompt, chat_template=False if no_chat_template else None)
+    if not ids:
+        raise click.BadParameter("encodes to no tokens", param_hint="'--prompt'")
+
+    tokens = generate_tokens(
+        model,
+        ids,
+        max_tokens=max_tokens,
+        sampler=make_sampler(temp=temp, top_p=top_p, top_k=top_k, seed=seed),
+        prefill_chunk_size=prefill_chunk_size,
+        max_kv_size=max_kv_size,
+        kv_sink=kv_sink,
+        eos_token_ids=eos_token_ids(tokenizer, model_dir),
+    )
+    detok = StreamingDetokenizer(tokenizer)
+    start = time.perf_counter()
+    first = start
+    n = 0
+    for token in tokens:
+        if n == 0:
+            first = time.perf_counter()  # prefill time = time to the first token
+        n += 1
+        click.echo(detok.add(token), nl=False)
+        sys.stdout.flush()
+    end = time.perf_counter()
+    click.echo(detok.finalize())
+
+    if n == 0:
+        first = end  # stopped on EOS at once: all the time went to prefill
+    prefill_tps = len(ids) / (first - start) if first > start else 0.0
+    decode_tps = (n - 1) / (end - first) if n > 1 else 0.0
+    click.echo(
+        f"prompt: {len(ids)} tokens, {prefill_tps:.1f} tok/s | "
+        f"generated: {n} tokens, {decode_tps:.1f} tok/s",
+        err=True,
+    )
+
+
 # --- end generate ---------------------------------------------------------------------------
 
 

@@ -1,0 +1,453 @@
+"""``mlxc lint``: check specs, report findings that point at lines.
+
+``check_file`` returns the validated ``Spec`` (None when it is unusable) and its findings; the
+build runs the same checks and writes nothing when any finding remains.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from pathlib import Path as FsPath
+
+import pydantic
+
+from mlxc.compiler import expr, schema
+from mlxc.compiler.findings import Finding
+from mlxc.compiler.source import Positions, load_yaml
+
+EXPR_TYPES = {schema.IntExpr, schema.FloatExpr, schema.BoolExpr}
+
+
+@dataclass
+class Checked:
+    path: str
+    spec: schema.Spec | None
+    positions: Positions
+    findings: list[Finding]
+    source: str
+
+
+class _Reporter:
+    def __init__(self, path: str, positions: Positions) -> None:
+        self.path, self.positions = path, positions
+        self.findings: list[Finding] = []
+
+    def at_value(self, loc, code: str, message: str, col_shift: int = 0) -> None:
+        line, col = self.positions.value(loc)
+        if col_shift:
+            col += col_shift + (1 if tuple(loc) in self.positions.quoted else 0)
+        self.findings.append(Finding(self.path, line, col, code, message))
+
+    def at_key(self, loc, code: str, message: str) -> None:
+        line, col = self.positions.key(loc)
+        self.findings.append(Finding(self.path, line, col, code, message))
+
+
+# --- schema errors ------------------------------------------------------------------------
+
+
+def _resolve(data, loc) -> tuple[tuple, bool]:
+    """Map a pydantic error location onto a path in ``data``, skipping union branch labels.
+
+    Returns (path, relevant): an error from the list branch of ``X | list[X]`` raised on a
+    mapping (or the reverse) is noise from the branch the data did not take.
+    """
+    path: list = []
+    node = data
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            path.append(part)
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            path.append(part)
+            node = node[part]
+        elif isinstance(part, str) and part.startswith("list["):
+            if not isinstance(node, list):
+                return tuple(path), False
+        elif isinstance(part, str) and part.startswith(("tagged-union", "function-")):
+            if isinstance(node, list):
+                return tuple(path), False
+        elif isinstance(part, str) and part in ("int", "float", "str", "bool", "none"):
+            pass  # scalar branch of a union
+        elif isinstance(part, str) and part[:1].isupper() and isinstance(node, list):
+            return tuple(path), False  # model branch tried on a list
+        elif isinstance(part, str) and part in {"gqa", "mla", "linear", "none", "swiglu", "moe"}:
+            pass  # discriminator tag
+        else:
+            path.append(part)  # a missing field: keep the name for the message
+            node = None
+    return tuple(path), True
+
+
+_TYPE_WORDS = {
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "bool_type": "true or false",
+    "bool_parsing": "true or false",
+    "string_type": "an expression string",
+    "list_type": "a list",
+    "dict_type": "a mapping",
+    "model_type": "a mapping",
+    "model_attributes_type": "a mapping",
+    "none_required": "null",
+}
+
+
+def _schema_findings(data, rep: _Reporter) -> schema.Spec | None:
+    """Validate against the schema; report errors and return None, or return the spec."""
+    try:
+        return schema.Spec.model_validate(data)
+    except pydantic.ValidationError as err:
+        errors = err.errors(include_url=False)
+    type_errors: dict[tuple, list[str]] = {}
+    for e in errors:
+        path, relevant = _resolve(data, e["loc"])
+        if not relevant:
+            continue
+        kind = e["type"]
+        if kind == "extra_forbidden":
+            rep.at_key(path, "S001", f"unknown field '{path[-1]}'")
+        elif kind == "missing":
+            parent = path[:-1]
+            where = f" in '{parent[-1]}'" if parent and isinstance(parent[-1], str) else ""
+            rep.at_key(parent, "S002", f"missing required field '{path[-1]}'{where}")
+        elif kind == "union_tag_invalid":
+            tags = e["ctx"]["expected_tags"]
+            rep.at_value(
+                path + ("kind",), "S004", f"unknown kind '{e['ctx']['tag']}' (expected {tags})"
+            )
+        elif kind == "union_tag_not_found":
+            rep.at_key(path, "S002", "missing required field 'kind'")
+        elif kind in _TYPE_WORDS:
+            type_errors.setdefault(path, []).append(_TYPE_WORDS[kind])
+        else:
+            rep.at_value(path, "S003", f"{e['msg'].rstrip('.')}")
+    for path, words in type_errors.items():
+        expected = " or ".join(dict.fromkeys(words))
+        got = _describe(_get(data, path))
+        name = f"'{path[-1]}' " if path and isinstance(path[-1], str) else ""
+        rep.at_value(path, "S003", f"{name}must be {expected}, got {got}")
+    return None
+
+
+def _get(data, path):
+    for part in path:
+        try:
+            data = data[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return data
+
+
+def _describe(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (dict, list)):
+        return "a mapping" if isinstance(value, dict) else "a list"
+    return repr(value)
+
+
+# --- semantic checks ----------------------------------------------------------------------
+
+
+def _field_key(model: pydantic.BaseModel, name: str) -> str:
+    alias = type(model).model_fields[name].alias
+    return alias or name
+
+
+def _is_expr_field(annotation) -> bool:
+    if annotation in EXPR_TYPES:
+        return True
+    args = typing.get_args(annotation)
+    return bool(args) and any(_is_expr_field(a) for a in args if a is not type(None))
+
+
+def _walk_exprs(model: pydantic.BaseModel, path: tuple):
+    """Yield (path, text) for every expression string in ``model``'s expression fields."""
+    for name, field in type(model).model_fields.items():
+        value = getattr(model, name)
+        key = _field_key(model, name)
+        if isinstance(value, str) and _is_expr_field(field.annotation):
+            yield path + (key,), value
+        elif isinstance(value, pydantic.BaseModel):
+            yield from _walk_exprs(value, path + (key,))
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, pydantic.BaseModel):
+                    yield from _walk_exprs(item, path + (key, i))
+
+
+def _check_expr(text: str, scope: expr.Scope, loc: tuple, rep: _Reporter) -> None:
+    try:
+        expr.check(text, scope)
+    except expr.ExprError as err:
+        rep.at_value(loc, err.code, str(err), col_shift=err.col)
+
+
+def _variants(block, loc: tuple) -> list[tuple[object, tuple]]:
+    if isinstance(block, list):
+        return [(b, loc + (i,)) for i, b in enumerate(block)]
+    return [(block, loc)]
+
+
+def _check_variants(block, loc: tuple, rep: _Reporter) -> None:
+    if not isinstance(block, list):
+        if block.when is not None:
+            rep.at_key(loc + ("when",), "S005", "`when` only makes sense in a list of variants")
+        return
+    for i, b in enumerate(block):
+        last = i == len(block) - 1
+        if last and b.when is not None:
+            rep.at_key(loc + (i, "when"), "S005", "the last variant is the fallback: drop `when`")
+        if not last and b.when is None:
+            rep.at_value(loc + (i,), "S005", "every variant but the last needs `when`")
+
+
+def _consumed_inputs(raw: dict) -> set[str]:
+    """Inputs an attention block consumes, read from its raw mapping (labels are checked even
+    when other parts of the spec have schema errors)."""
+    kind = raw.get("kind")
+    if kind not in ("gqa", "mla"):
+        return set()
+    used = {"mask"}
+    rope = raw.get("rope")
+    if kind == "mla" or rope is not None:
+        used.add("positions")
+    if isinstance(rope, dict) and rope.get("mrope"):
+        used.add("rope_deltas")
+    if raw.get("sliding_window") is not None:
+        used.add("window")
+    if raw.get("scale") == "llama4":
+        used.add("attn_scale")
+    return used
+
+
+def _check_labels(raw: dict, loc: tuple, rep: _Reporter) -> None:
+    consumed = _consumed_inputs(raw)
+    inputs = raw.get("inputs") or {}
+    if not isinstance(inputs, dict):
+        return  # a schema error (S003) already
+    kind = raw.get("kind")
+    for name, label in inputs.items():
+        at = loc + ("inputs", name)
+        if name not in schema.INPUT_LABELS:
+            known = ", ".join(schema.INPUT_LABELS)
+            rep.at_key(at, "L005", f"unknown attention input '{name}' (known: {known})")
+            continue
+        if name not in consumed:
+            rep.at_key(at, "L005", f"a {kind} block here does not consume '{name}'")
+            continue
+        if label not in schema.LABELS:
+            rep.at_value(
+                at,
+                "L004",
+                f"'{label}' is not a label: use monotonic-position or live-window",
+            )
+            continue
+        right = schema.INPUT_LABELS[name]
+        if label == right:
+            continue
+        if right == schema.LIVE_WINDOW:
+            rep.at_value(
+                at,
+                "L001",
+                f"{name} labelled monotonic-position: after trim_front the cache returns "
+                f"live_len keys, so a {name} sized from offset is wider than K/V "
+                f"(broadcast_shapes); label it live-window",
+            )
+        else:
+            rep.at_value(
+                at,
+                "L002",
+                f"{name} labelled live-window: live_len shrinks on trim_front, so {name} "
+                f"would regress after a trim; label it monotonic-position (cache.offset)",
+            )
+    for name in sorted(consumed - set(inputs)):
+        where = loc + ("inputs",) if "inputs" in raw else loc + ("kind",)
+        rep.at_key(
+            where,
+            "L003",
+            f"{kind} attention consumes '{name}' but has no label for it "
+            f"(add `{name}: {schema.INPUT_LABELS[name]}` under inputs)",
+        )
+
+
+def _label_findings(data: dict, rep: _Reporter) -> None:
+    loc = ("text", "layers", "attention")
+    block = _get(data, loc)
+    blocks = enumerate(block) if isinstance(block, list) else [(None, block)]
+    for i, raw in blocks:
+        if isinstance(raw, dict):
+            _check_labels(raw, loc if i is None else loc + (i,), rep)
+
+
+_NOT_COMPILED = {
+    schema.MLA: "mla attention",
+    schema.MoE: "moe mlp",
+}
+
+
+def _check_supported(spec: schema.Spec, rep: _Reporter) -> None:
+    layers = spec.text.layers
+    base = ("text", "layers")
+    for part in ("attention", "mlp"):
+        for b, loc in _variants(getattr(layers, part), base + (part,)):
+            what = _NOT_COMPILED.get(type(b))
+            if what:
+                rep.at_value(loc + ("kind",), "C001", f"{what} is not compiled yet")
+            if isinstance(b, schema.GQA):
+                if b.scale == "llama4":
+                    rep.at_value(loc + ("scale",), "C001", "llama4 scale is not compiled yet")
+                if b.sliding_window is not None:
+                    rep.at_key(loc + ("sliding_window",), "C001", "sliding windows not compiled yet")
+                if b.rope and b.rope.mrope:
+                    rep.at_value(loc + ("rope", "mrope"), "C001", "mrope is not compiled yet")
+        kinds = [b.kind for b, _ in _variants(getattr(layers, part), ())]
+        if len(kinds) != len(set(kinds)):
+            rep.at_key(base + (part,), "C001", f"two {part} variants of the same kind")
+    if layers.deepstack is not None:
+        rep.at_key(base + ("deepstack",), "C001", "deepstack is not compiled yet")
+    if spec.vision is not None:
+        rep.at_key(("vision",), "C001", "vision towers are not compiled yet")
+    if spec.weights.stack_experts:
+        rep.at_key(("weights", "stack_experts"), "C001", "stack_experts is not compiled yet")
+
+
+def _param_order(spec: schema.Spec, rep: _Reporter) -> list[str]:
+    """Params in an order where each default comes after what it uses; P003 on cycles."""
+    deps: dict[str, list[str]] = {}
+    for name, p in spec.params.items():
+        uses = []
+        if isinstance(p.default, str) and p.type != "str":
+            try:
+                uses = [n for n, _ in expr.names(p.default) if n in spec.params]
+            except expr.ExprError:
+                pass
+        deps[name] = uses
+    order: list[str] = []
+    state: dict[str, int] = {}
+
+    def visit(name: str, stack: list[str]) -> None:
+        if state.get(name) == 2:
+            return
+        if state.get(name) == 1:
+            cycle = " -> ".join(stack[stack.index(name) :] + [name])
+            rep.at_key(("params", name, "default"), "P003", f"cyclic param defaults: {cycle}")
+            return
+        state[name] = 1
+        for d in deps[name]:
+            visit(d, stack + [name])
+        state[name] = 2
+        order.append(name)
+
+    for name in spec.params:
+        visit(name, [])
+    return order
+
+
+def _semantic_findings(spec: schema.Spec, rep: _Reporter) -> None:
+    params = frozenset(spec.params)
+    param_scope = expr.Scope(params)
+    for name, p in spec.params.items():
+        if isinstance(p.default, str) and p.type not in ("str", "any"):
+            _check_expr(p.default, param_scope, ("params", name, "default"), rep)
+    _param_order(spec, rep)
+
+    layers = spec.text.layers
+    lbase = ("text", "layers")
+    if (layers.repeat is None) == (layers.for_each is None):
+        rep.at_key(lbase, "S003", "layers need exactly one of `repeat` or `for_each`")
+    if layers.fields and layers.for_each is None:
+        rep.at_key(lbase + ("fields",), "S003", "`fields` are read per entry of `for_each`")
+    if layers.for_each is not None:
+        p = spec.params.get(layers.for_each)
+        if p is None or p.type != "list":
+            rep.at_value(lbase + ("for_each",), "P001", f"'{layers.for_each}' is not a list param")
+    layer_scope = expr.Scope(params, frozenset(layers.fields), layer_idx=True)
+
+    for path, text in _walk_exprs(spec.text, ("text",)):
+        in_layers = path[:2] == lbase and path[2:3] != ("repeat",)
+        _check_expr(text, layer_scope if in_layers else param_scope, path, rep)
+
+    for part in ("attention", "mlp"):
+        block = getattr(layers, part)
+        _check_variants(block, lbase + (part,), rep)
+        for b, loc in _variants(block, lbase + (part,)):
+            if part == "attention":
+                rope = getattr(b, "rope", None)
+                if rope is not None:
+                    p = spec.params.get(rope.param)
+                    if p is None or p.type != "rope":
+                        rep.at_value(
+                            loc + ("rope", "param"), "P001", f"'{rope.param}' is not a rope param"
+                        )
+    _check_supported(spec, rep)
+
+
+def check_source(text: str, path: str) -> Checked:
+    data, positions, findings = load_yaml(text, path)
+    rep = _Reporter(path, positions)
+    rep.findings.extend(findings)
+    spec = None
+    if data is not None and not isinstance(data, dict):
+        rep.at_value((), "S003", "a spec must be a mapping at the top level")
+    elif data is not None:
+        valid = _schema_findings(data, rep)
+        _label_findings(data, rep)
+        if valid is not None:
+            _semantic_findings(valid, rep)
+        if not rep.findings:
+            spec = valid
+    return Checked(path, spec, positions, sorted(set(rep.findings)), text)
+
+
+def check_file(path: FsPath) -> Checked:
+    return check_source(path.read_text(encoding="utf-8"), str(path))
+
+
+class UnusableInput(Exception):
+    """Nothing to lint: a path that does not exist, or a directory without specs."""
+
+
+def spec_files(paths: list[str]) -> list[FsPath]:
+    files: list[FsPath] = []
+    for p in map(FsPath, paths):
+        if p.is_dir():
+            found = sorted([*p.glob("*.yaml"), *p.glob("*.yml")])
+            if not found:
+                raise UnusableInput(f"{p}: no *.yaml specs in this directory")
+            files.extend(found)
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise UnusableInput(f"{p}: no such file or directory")
+    return files
+
+
+def check_all(paths: list[str]) -> list[Checked]:
+    """Check every spec under ``paths``, plus the rules that span specs (R001)."""
+    checked = [check_file(f) for f in spec_files(paths)]
+    served: dict[str, str] = {}
+    for c in checked:
+        if c.spec is None:
+            continue
+        rep = _Reporter(c.path, c.positions)
+        for i, mt in enumerate(c.spec.serves.model_types):
+            if mt in served:
+                rep.at_value(
+                    ("serves", "model_types", i),
+                    "R001",
+                    f"model_type '{mt}' is already served by {served[mt]}",
+                )
+            else:
+                served[mt] = c.path
+        if c.spec.name != FsPath(c.path).stem:
+            rep.at_value(
+                ("name",), "R002", f"spec name '{c.spec.name}' must match its file name"
+            )
+        c.findings = sorted(set(c.findings + rep.findings))
+    return checked

@@ -1,0 +1,239 @@
+"""The spec language: a pydantic v2 schema for one architecture per YAML file.
+
+Numbers and flags inside blocks may be literals or *expressions* (strings) over the spec's params,
+the per-layer fields and ``layer_idx``; ``compiler/expr.py`` parses and checks them. Attention
+blocks label every input they consume with ``monotonic-position`` or ``live-window``; the labels
+are checked by ``compiler/lint.py`` (not here) so that their findings carry our own rule codes.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+IntExpr = Union[int, str]
+FloatExpr = Union[float, int, str]
+BoolExpr = Union[bool, str]
+
+MONOTONIC = "monotonic-position"
+LIVE_WINDOW = "live-window"
+LABELS = (MONOTONIC, LIVE_WINDOW)
+
+# Every attention input the vocabulary knows, with the one label that is right for it.
+INPUT_LABELS: dict[str, str] = {
+    "positions": MONOTONIC,  # RoPE / MRoPE position ids: read cache.offset
+    "rope_deltas": MONOTONIC,  # MRoPE decode shift: absolute, carried from prefill
+    "attn_scale": MONOTONIC,  # Llama-4 attention temperature: grows with absolute position
+    "mask": LIVE_WINDOW,  # causal mask key width: read cache.live_len
+    "window": LIVE_WINDOW,  # sliding-window clamp on live keys
+}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+# --- params -------------------------------------------------------------------------------
+
+
+class Param(Strict):
+    """A typed value read from config.json (``from``: dotted path, default: the param's name)."""
+
+    type: Literal["int", "float", "bool", "str", "list", "dict", "rope", "any"]
+    from_: str | None = Field(default=None, alias="from")
+    # Literal default, or for non-str types a string expression over other params.
+    default: Any = None
+    doc: str | None = None
+
+
+class LayerField(Strict):
+    """A per-layer value read from one entry of the ``for_each`` list (dotted path)."""
+
+    type: Literal["int", "float", "bool", "str", "any"]
+    from_: str = Field(alias="from")
+    default: Any = None
+
+
+# --- blocks --------------------------------------------------------------------------------
+
+
+class Norm(Strict):
+    kind: Literal["rms"] = "rms"
+    eps: FloatExpr
+
+
+class RopeRef(Strict):
+    """Which rope param an attention block applies, and how."""
+
+    param: str  # name of a param of type rope
+    traditional: bool = False  # interleaved pairs (GPT-J style) instead of split halves
+    dims: IntExpr | None = None  # rotate only the first `dims` features (default: all)
+    mrope: Literal["chunked", "interleaved"] | None = None  # multimodal sections (Qwen VL)
+
+
+class Bias(Strict):
+    qkv: BoolExpr = False
+    o: BoolExpr = False
+
+
+class _Block(Strict):
+    when: BoolExpr | None = None  # in a variant list: the condition that picks this variant
+
+
+class GQA(_Block):
+    kind: Literal["gqa"]
+    heads: IntExpr
+    kv_heads: IntExpr
+    head_dim: IntExpr
+    bias: Bias = Bias()
+    qk_norm: Norm | None = None  # per-head RMSNorm of q and k before RoPE (qwen3)
+    rope: RopeRef | None = None
+    scale: Literal["default", "llama4"] = "default"
+    sliding_window: IntExpr | None = None
+    inputs: dict[str, Any] = {}
+
+
+class MLA(_Block):
+    kind: Literal["mla"]
+    heads: IntExpr
+    q_lora_rank: IntExpr | None = None
+    kv_lora_rank: IntExpr
+    qk_nope_head_dim: IntExpr
+    qk_rope_head_dim: IntExpr
+    v_head_dim: IntExpr
+    rope: RopeRef
+    scale: Literal["default", "llama4"] = "default"
+    norm_eps: FloatExpr = 1e-6
+    inputs: dict[str, Any] = {}
+
+
+class LinearAttention(_Block):
+    """Attention replaced by one hidden->hidden linear (nemotron_nas); consumes no inputs."""
+
+    kind: Literal["linear"]
+    bias: BoolExpr = False
+    inputs: dict[str, Any] = {}
+
+
+class NoAttention(_Block):
+    kind: Literal["none"]
+    inputs: dict[str, Any] = {}
+
+
+AttentionBlock = Annotated[
+    Union[GQA, MLA, LinearAttention, NoAttention], Field(discriminator="kind")
+]
+
+
+class SwiGLU(_Block):
+    kind: Literal["swiglu"]
+    hidden: IntExpr
+    bias: BoolExpr = False
+    act: Literal["silu", "gelu", "gelu_approx", "relu"] = "silu"
+
+
+class LinearMLP(_Block):
+    kind: Literal["linear"]
+    bias: BoolExpr = False
+
+
+class NoMLP(_Block):
+    kind: Literal["none"]
+
+
+class MoE(_Block):
+    kind: Literal["moe"]
+    experts: IntExpr
+    top_k: IntExpr
+    expert_hidden: IntExpr
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk_prob: BoolExpr = False
+    routed_scaling_factor: FloatExpr = 1.0
+    shared_experts_hidden: IntExpr | None = None
+    layout: Literal["fused", "per-expert"] = "per-expert"
+
+
+MLPBlock = Annotated[Union[SwiGLU, LinearMLP, NoMLP, MoE], Field(discriminator="kind")]
+
+
+class Layers(Strict):
+    """The decoder stack: ``repeat`` identical layers, or one layer per entry of ``for_each``."""
+
+    repeat: IntExpr | None = None
+    for_each: str | None = None  # a list param, e.g. nemotron_nas block_configs
+    fields: dict[str, LayerField] = {}
+    norm: Norm  # pre-norm of each residual branch
+    attention: AttentionBlock | list[AttentionBlock]
+    mlp: MLPBlock | list[MLPBlock]
+    deepstack: DeepStack | None = None
+
+
+class DeepStack(Strict):
+    """Vision features from chosen tower layers added to the first decoder layers' outputs."""
+
+    layers: IntExpr  # how many decoder layers receive an injection
+    token: str  # param holding the image token id
+
+
+class Embedding(Strict):
+    vocab: IntExpr
+    dim: IntExpr
+
+
+class LMHead(Strict):
+    tied: BoolExpr = False
+
+
+class TextModel(Strict):
+    embed: Embedding
+    layers: Layers
+    final_norm: Norm
+    lm_head: LMHead = LMHead()
+
+
+class Vision(Strict):
+    """Reference to a vision tower in the runtime and the params that configure it."""
+
+    tower: Literal["qwen2_vit", "qwen2_5_vit", "qwen3_vit", "pixtral"]
+    config: str  # param (dict) holding the tower's config, e.g. vision_config
+    image_token: str  # param holding the image placeholder token id
+
+
+class Rename(Strict):
+    pattern: str  # regular expression over checkpoint tensor names
+    to: str
+
+
+class StackExperts(Strict):
+    """Per-expert tensors ``...experts.{e}.<name>`` stacked into one ``[E, ...]`` tensor."""
+
+    pattern: str
+    into: str
+
+
+class Weights(Strict):
+    rename: list[Rename] = []
+    drop: list[str] = []  # regular expressions of tensors the model does not use
+    stack_experts: list[StackExperts] = []
+
+
+class Serves(Strict):
+    model_types: list[str] = Field(min_length=1)
+    architectures: list[str] = []
+
+
+class Spec(Strict):
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    doc: str
+    serves: Serves
+    cache: Literal["pooled-kv", "model-owned"] = "pooled-kv"
+    params: dict[str, Param]
+    text: TextModel
+    vision: Vision | None = None
+    weights: Weights = Weights()
+    # A tiny config.json that `mlxc verify` instantiates with random weights.
+    tiny_config: dict[str, Any]
+
+
+Layers.model_rebuild()

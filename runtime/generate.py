@@ -1,0 +1,103 @@
+"""Single-sequence generation: chunked prefill, then one decode step per token.
+
+The bounded-cache rule (DESIGN.md sections 1 and 5) runs here as everywhere else: after every
+prefill chunk and every decode step, ``enforce_max_kv`` trims each cache back to ``max_kv_size``
+live tokens (keeping ``kv_sink`` sink tokens at the front).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import mlx.core as mx
+from mlx import nn
+from mlxc.runtime.cache import enforce_max_kv
+from mlxc.runtime.sample import Sampler, make_sampler
+
+# StreamingLLM (Xiao et al., 2023) found that a few initial tokens soak up attention mass
+# ("attention sinks"); evicting them degrades a sliding window sharply, keeping 4 restores it.
+DEFAULT_KV_SINK = 4
+
+
+def _trimmable(cache: list) -> list:
+    # Model-owned state (no trim_front) is never trimmed by the runtime.
+    return [c for c in cache if hasattr(c, "trim_front")]
+
+
+def _cache_arrays(cache: list) -> list[mx.array]:
+    return [v for c in cache for v in vars(c).values() if isinstance(v, mx.array)]
+
+
+def generate_tokens(
+    model: nn.Module,
+    prompt_ids: list[int],
+    *,
+    max_tokens: int,
+    sampler: Sampler | None = None,
+    prefill_chunk_size: int = 512,
+    max_kv_size: int | None = None,
+    kv_sink: int = DEFAULT_KV_SINK,
+    eos_token_ids: Iterable[int] = (),
+    cache: list | None = None,
+) -> Iterator[int]:
+    """Yield generated token ids one at a time (EOS is not yielded).
+
+    ``sampler``: logits ``[1, V]`` -> ids ``[1]``; greedy when None. The prompt is prefilled in
+    chunks of ``prefill_chunk_size`` tokens. ``max_kv_size``: None keeps every token (no limit is
+    guessed from the config); else each cache keeps at most that many live tokens after every
+    chunk and step: the first ``kv_sink`` (default 4, the attention sinks StreamingLLM found
+    necessary; 0 is a plain sliding window) plus the most recent. ``kv_sink`` only matters when
+    ``max_kv_size`` is set. Stops at an id in ``eos_token_ids`` or after ``max_tokens`` tokens.
+
+    ``cache``: the model's caches to continue from (``model.make_cache()`` when None). Afterwards
+    it holds the prompt and the generated tokens except the last one yielded (plus the EOS token
+    when one stopped the run).
+    """
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: generation needs at least one token")
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    if prefill_chunk_size < 1:
+        raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
+    if kv_sink < 0:
+        raise ValueError(f"kv_sink must be >= 0, got {kv_sink}")
+    if max_kv_size is not None and max_kv_size <= kv_sink:
+        raise ValueError(f"max_kv_size ({max_kv_size}) must be larger than kv_sink ({kv_sink})")
+    if max_tokens == 0:
+        return
+    sampler = sampler or make_sampler()
+    eos = set(eos_token_ids)
+    cache = model.make_cache() if cache is None else cache
+    trimmable = _trimmable(cache)
+
+    def forward(ids: mx.array) -> mx.array:
+        logits = model(ids, cache=cache)
+        enforce_max_kv(trimmable, max_kv_size, kv_sink)
+        return logits
+
+    def step(ids: mx.array) -> mx.array:
+        return sampler(forward(ids)[:, -1, :])
+
+    # Prefill every chunk but the last; evaluating the caches bounds the graph and memory.
+    prompt = mx.array(prompt_ids, dtype=mx.int32)[None]
+    n = len(prompt_ids)
+    start = 0
+    while n - start > prefill_chunk_size:
+        forward(prompt[:, start : start + prefill_chunk_size])
+        mx.eval(_cache_arrays(cache))
+        start += prefill_chunk_size
+
+    # The last chunk's final logits give the first token. Each next step is queued with
+    # async_eval before the current token is read, so the device never waits on the host.
+    y = step(prompt[:, start:])
+    mx.async_eval(y)
+    for i in range(max_tokens):
+        if i + 1 < max_tokens:
+            next_y = step(y[:, None])
+            mx.async_eval(next_y)
+        token = y.item()  # the one host round trip per token
+        if token in eos:
+            return
+        yield token
+        if i + 1 < max_tokens:
+            y = next_y

@@ -1,0 +1,305 @@
+"""Load an HF checkpoint directory into a generated model (DESIGN.md section 3).
+
+``config.json`` -> ``model_type`` -> generated module (through the registry the build writes)
+-> ``ModelArgs`` -> ``Model`` -> safetensors weights (spec rules applied by ``model.sanitize``,
+quantised when the config says so) -> a strict name and shape check -> ``model.update``.
+
+Every check runs before the model receives a single weight, so a failed load never leaves a
+half-loaded model behind. All failures raise :class:`CheckpointError` with a message that names
+the culprit (file, tensor, key) and says what to do.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import mlx.core as mx
+from mlx import nn
+from mlx.utils import tree_flatten
+
+INDEX_FILE = "model.safetensors.index.json"
+_MAX_LISTED = 10  # tensor names listed per kind of mismatch; the rest are counted
+
+
+class CheckpointError(Exception):
+    """A checkpoint directory that cannot be loaded (missing files, bad config, weight mismatch)."""
+
+
+# --- registry -------------------------------------------------------------------------------
+
+
+def model_types() -> dict[str, str]:
+    """Supported HF ``model_type`` -> importable module name (tests patch this)."""
+    try:
+        from mlxc.generated.registry import MODEL_TYPES
+    except ImportError:
+        return {}
+    return {mt: f"mlxc.generated.{name}" for mt, name in MODEL_TYPES.items()}
+
+
+def resolve_module(model_type: str | None) -> ModuleType:
+    """The generated module serving ``model_type``; CheckpointError listing the supported ones."""
+    types = model_types()
+    if model_type not in types:
+        supported = ", ".join(sorted(types)) or "none (run `mlxc build specs/` first)"
+        what = "no model_type" if model_type is None else f"unsupported model_type {model_type!r}"
+        raise CheckpointError(f"{what}; supported model types: {supported}")
+    return importlib.import_module(types[model_type])
+
+
+# --- config and weight files ----------------------------------------------------------------
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """``config.json`` of a checkpoint directory as a dict."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(
+            f"{path} is not a checkpoint: no config.json (point --model at an HF model directory)"
+        )
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {config_file}: {e}; re-download the checkpoint") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(
+            f"{config_file} must hold a JSON object, found {type(config).__name__}"
+        )
+    return config
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files to load: the shards an index names, else the ``*.safetensors``."""
+    index_file = path / INDEX_FILE
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (
+            OSError,
+            UnicodeDecodeError,
+            json.JSONDecodeError,
+            KeyError,
+            TypeError,
+            AttributeError,
+        ) as e:
+            raise CheckpointError(f"cannot read the shard index {index_file}: {e!r}") from e
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise CheckpointError(
+                f"{index_file.name} names shard(s) missing from {path}: {', '.join(missing)}; "
+                "the download is incomplete, fetch the missing files"
+            )
+        return [path / s for s in shards]
+    # No index: mlx-lm's `model*.safetensors` convention, else any safetensors file.
+    files = sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weight files in {path}")
+    return files
+
+
+def _read_weights(files: list[Path]) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """All tensors of ``files`` (lazily: data is read at eval), and tensor name -> file name."""
+    weights: dict[str, mx.array] = {}
+    source: dict[str, str] = {}
+    for f in files:
+        try:
+            tensors = mx.load(str(f))
+        except Exception as e:  # mx.load raises RuntimeError/ValueError with a reason
+            raise CheckpointError(
+                f"cannot read weight file {f}: {e}; the file is corrupt or truncated, re-download it"
+            ) from e
+        if not isinstance(tensors, dict):
+            raise CheckpointError(f"{f} is not a safetensors file")
+        clash = sorted(set(tensors) & set(weights))
+        if clash:
+            raise CheckpointError(
+                f"tensor(s) stored twice, in {source[clash[0]]} and {f.name}: "
+                f"{_names(clash)}; remove the stray weight file"
+            )
+        weights.update(tensors)
+        source.update(dict.fromkeys(tensors, f.name))
+    return weights, source
+
+
+# --- strict check ---------------------------------------------------------------------------
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_LISTED])
+    return shown + (f" ... and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else "")
+
+
+def _check_weights(
+    model: nn.Module, weights: dict[str, mx.array], source: dict[str, str], where: str
+) -> None:
+    """Raise unless ``weights`` has exactly the model's tensors with the model's shapes."""
+    expected = dict(tree_flatten(model.parameters()))
+
+    def origin(name: str) -> str:
+        # Tensors renamed or built by sanitize have no single file of their own.
+        return f" [{source[name]}]" if name in source else ""
+
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    wrong = [
+        f"{k}{origin(k)} is {tuple(weights[k].shape)}, model expects {tuple(expected[k].shape)}"
+        for k in sorted(set(expected) & set(weights))
+        if tuple(weights[k].shape) != tuple(expected[k].shape)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing tensor(s): {_names(missing)}")
+    if unexpected:
+        problems.append(
+            f"{len(unexpected)} unexpected tensor(s): {_names([k + origin(k) for k in unexpected])}"
+        )
+    if wrong:
+        problems.append(f"{len(wrong)} tensor(s) with the wrong shape: {_names(wrong)}")
+    if problems:
+        raise CheckpointError(
+            f"weights in {where} do not match the model: {'; '.join(problems)}. "
+            "Check that config.json belongs to these weights (re-convert or re-download)"
+        )
+
+
+# --- quantisation and dtype -----------------------------------------------------------------
+
+
+def _quantize(
+    model: nn.Module, quant: Any, weights: dict[str, mx.array], config_file: Path
+) -> None:
+    """Swap in quantised layers where the checkpoint has ``.scales`` (as mlx-lm does)."""
+    if not isinstance(quant, dict) or "group_size" not in quant or "bits" not in quant:
+        raise CheckpointError(
+            f'{config_file}: "quantization" must be an object with "group_size" and "bits", '
+            f"found {quant!r}"
+        )
+
+    def predicate(path: str, module: nn.Module) -> bool | dict:
+        # mlx-lm checkpoints may carry per-layer overrides keyed by the layer path.
+        if isinstance(quant.get(path), (bool, dict)):
+            return quant[path]
+        return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+
+    try:
+        nn.quantize(
+            model,
+            group_size=quant["group_size"],
+            bits=quant["bits"],
+            mode=quant.get("mode", "affine"),
+            class_predicate=predicate,
+        )
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"cannot quantise with {config_file} settings {quant!r}: {e}") from e
+
+
+def _target_dtype(dtype: mx.Dtype | str | None) -> mx.Dtype | None:
+    """The floating dtype to cast to, or None to keep each checkpoint dtype."""
+    if isinstance(dtype, str):
+        try:
+            dtype = getattr(mx, dtype)
+        except AttributeError:
+            raise ValueError(f"unknown dtype {dtype!r}") from None
+    if dtype is not None:
+        if not isinstance(dtype, mx.Dtype) or not mx.issubdtype(dtype, mx.floating):
+            raise ValueError(f"dtype must be a floating dtype, got {dtype!r}")
+        return dtype
+    # Half-precision matmuls are ~20x slower than float32 on the CPU backend.
+    return mx.float32 if mx.default_device() == mx.cpu else None
+
+
+def _cast(
+    weights: dict[str, mx.array], dtype: mx.Dtype | None, explicit: bool
+) -> dict[str, mx.array]:
+    if dtype is None:
+        return weights
+    halves = (mx.float16, mx.bfloat16)
+    out = {}
+    for k, w in weights.items():
+        # Quantised (integer) tensors keep their dtype; by default only half floats are widened.
+        floating = mx.issubdtype(w.dtype, mx.floating)
+        if floating and (explicit or w.dtype in halves) and w.dtype != dtype:
+            w = w.astype(dtype)
+        out[k] = w
+    return out
+
+
+# --- public API -----------------------------------------------------------------------------
+
+
+def load_model(path: str | Path, dtype: mx.Dtype | str | None = None) -> nn.Module:
+    """Build the generated model for the checkpoint at ``path`` and load its weights.
+
+    ``dtype``: None keeps each tensor's checkpoint dtype, except that on a CPU device float16
+    and bfloat16 weights become float32; a floating dtype (``mx.float16`` or ``"float16"``)
+    casts every floating weight to it. Raises :class:`CheckpointError` on any problem.
+    """
+    path = Path(path)
+    target = _target_dtype(dtype)
+    config = read_config(path)
+    try:
+        module = resolve_module(config.get("model_type"))
+    except CheckpointError as e:
+        raise CheckpointError(f"{path / 'config.json'}: {e}") from e
+
+    try:
+        args = module.ModelArgs.from_config(config)
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(
+            f"{path / 'config.json'} is not a valid {config.get('model_type')} config: {e}"
+        ) from e
+    model = module.Model(args)
+
+    files = weight_files(path)
+    weights, source = _read_weights(files)
+    try:
+        weights = model.sanitize(weights)
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(
+            f"the weights in {path} do not fit the {module.__name__} weight rules: {e!r}"
+        ) from e
+
+    if (quant := config.get("quantization")) is not None:
+        _quantize(model, quant, weights, path / "config.json")
+
+    where = files[0] if len(files) == 1 else path
+    _check_weights(model, weights, source, str(where))
+
+    weights = _cast(weights, target, explicit=dtype is not None)
+    try:
+        # Read every tensor before the model sees any (loads are lazy: a read can fail here).
+        mx.eval(list(weights.values()))
+    except Exception as e:
+        del weights
+        raise CheckpointError(f"cannot read the weights: {_find_unreadable(files, e)}") from e
+
+    model.load_weights(list(weights.items()), strict=True)
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+def _find_unreadable(files: list[Path], error: Exception) -> str:
+    """Name the file whose data cannot be read (only runs on the error path)."""
+    for f in files:
+        try:
+            mx.eval(list(mx.load(str(f)).values()))
+        except (RuntimeError, ValueError, OSError) as e:
+            return f"{f}: {e}; the file is corrupt or truncated, re-download it"
+    return f"{error} (files: {', '.join(f.name for f in files)})"
+
+
+def load(path: str | Path, dtype: mx.Dtype | str | None = None) -> tuple[nn.Module, Any]:
+    """``(model, tokenizer)``; the tokenizer is None when the directory has no tokenizer files."""
+    from mlxc.runtime.tokenizer import load_tokenizer
+
+    model = load_model(path, dtype=dtype)
+    return model, load_tokenizer(path)

@@ -1,0 +1,87 @@
+"""Rotary position embeddings. Positions come from ``cache.offset`` (``monotonic-position``).
+
+``RopeConfig.from_config`` reads both config forms: transformers-4 ``rope_theta`` +
+``rope_scaling`` and transformers-5 ``rope_parameters``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxc.runtime.config import ConfigError, lookup
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    kind: str = "default"  # default | linear | llama3 | yarn | mrope
+    theta: float = 10000.0
+    factor: float = 1.0
+    params: dict[str, Any] = field(default_factory=dict)  # the rest of the scaling dict
+    max_position_embeddings: int | None = None
+
+    @classmethod
+    def from_config(cls, config: dict, path: str = "") -> RopeConfig:
+        """Read RoPE settings from the (sub-)config at dotted ``path``."""
+        sub = lookup(config, path, {}) if path else config
+        scaling = sub.get("rope_parameters") or sub.get("rope_scaling") or {}
+        theta = scaling.get("rope_theta", sub.get("rope_theta", 10000.0))
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind == "default" and "mrope_section" in scaling:
+            kind = "mrope"
+        if kind not in ("default", "linear", "llama3", "yarn", "mrope"):
+            raise ConfigError(f"unsupported rope_type '{kind}'")
+        rest = {k: v for k, v in scaling.items() if k not in ("rope_theta", "rope_type", "type")}
+        return cls(
+            kind=kind,
+            theta=float(theta),
+            factor=float(rest.pop("factor", 1.0) or 1.0),
+            params=rest,
+            max_position_embeddings=sub.get("max_position_embeddings"),
+        )
+
+
+def llama3_periods(dims: int, cfg: RopeConfig) -> mx.array:
+    """Llama-3.1 frequency smoothing: long wavelengths divided by ``factor``, short kept."""
+    p = cfg.params
+    low, high = p.get("low_freq_factor", 1.0), p.get("high_freq_factor", 4.0)
+    old_len = p.get("original_max_position_embeddings", 8192)
+    inv_freq = 1.0 / cfg.theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq / cfg.factor + smooth * inv_freq
+    scaled = mx.where(wavelen > old_len / low, inv_freq / cfg.factor, inv_freq)
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return 1.0 / mx.where(medium, smoothed, scaled)
+
+
+class RoPE(nn.Module):
+    """``mx.fast.rope`` over the first ``dims`` features, at absolute position ``offset``."""
+
+    def __init__(self, dims: int, cfg: RopeConfig, traditional: bool = False) -> None:
+        super().__init__()
+        self.dims, self.traditional = dims, traditional
+        self.base: float | None = cfg.theta
+        self.scale = 1.0
+        self._periods = None
+        if cfg.kind == "linear":
+            self.scale = 1.0 / cfg.factor
+        elif cfg.kind == "llama3":
+            self.base, self._periods = None, llama3_periods(dims, cfg)
+        elif cfg.kind != "default":
+            raise ConfigError(f"rope kind '{cfg.kind}' is not supported for this attention")
+
+    def __call__(self, x: mx.array, offset: int) -> mx.array:
+        return mx.fast.rope(
+            x,
+            self.dims,
+            traditional=self.traditional,
+            base=self.base,
+            scale=self.scale,
+            offset=offset,
+            freqs=self._periods,
+        )

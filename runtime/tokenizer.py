@@ -1,0 +1,109 @@
+"""Tokenizer loading (offline), prompt encoding with the chat template, streaming detokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from mlxc.runtime.loading import CheckpointError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_tokenizer(path: str | Path) -> Any | None:
+    """The HF tokenizer stored in ``path``, or None when it holds no tokenizer files.
+
+    Never touches the network: ``local_files_only=True`` (works under ``HF_HUB_OFFLINE=1``).
+    """
+    path = Path(path)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer  # slow import: only when there is a tokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers raises many kinds (OSError, ValueError, KeyError...)
+        raise CheckpointError(f"cannot load the tokenizer in {path}: {e}") from e
+
+
+def eos_token_ids(tokenizer: Any, path: str | Path | None = None) -> set[int]:
+    """Ids that end generation: the tokenizer's EOS plus ``eos_token_id`` of config.json and
+    generation_config.json in ``path`` (chat models often list several there, e.g. ``<|eot_id|>``).
+    """
+    ids: set[int] = set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    for name in ("config.json", "generation_config.json"):
+        if path is None or not (Path(path) / name).is_file():
+            continue
+        try:
+            value = json.loads((Path(path) / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue  # these files only add ids; a broken one is reported by the loader
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value if isinstance(v, int))
+    return ids
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_prompt(tokenizer: Any, text: str, chat_template: bool | None = None) -> list[int]:
+    """Token ids for ``text``.
+
+    ``chat_template``: None applies the tokenizer's chat template when it has one (``text`` as
+    one user message, with the generation prompt); True requires a template; False encodes the
+    raw text (with the tokenizer's usual special tokens, e.g. BOS).
+    """
+    use_template = has_chat_template(tokenizer) if chat_template is None else chat_template
+    if not use_template:
+        return list(tokenizer.encode(text))
+    if not has_chat_template(tokenizer):
+        raise ValueError("the tokenizer has no chat template; encode the raw prompt instead")
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+    # The template writes BOS and the other special tokens itself: do not add them twice.
+    return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+class StreamingDetokenizer:
+    """Turns a stream of token ids into text deltas.
+
+    Decodes a short window of recent tokens (so tokenizers that drop a leading space at the start
+    of a decode still see their left context) and emits only what is new. Text that ends in
+    U+FFFD is an incomplete multi-byte character: it is held back until the next token completes
+    it, so a delta never splits a character.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.prefix_offset = 0  # start of the context window
+        self.read_offset = 0  # tokens before this one have been emitted
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(
+            tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+
+    def add(self, token: int) -> str:
+        """Feed one token; return the newly completed text (maybe "")."""
+        self.tokens.append(int(token))
+        prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        text = self._decode(self.tokens[self.prefix_offset :])
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            return text[len(prefix) :]
+        return ""
+
+    def finalize(self) -> str:
+        """Whatever is still held back (an unfinished character included) at the end."""
+        prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        text = self._decode(self.tokens[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.tokens)
+        return text[len(prefix) :]
