@@ -77,6 +77,24 @@ def build(paths: tuple[str, ...], output: str, check: bool) -> None:
     click.echo(f"{len(written)} changed, {len(result.files) - len(written)} unchanged")
 
 
+@main.command()
+@click.argument("paths", nargs=-1, required=True)
+def verify(paths: tuple[str, ...]) -> None:
+    """Run each spec's generated code through a bounded-cache schedule (trims included)."""
+    from mlxc.verify import VerifyError
+    from mlxc.verify import verify as verify_specs
+
+    try:
+        reports = _specs_or_exit(verify_specs, list(paths))
+    except VerifyError as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(1)
+    for r in reports:
+        click.echo(f"{'ok  ' if r.ok else 'FAIL'} {r.spec}: {r.detail}")
+    if not all(r.ok for r in reports):
+        sys.exit(1)
+
+
 # --- generate (runtime) -------------------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 
 import mlx.core as mx
 from mlx import nn
+
 from mlxc.runtime.cache import enforce_max_kv
 from mlxc.runtime.sample import Sampler, make_sampler
 

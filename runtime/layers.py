@@ -5,11 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxc.runtime import masks
+
 ACTIVATIONS = {"silu": nn.silu, "gelu": nn.gelu, "gelu_approx": nn.gelu_approx, "relu": nn.relu}
-
-
-class MaskWidthError(ValueError):
-    """An attention mask whose key width is not the number of live keys."""
 
 
 def attend(
@@ -21,13 +19,7 @@ def attend(
     mask: mx.array | str | None,
 ) -> mx.array:
     """Scaled dot-product attention (GQA-aware) that refuses a mask not sized to the keys."""
-    if isinstance(mask, mx.array):
-        n_q, n_k = queries.shape[-2], keys.shape[-2]
-        if mask.shape[-1] != n_k or mask.shape[-2] != n_q:
-            raise MaskWidthError(
-                f"mask is {mask.shape[-2]}x{mask.shape[-1]} but attention has {n_q} queries "
-                f"and {n_k} live keys: a mask must be sized from cache.live_len"
-            )
+    masks.check(mask, queries.shape[-2], keys.shape[-2])
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 

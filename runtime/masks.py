@@ -13,17 +13,45 @@ import contextvars
 
 import mlx.core as mx
 
-_force_arrays = contextvars.ContextVar("mlxc_force_array_masks", default=False)
+class MaskWidthError(ValueError):
+    """An attention mask whose key width is not the number of live keys."""
+
+
+class MaskAudit:
+    """Counts the array masks checked against their keys inside ``array_masks()``."""
+
+    def __init__(self) -> None:
+        self.checked = 0
+
+
+_audit: contextvars.ContextVar[MaskAudit | None] = contextvars.ContextVar(
+    "mlxc_array_masks", default=None
+)
 
 
 @contextlib.contextmanager
 def array_masks():
-    """Within this block, ``causal`` returns explicit boolean arrays instead of ``"causal"``."""
-    token = _force_arrays.set(True)
+    """Within this block ``causal`` builds explicit arrays, so every width can be checked."""
+    audit = MaskAudit()
+    token = _audit.set(audit)
     try:
-        yield
+        yield audit
     finally:
-        _force_arrays.reset(token)
+        _audit.reset(token)
+
+
+def check(mask: mx.array | str | None, n_queries: int, n_keys: int) -> None:
+    """Raise MaskWidthError unless an array mask is exactly ``[..., n_queries, n_keys]``."""
+    if not isinstance(mask, mx.array):
+        return
+    if mask.shape[-1] != n_keys or mask.shape[-2] != n_queries:
+        raise MaskWidthError(
+            f"mask is {mask.shape[-2]}x{mask.shape[-1]} but attention has {n_queries} queries "
+            f"and {n_keys} live keys: a mask must be sized from cache.live_len"
+        )
+    audit = _audit.get()
+    if audit is not None:
+        audit.checked += 1
 
 
 def causal(n_queries: int, n_keys: int, window: int | None = None) -> mx.array | str | None:
@@ -34,7 +62,7 @@ def causal(n_queries: int, n_keys: int, window: int | None = None) -> mx.array |
     """
     if n_queries > n_keys:
         raise ValueError(f"{n_queries} queries but only {n_keys} live keys: mask sized wrong")
-    if window is None and not _force_arrays.get():
+    if window is None and _audit.get() is None:
         return None if n_queries == 1 else "causal"
     q_pos = mx.arange(n_keys - n_queries, n_keys)[:, None]
     k_pos = mx.arange(n_keys)[None, :]

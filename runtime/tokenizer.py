@@ -15,6 +15,8 @@ def load_tokenizer(path: str | Path) -> Any | None:
     """The HF tokenizer stored in ``path``, or None when it holds no tokenizer files.
 
     Never touches the network: ``local_files_only=True`` (works under ``HF_HUB_OFFLINE=1``).
+    Never runs checkpoint code: ``trust_remote_code=False`` (without it, a config.json with an
+    ``auto_map``, e.g. nemotron-nas, makes transformers prompt on stdin).
     """
     path = Path(path)
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
@@ -22,7 +24,9 @@ def load_tokenizer(path: str | Path) -> Any | None:
     from transformers import AutoTokenizer  # slow import: only when there is a tokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return AutoTokenizer.from_pretrained(
+            str(path), local_files_only=True, trust_remote_code=False
+        )
     except Exception as e:  # transformers raises many kinds (OSError, ValueError, KeyError...)
         raise CheckpointError(f"cannot load the tokenizer in {path}: {e}") from e
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten
+
 from mlxc.runtime import masks
 from mlxc.runtime.cache import KVCache
 

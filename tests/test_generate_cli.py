@@ -11,14 +11,14 @@ import pytest
 from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))  # the toy model lives beside the tests
-import _toy_model as toy  # noqa: E402
+import _toy_model as toy
 
-from mlxc.cli import main  # noqa: E402
-from mlxc.runtime import loading  # noqa: E402
-from mlxc.runtime.generate import generate_tokens  # noqa: E402
-from mlxc.runtime.loading import load_model  # noqa: E402
-from mlxc.runtime.sample import make_sampler  # noqa: E402
-from mlxc.runtime.tokenizer import StreamingDetokenizer, load_tokenizer  # noqa: E402
+from mlxc.cli import main
+from mlxc.runtime import loading
+from mlxc.runtime.generate import generate_tokens
+from mlxc.runtime.loading import load_model
+from mlxc.runtime.sample import make_sampler
+from mlxc.runtime.tokenizer import StreamingDetokenizer, load_tokenizer
 
 PROMPT = list(range(10, 47))  # 37 tokens
 
@@ -159,9 +159,12 @@ def test_cli_generates(checkpoint):
     assert result.exit_code == 0, result.output
     # Same text as generating directly with the same greedy settings.
     tokenizer = load_tokenizer(checkpoint)
-    ids = tokenizer.encode(tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hello"}], add_generation_prompt=True, tokenize=False
-    ), add_special_tokens=False)
+    ids = tokenizer.encode(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hello"}], add_generation_prompt=True, tokenize=False
+        ),
+        add_special_tokens=False,
+    )
     tokens = list(generate_tokens(load_model(checkpoint), ids, max_tokens=6, eos_token_ids=[257]))
     expected = tokenizer.decode(tokens, skip_special_tokens=True)
     assert result.stdout == expected + "\n"
@@ -172,9 +175,29 @@ def test_cli_generates(checkpoint):
 
 
 def test_cli_sampling_and_bounded_cache_flags(checkpoint):
-    args = ["--model", checkpoint, "--prompt", "x" * 40, "--max-tokens", 8, "--temp", 0.8,
-            "--top-p", 0.9, "--top-k", 20, "--seed", 3, "--max-kv-size", 16, "--kv-sink", 2,
-            "--prefill-chunk-size", 7, "--no-chat-template"]
+    args = [
+        "--model",
+        checkpoint,
+        "--prompt",
+        "x" * 40,
+        "--max-tokens",
+        8,
+        "--temp",
+        0.8,
+        "--top-p",
+        0.9,
+        "--top-k",
+        20,
+        "--seed",
+        3,
+        "--max-kv-size",
+        16,
+        "--kv-sink",
+        2,
+        "--prefill-chunk-size",
+        7,
+        "--no-chat-template",
+    ]
     first, second = run_cli(*args), run_cli(*args)
     assert first.exit_code == 0, first.output
     assert "prompt: 40 tokens" in first.stderr
@@ -245,9 +268,16 @@ def llama_checkpoint(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("llama")
     config = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=260, max_position_embeddings=512,
-        bos_token_id=256, eos_token_id=257, tie_word_embeddings=False,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=260,
+        max_position_embeddings=512,
+        bos_token_id=256,
+        eos_token_id=257,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
@@ -271,7 +301,12 @@ def test_llama_long_prompt_under_small_kv_limit(llama_checkpoint):
     cache = model.make_cache()
     out = list(
         generate_tokens(
-            model, prompt, max_tokens=20, max_kv_size=24, kv_sink=4, prefill_chunk_size=16,
+            model,
+            prompt,
+            max_tokens=20,
+            max_kv_size=24,
+            kv_sink=4,
+            prefill_chunk_size=16,
             cache=cache,
         )
     )
@@ -280,4 +315,3 @@ def test_llama_long_prompt_under_small_kv_limit(llama_checkpoint):
     # Unbounded greedy over a short prompt agrees with a full recompute.
     short = prompt[:20]
     assert list(generate_tokens(model, short, max_tokens=5)) == greedy_reference(model, short, 5)
-

@@ -13,10 +13,10 @@ from mlx import nn
 from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).parent))  # the toy model lives beside the tests
-import _toy_model as toy  # noqa: E402
+import _toy_model as toy
 
-from mlxc.runtime import loading  # noqa: E402
-from mlxc.runtime.loading import CheckpointError, load, load_model  # noqa: E402
+from mlxc.runtime import loading
+from mlxc.runtime.loading import CheckpointError, load, load_model
 
 
 @pytest.fixture(autouse=True)
@@ -58,6 +58,7 @@ def test_load_returns_tokenizer_or_none(tmp_path):
     assert load(path)[1] is None
     toy.write_tokenizer(path)
     model, tokenizer = load(path)
+    assert isinstance(model, toy.Model)
     assert tokenizer.eos_token_id == 257
 
 
@@ -111,8 +112,11 @@ def test_long_mismatch_lists_are_capped(tmp_path):
 
 
 def test_unknown_and_missing_model_type(tmp_path):
-    expect_error(toy.write_checkpoint(tmp_path / "a", config=dict(toy.CONFIG, model_type="gpt9")),
-                 "'gpt9'", "supported model types: toy")
+    expect_error(
+        toy.write_checkpoint(tmp_path / "a", config=dict(toy.CONFIG, model_type="gpt9")),
+        "'gpt9'",
+        "supported model types: toy",
+    )
     config = {k: v for k, v in toy.CONFIG.items() if k != "model_type"}
     expect_error(toy.write_checkpoint(tmp_path / "b", config=config), "no model_type", "toy")
 
@@ -184,7 +188,9 @@ def test_quantized_checkpoint(tmp_path):
     reference = toy.Model(toy.ModelArgs.from_config(toy.CONFIG))
     reference.load_weights(list(toy.random_weights().items()))
     # Quantise the linear layers only (the embedding stays dense), as a converter might.
-    nn.quantize(reference, group_size=32, bits=4, class_predicate=lambda p, m: isinstance(m, nn.Linear))
+    nn.quantize(
+        reference, group_size=32, bits=4, class_predicate=lambda p, m: isinstance(m, nn.Linear)
+    )
     weights = dict(tree_flatten(reference.parameters()))
     assert any(k.endswith(".scales") for k in weights)
     config = dict(toy.CONFIG, quantization={"group_size": 32, "bits": 4})

@@ -1,0 +1,154 @@
+"""``mlxc verify``: drive every spec's generated code through a fixed bounded-cache schedule.
+
+For each spec: compile it (in memory), build the model from the spec's ``tiny_config`` with
+random weights, and run the same token schedule three times, untrimmed and with a small
+max-kv-size (without and with sink tokens): chunked prefill, a multi-token continuation, decode
+steps, ``enforce_max_kv`` after each. It fails on any exception, on an array mask whose width is
+not the live key count (every mask is materialised and checked), on any difference from the
+untrimmed run before the first trim, and when the untrimmed chunked run disagrees with one full
+forward pass or with the fast ``"causal"`` mask path.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlxc.compiler import build
+from mlxc.runtime import masks
+from mlxc.runtime.cache import enforce_max_kv
+
+PREFILL_CHUNK = 8
+MAX_KV = 16
+SINKS = (0, 4)
+PROMPT_LEN = 44  # 6 chunks: trims happen inside prefill
+CONTINUATION = 5  # a multi-token chunk after the trims
+DECODE_STEPS = 4
+ATOL = 1e-4  # float32 chunked vs full forward: accumulation order differs, ~1e-6 typical
+
+
+class VerifyError(AssertionError):
+    pass
+
+
+@dataclass
+class Report:
+    spec: str
+    ok: bool
+    detail: str
+    masks_checked: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def load_source(name: str, source: str) -> types.ModuleType:
+    """Execute generated source as a throwaway module."""
+    module = types.ModuleType(f"mlxc_verify_{name}")
+    sys.modules[module.__name__] = module  # dataclasses resolve annotations through it
+    exec(compile(source, f"<generated {name}>", "exec"), module.__dict__)
+    return module
+
+
+def randomize(model, seed: int = 0) -> None:
+    """Weights with real variance: matrices ~ N(0, 1/fan_in), norm scales ~ 1 + N(0, 0.1)."""
+    rng = np.random.default_rng(seed)
+    params = []
+    for name, p in tree_flatten(model.parameters()):
+        if name.endswith("norm.weight"):
+            value = 1.0 + 0.1 * rng.standard_normal(p.shape)
+        elif p.ndim >= 2:
+            value = rng.standard_normal(p.shape) / np.sqrt(p.shape[-1])
+        else:
+            value = 0.1 * rng.standard_normal(p.shape)
+        params.append((name, mx.array(value.astype(np.float32))))
+    model.update(tree_unflatten(params))
+    mx.eval(model.parameters())
+
+
+def _schedule(rng: np.random.Generator, vocab: int) -> list[np.ndarray]:
+    """Token chunks: prefill chunks, one continuation chunk, then single-token decode steps."""
+    tokens = rng.integers(0, vocab, size=PROMPT_LEN + CONTINUATION + DECODE_STEPS)
+    chunks = [tokens[i : i + PREFILL_CHUNK] for i in range(0, PROMPT_LEN, PREFILL_CHUNK)]
+    chunks.append(tokens[PROMPT_LEN : PROMPT_LEN + CONTINUATION])
+    chunks += [tokens[i : i + 1] for i in range(PROMPT_LEN + CONTINUATION, len(tokens))]
+    return chunks
+
+
+def _run(model, chunks, max_kv: int | None, keep: int) -> tuple[list[mx.array], int | None]:
+    """Logits per chunk, and the index of the first chunk that ran after a trim."""
+    cache = model.make_cache()
+    outputs, first_trimmed, offset = [], None, 0
+    for i, chunk in enumerate(chunks):
+        logits = model(mx.array(chunk[None, :]), cache=cache)
+        mx.eval(logits)
+        outputs.append(logits)
+        offset += len(chunk)
+        for c in cache:
+            if c.offset != offset:
+                raise VerifyError(f"cache.offset is {c.offset} after {offset} tokens")
+        if enforce_max_kv(cache, max_kv, keep) and first_trimmed is None:
+            first_trimmed = i + 1
+        if max_kv is not None and any(c.live_len > max_kv for c in cache):
+            raise VerifyError("a cache is still over max-kv-size after enforce_max_kv")
+    return outputs, first_trimmed
+
+
+def verify_module(name: str, module: types.ModuleType, config: dict) -> Report:
+    args = module.ModelArgs.from_config(config)
+    model = module.Model(args)
+    randomize(model)
+    vocab = model(mx.array([[0]])).shape[-1]
+    chunks = _schedule(np.random.default_rng(1), vocab)
+    notes = []
+    with masks.array_masks() as audit:
+        reference, _ = _run(model, chunks, None, 0)
+        full = model(mx.array(np.concatenate(chunks)[None, :]))
+        for keep in SINKS:
+            trimmed, first = _run(model, chunks, MAX_KV, keep)
+            if first is None:
+                raise VerifyError(f"no trim happened with max-kv-size {MAX_KV}")
+            for i in range(first):
+                if not mx.array_equal(trimmed[i], reference[i]):
+                    raise VerifyError(
+                        f"keep={keep}: chunk {i} differs from the untrimmed run before any trim"
+                    )
+            for i, out in enumerate(trimmed[first:], first):
+                if not mx.all(mx.isfinite(out)).item():
+                    raise VerifyError(f"keep={keep}: non-finite logits at chunk {i} after trim")
+            notes.append(f"keep={keep}: first trim after chunk {first - 1}")
+    if audit.checked == 0:
+        raise VerifyError("no attention mask was checked: the schedule never reached attention")
+    chunked = mx.concatenate(reference, axis=1)
+    err = mx.abs(chunked - full).max().item()
+    if err > ATOL:
+        raise VerifyError(f"chunked prefill + decode differs from one forward pass by {err:.2e}")
+    fast, _ = _run(model, chunks, None, 0)  # string "causal" masks, the production path
+    fast_err = max(mx.abs(a - b).max().item() for a, b in zip(fast, reference))
+    if fast_err > ATOL:
+        raise VerifyError(f'"causal" fast path differs from array masks by {fast_err:.2e}')
+    detail = (
+        f"{len(chunks)} chunks x {1 + len(SINKS)} runs, {audit.checked} masks checked, "
+        f"chunked vs full {err:.1e}, {'; '.join(notes)}"
+    )
+    return Report(name, True, detail, audit.checked, notes)
+
+
+def verify(paths: list[str]) -> list[Report]:
+    result = build.render(paths)
+    if result.findings:
+        raise VerifyError("specs have lint findings; run `mlxc lint` first")
+    from mlxc.compiler import lint
+
+    reports = []
+    for checked in lint.check_all(paths):
+        name = checked.spec.name
+        try:
+            module = load_source(name, result.files[f"{name}.py"])
+            reports.append(verify_module(name, module, checked.spec.tiny_config))
+        except Exception as err:  # any failure of one spec is reported, the others still run
+            reports.append(Report(name, False, f"{type(err).__name__}: {err}"))
+    return reports

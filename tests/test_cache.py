@@ -1,0 +1,86 @@
+import mlx.core as mx
+import pytest
+
+from mlxc.runtime import masks
+from mlxc.runtime.cache import KVCache, enforce_max_kv
+
+
+def kv(n, start=0):
+    """[1, 1, n, 2] keys whose first feature is the absolute position, so order is checkable."""
+    pos = mx.arange(start, start + n, dtype=mx.float32)
+    k = mx.stack([pos, -pos], axis=-1)[None, None]
+    return k, k * 10
+
+
+def positions(keys):
+    return keys[0, 0, :, 0].tolist()
+
+
+def test_prefill_trim_append_sizes_mask_from_live_len():
+    cache = KVCache()
+    cache.update_and_fetch(*kv(8))
+    assert (cache.offset, cache.live_len) == (8, 8)
+    assert cache.trim_front(3) == 3
+    assert (cache.offset, cache.live_start, cache.live_len) == (8, 3, 5)
+    keys, values = cache.update_and_fetch(*kv(4, start=8))
+    assert keys.shape[2] == 9 and values.shape[2] == 9
+    assert cache.offset == 12
+    assert cache.live_len == 9
+    assert positions(keys) == [3, 4, 5, 6, 7, 8, 9, 10, 11]
+    mask = masks.causal(4, cache.live_len)
+    assert mask == "causal"
+    with masks.array_masks():
+        mask = masks.causal(4, cache.live_len)
+        assert mask.shape == (4, 9)  # not 12: a mask sized from offset would not broadcast
+        masks.check(mask, 4, keys.shape[2])
+        with pytest.raises(masks.MaskWidthError):
+            masks.check(masks.causal(4, cache.offset), 4, keys.shape[2])
+
+
+def test_trim_keeps_sink_tokens():
+    cache = KVCache()
+    cache.update_and_fetch(*kv(10))
+    cache.trim_front(4, keep=2)
+    keys, _ = cache.update_and_fetch(*kv(1, start=10))
+    assert positions(keys) == [0, 1, 6, 7, 8, 9, 10]
+    assert (cache.offset, cache.live_len) == (11, 7)
+
+
+def test_trim_clamps_and_rejects_negative():
+    cache = KVCache()
+    cache.update_and_fetch(*kv(5))
+    assert cache.trim_front(100, keep=2) == 3
+    assert cache.live_len == 2 and cache.offset == 5
+    assert cache.trim_front(1, keep=2) == 0
+    with pytest.raises(ValueError):
+        cache.trim_front(-1)
+
+
+def test_growth_past_step_keeps_contents():
+    cache = KVCache()
+    cache.step = 4
+    for start in range(0, 10, 3):
+        n = min(3, 10 - start)
+        keys, _ = cache.update_and_fetch(*kv(n, start))
+    assert positions(keys) == list(range(10))
+
+
+def test_enforce_max_kv_trims_each_cache_to_the_limit():
+    caches = [KVCache(), KVCache()]
+    for c in caches:
+        c.update_and_fetch(*kv(20))
+    assert enforce_max_kv(caches, 16, keep=4) == 4
+    assert [c.live_len for c in caches] == [16, 16]
+    assert [c.offset for c in caches] == [20, 20]
+    assert enforce_max_kv(caches, None) == 0
+    with pytest.raises(ValueError):
+        enforce_max_kv(caches, 4, keep=4)
+
+
+def test_causal_array_mask_is_bottom_right_aligned():
+    with masks.array_masks():
+        m = masks.causal(2, 4)
+    assert m.tolist() == [[True, True, True, False], [True, True, True, True]]
+    assert masks.causal(1, 4) is None
+    with pytest.raises(ValueError):
+        masks.causal(5, 4)
