@@ -21,14 +21,20 @@ def load_tokenizer(path: str | Path) -> Any | None:
     path = Path(path)
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         return None
-    from transformers import AutoTokenizer  # slow import: only when there is a tokenizer
+    from transformers import AutoTokenizer, PreTrainedConfig  # slow import: only when needed
 
+    offline = {"local_files_only": True, "trust_remote_code": False}
     try:
-        return AutoTokenizer.from_pretrained(
-            str(path), local_files_only=True, trust_remote_code=False
-        )
-    except Exception as e:  # transformers raises many kinds (OSError, ValueError, KeyError...)
-        raise CheckpointError(f"cannot load the tokenizer in {path}: {e}") from e
+        return AutoTokenizer.from_pretrained(str(path), **offline)
+    except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError...
+        first_error = e
+    # AutoTokenizer also parses config.json, which fails for configs that need remote code
+    # (nemotron-nas's DeciLM). The tokenizer files alone usually suffice: retry without it.
+    try:
+        return AutoTokenizer.from_pretrained(str(path), config=PreTrainedConfig(), **offline)
+    except Exception as e:
+        # Report the first error: it tells more than the retry's.
+        raise CheckpointError(f"cannot load the tokenizer in {path}: {first_error}") from e
 
 
 def eos_token_ids(tokenizer: Any, path: str | Path | None = None) -> set[int]:

@@ -1,0 +1,53 @@
+"""`mlxc verify` passes on the shipped specs and catches a mask sized from the offset."""
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from mlxc.cli import main
+from mlxc.compiler import build, lint
+from mlxc.runtime.masks import MaskWidthError
+from mlxc.verify import VerifyError, load_source, verify_module
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_verify_passes_on_every_spec():
+    result = CliRunner().invoke(main, ["verify", str(ROOT / "specs")])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 4 and all(line.startswith("ok ") for line in lines)
+
+
+def _spec(name):
+    [checked] = lint.check_all([str(ROOT / "specs" / f"{name}.yaml")])
+    source = build.render([str(ROOT / "specs" / f"{name}.yaml")]).files[f"{name}.py"]
+    return checked.spec, source
+
+
+@pytest.mark.parametrize("name", ["llama", "nemotron_nas"])
+def test_verify_catches_mask_sized_from_offset(name):
+    spec, source = _spec(name)
+    broken = source.replace("masks.causal(L, cache.live_len)", "masks.causal(L, cache.offset)")
+    assert broken != source
+    with pytest.raises(MaskWidthError):
+        verify_module(name, load_source(name + "_broken", broken), spec.tiny_config)
+
+
+def test_verify_catches_positions_that_ignore_the_cache():
+    spec, source = _spec("qwen3")
+    broken = source.replace("offset=cache.offset", "offset=0")
+    with pytest.raises(VerifyError, match="differs from one forward pass"):
+        verify_module("qwen3", load_source("qwen3_broken", broken), spec.tiny_config)
+
+
+def test_verify_catches_a_cache_that_loses_keys_before_any_trim():
+    spec, source = _spec("qwen2")
+    broken = source.replace(
+        "keys, values = cache.update_and_fetch(keys, values)",
+        "keys, values = cache.update_and_fetch(keys, values)\n"
+        "        keys, values = keys[..., -8:, :], values[..., -8:, :]",
+    )
+    with pytest.raises((VerifyError, MaskWidthError)):
+        verify_module("qwen2", load_source("qwen2_broken", broken), spec.tiny_config)
