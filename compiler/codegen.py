@@ -43,7 +43,11 @@ def pyrepr(value) -> str:
         body = repr(value)[1:-1] if value.count("'") == 0 else repr(value)[1:-1].replace("\\'", "'")
         return '"' + body.replace('"', '\\"') + '"'
     if isinstance(value, (list, tuple)):
-        return pytuple(value) if isinstance(value, tuple) else "[" + ", ".join(map(pyrepr, value)) + "]"
+        return (
+            pytuple(value)
+            if isinstance(value, tuple)
+            else "[" + ", ".join(map(pyrepr, value)) + "]"
+        )
     if isinstance(value, dict):
         return "{" + ", ".join(f"{pyrepr(k)}: {pyrepr(v)}" for k, v in value.items()) + "}"
     return repr(value)
@@ -332,7 +336,8 @@ def render_model(spec: schema.Spec, source: str, spec_label: str) -> str:
             for v in sub.variants
         ),
         "all_cached": all_cached,
-        "n_layers": gen.py(layers.repeat, layer=False) if layers.repeat is not None
+        "n_layers": gen.py(layers.repeat, layer=False)
+        if layers.repeat is not None
         else "len(args.layer_args)",
         "dim": gen.py(spec.text.embed.dim, layer=False),
         "vocab": gen.py(spec.text.embed.vocab, layer=False),

@@ -130,6 +130,4 @@ def to_python(value, scope: Scope, args: str = "args", layer_args: str = "layer_
 
 def uses_layer(value) -> bool:
     """Whether an expression depends on the layer (a layer field or layer_idx)."""
-    return isinstance(value, str) and any(
-        n == "layer_idx" for n, _ in names(value)
-    )
+    return isinstance(value, str) and any(n == "layer_idx" for n, _ in names(value))

@@ -13,7 +13,7 @@ RULES: dict[str, str] = {
     "S002": "missing required field",
     "S003": "wrong type or value for a field",
     "S004": "unknown block kind",
-    "S005": "variant list misuse: every variant but the last needs `when`, the last must not have it",
+    "S005": "variant list misuse: every variant but the last needs `when`, the last has none",
     "L001": "a live-window input (mask, window) labelled monotonic-position",
     "L002": "a monotonic-position input (positions, rope_deltas, attn_scale) labelled live-window",
     "L003": "an attention input the block consumes has no label",

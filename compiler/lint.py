@@ -303,7 +303,9 @@ def _check_supported(spec: schema.Spec, rep: _Reporter) -> None:
                 if b.scale == "llama4":
                     rep.at_value(loc + ("scale",), "C001", "llama4 scale is not compiled yet")
                 if b.sliding_window is not None:
-                    rep.at_key(loc + ("sliding_window",), "C001", "sliding windows not compiled yet")
+                    rep.at_key(
+                        loc + ("sliding_window",), "C001", "sliding windows not compiled yet"
+                    )
                 if b.rope and b.rope.mrope:
                     rep.at_value(loc + ("rope", "mrope"), "C001", "mrope is not compiled yet")
         kinds = [b.kind for b, _ in _variants(getattr(layers, part), ())]
@@ -446,8 +448,6 @@ def check_all(paths: list[str]) -> list[Checked]:
             else:
                 served[mt] = c.path
         if c.spec.name != FsPath(c.path).stem:
-            rep.at_value(
-                ("name",), "R002", f"spec name '{c.spec.name}' must match its file name"
-            )
+            rep.at_value(("name",), "R002", f"spec name '{c.spec.name}' must match its file name")
         c.findings = sorted(set(c.findings + rep.findings))
     return checked

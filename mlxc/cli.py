@@ -27,8 +27,12 @@ def _specs_or_exit(fn, *args):
 @main.command()
 @click.argument("paths", nargs=-1, required=True)
 @click.option(
-    "--format", "fmt", type=click.Choice(["text", "json", "github"]), default="text",
-    show_default=True, help="Output format of the findings.",
+    "--format",
+    "fmt",
+    type=click.Choice(["text", "json", "github"]),
+    default="text",
+    show_default=True,
+    help="Output format of the findings.",
 )
 def lint(paths: tuple[str, ...], fmt: str) -> None:
     """Check specs; print findings as PATH:LINE:COL: CODE message.

@@ -58,7 +58,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
     """``config.json`` of a checkpoint directory as a dict."""
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {path} does not exist")
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise CheckpointError(f"checkpoint directory {path} {what}")
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(
@@ -114,7 +115,7 @@ def _read_weights(files: list[Path]) -> tuple[dict[str, mx.array], dict[str, str
             tensors = mx.load(str(f))
         except Exception as e:  # mx.load raises RuntimeError/ValueError with a reason
             raise CheckpointError(
-                f"cannot read weight file {f}: {e}; the file is corrupt or truncated, re-download it"
+                f"cannot read weight file {f}: {e}; corrupt or truncated, re-download it"
             ) from e
         if not isinstance(tensors, dict):
             raise CheckpointError(f"{f} is not a safetensors file")

@@ -13,6 +13,7 @@ import contextvars
 
 import mlx.core as mx
 
+
 class MaskWidthError(ValueError):
     """An attention mask whose key width is not the number of live keys."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -16,9 +17,14 @@ import _toy_model as toy
 from mlxc.cli import main
 from mlxc.runtime import loading
 from mlxc.runtime.generate import generate_tokens
-from mlxc.runtime.loading import load_model
+from mlxc.runtime.loading import CheckpointError, load_model
 from mlxc.runtime.sample import make_sampler
-from mlxc.runtime.tokenizer import StreamingDetokenizer, load_tokenizer
+from mlxc.runtime.tokenizer import (
+    StreamingDetokenizer,
+    encode_prompt,
+    eos_token_ids,
+    load_tokenizer,
+)
 
 PROMPT = list(range(10, 47))  # 37 tokens
 
@@ -140,6 +146,38 @@ def test_no_tokenizer_files(tmp_path):
     assert load_tokenizer(tmp_path) is None
 
 
+def test_tokenizer_beside_a_remote_code_config(tmp_path):
+    # A config.json with auto_map (nemotron-nas) must neither prompt nor run code.
+    path = toy.write_tokenizer(tmp_path)
+    config = dict(toy.CONFIG, auto_map={"AutoConfig": "configuration_toy.ToyConfig"})
+    (path / "config.json").write_text(json.dumps(config))
+    assert load_tokenizer(path).eos_token_id == 257
+
+
+def test_broken_tokenizer_is_a_checkpoint_error(tmp_path):
+    path = toy.write_tokenizer(tmp_path)
+    (path / "tokenizer.json").write_text("{broken")
+    with pytest.raises(CheckpointError, match="cannot load the tokenizer"):
+        load_tokenizer(path)
+
+
+def test_eos_ids_from_tokenizer_and_configs(tmp_path):
+    path = toy.write_tokenizer(tmp_path)
+    (path / "config.json").write_text(json.dumps({"eos_token_id": [7, 8]}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
+    assert eos_token_ids(load_tokenizer(path), path) == {7, 8, 9, 257}
+
+
+def test_encode_prompt_modes(tmp_path):
+    tokenizer = load_tokenizer(toy.write_tokenizer(tmp_path))
+    assert tokenizer.decode(encode_prompt(tokenizer, "hi")) == "<s>user: hi\nassistant:"
+    assert encode_prompt(tokenizer, "hi", chat_template=False) == [ord("h"), ord("i")]
+    plain = load_tokenizer(toy.write_tokenizer(tmp_path / "plain", chat_template=False))
+    assert encode_prompt(plain, "hi") == [ord("h"), ord("i")]
+    with pytest.raises(ValueError, match="no chat template"):
+        encode_prompt(plain, "hi", chat_template=True)
+
+
 # --- CLI ------------------------------------------------------------------------------------
 
 
@@ -251,19 +289,9 @@ def test_cli_checkpoint_errors(checkpoint, tmp_path):
 # --- a real generated module, when the build has produced one --------------------------------
 
 
-def _has_generated(model_type: str) -> bool:
-    try:
-        from mlxc.generated.registry import MODEL_TYPES
-    except ImportError:
-        return False
-    return model_type in MODEL_TYPES
-
-
 @pytest.fixture(scope="module")
 def llama_checkpoint(tmp_path_factory):
-    if not _has_generated("llama"):
-        pytest.skip("mlxc.generated has no llama module yet")
-    torch = pytest.importorskip("torch")
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = tmp_path_factory.mktemp("llama")
