@@ -119,3 +119,9 @@ def test_fixtures_differ_from_ok_only_where_intended():
         if name == "unknown_field":
             extra -= {"S002"}  # renaming a required field also leaves it missing
         assert not extra, (name, result.output)
+
+
+def test_readme_lists_every_rule_with_its_doc():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for code, doc in RULES.items():
+        assert f"| `{code}` | {doc} |" in readme, code
