@@ -154,13 +154,14 @@ class _Gen:
         for name in order:
             p = self.spec.params[name]
             path = p.from_ if p.from_ is not None else name
+            path_src = pytuple(path) if isinstance(path, list) else pyrepr(path)
             optional = "default" in p.model_fields_set and p.default is None
             pytype = _PY_TYPES[p.type] + (" | None" if optional and p.type != "any" else "")
             if p.type == "rope":
-                reader = f"RopeConfig.from_config(config, {pyrepr(path if p.from_ else '')})"
+                reader = f"RopeConfig.from_config(config, {path_src if p.from_ else pyrepr('')})"
             else:
                 kind = "None" if p.type == "any" else p.type
-                reader = f"read(config, {pyrepr(path)}, {kind}"
+                reader = f"read(config, {path_src}, {kind}"
                 if "default" in p.model_fields_set:
                     if isinstance(p.default, str) and p.type not in ("str", "any"):
                         default = self.py(p.default, args="", layer=False)

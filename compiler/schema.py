@@ -38,10 +38,14 @@ class Strict(BaseModel):
 
 
 class Param(Strict):
-    """A typed value read from config.json (``from``: dotted path, default: the param's name)."""
+    """A typed value read from config.json.
+
+    ``from``: a dotted path (default: the param's name), or a list of paths tried in order, for
+    keys that moved between config versions (``[text_config.hidden_size, hidden_size]``).
+    """
 
     type: Literal["int", "float", "bool", "str", "list", "dict", "rope", "any"]
-    from_: str | None = Field(default=None, alias="from")
+    from_: str | list[str] | None = Field(default=None, alias="from")
     # Literal default, or for non-str types a string expression over other params.
     default: Any = None
     doc: str | None = None

@@ -5,14 +5,26 @@ from __future__ import annotations
 from typing import Any
 
 _MISSING = object()
+_MISSING_HERE = object()
 
 
 class ConfigError(ValueError):
     """config.json lacks a key the spec needs, or holds a value of the wrong type."""
 
 
-def lookup(config: dict, path: str, default: Any = _MISSING) -> Any:
-    """Value at a dotted ``path``; a null value counts as absent (HF writes ``head_dim: null``)."""
+def lookup(config: dict, path: str | tuple[str, ...], default: Any = _MISSING) -> Any:
+    """Value at a dotted ``path`` (or the first of several that exists).
+
+    A null value counts as absent (HF writes ``head_dim: null``).
+    """
+    if isinstance(path, tuple):
+        for p in path:
+            value = lookup(config, p, _MISSING_HERE)
+            if value is not _MISSING_HERE:
+                return value
+        if default is _MISSING:
+            raise ConfigError(f"config.json has none of {', '.join(map(repr, path))}")
+        return default
     node: Any = config
     for part in path.split(".") if path else []:
         if not isinstance(node, dict) or node.get(part) is None:
@@ -23,7 +35,9 @@ def lookup(config: dict, path: str, default: Any = _MISSING) -> Any:
     return node
 
 
-def read(config: dict, path: str, kind: type | None, default: Any = _MISSING) -> Any:
+def read(
+    config: dict, path: str | tuple[str, ...], kind: type | None, default: Any = _MISSING
+) -> Any:
     """``lookup`` plus a type check; ints are accepted where floats are expected."""
     value = lookup(config, path, default)
     if value is default or kind is None:

@@ -25,9 +25,13 @@ class RopeConfig:
     max_position_embeddings: int | None = None
 
     @classmethod
-    def from_config(cls, config: dict, path: str = "") -> RopeConfig:
-        """Read RoPE settings from the (sub-)config at dotted ``path``."""
-        sub = lookup(config, path, {}) if path else config
+    def from_config(cls, config: dict, path: str | tuple[str, ...] = "") -> RopeConfig:
+        """Read RoPE settings from the (sub-)config at dotted ``path``, or from the first of
+        several paths whose sub-config holds RoPE keys ("" is the top level)."""
+        paths = path if isinstance(path, tuple) else (path,)
+        subs = [config if not p else lookup(config, p, {}) for p in paths]
+        keys = ("rope_parameters", "rope_scaling", "rope_theta")
+        sub = next((s for s in subs if any(s.get(k) is not None for k in keys)), subs[0])
         scaling = sub.get("rope_parameters") or sub.get("rope_scaling") or {}
         theta = scaling.get("rope_theta", sub.get("rope_theta", 10000.0))
         kind = scaling.get("rope_type", scaling.get("type", "default"))
