@@ -34,7 +34,7 @@ def render(paths: list[str]) -> BuildResult:
     registry: list[tuple[str, str]] = []
     for c in checked:
         files[f"{c.spec.name}.py"] = codegen.render_model(c.spec, c.source, spec_label(c.path))
-        registry += [(mt, c.spec.name) for mt in c.spec.serves.model_types]
+        registry += [(key, c.spec.name) for key in c.spec.serves.registry_keys()]
     files["registry.py"] = codegen.render_registry(registry)
     return BuildResult([], files)
 

@@ -250,6 +250,17 @@ class _Gen:
         raise NotImplementedError(f"{b.kind} blocks are not compiled yet")  # lint C001
 
 
+# Vision towers the runtime provides: its module, the template wiring it, and the inputs
+# the model takes with the first chunk of a prompt.
+VISION_TOWERS = {
+    "pixtral": {
+        "module": "pixtral",
+        "template": "vision_pixtral.py.j2",
+        "inputs": ["pixel_values", "image_sizes"],
+    },
+}
+
+
 def _calls(text: str):
     import ast
 
@@ -322,7 +333,15 @@ def render_model(spec: schema.Spec, source: str, spec_label: str) -> str:
     sublayers = [gen.sublayer("attention", attention), gen.sublayer("mlp", attention)]
     all_cached = all(v.kind == "gqa" for v in sublayers[0].variants)
     tied = spec.text.lm_head.tied
+    vision = None
+    if spec.vision is not None:
+        vision = dict(VISION_TOWERS[spec.vision.tower], image_token=spec.vision.image_token)
     ctx = {
+        "vision": vision,
+        "vision_block": _env().get_template(vision["template"]).render().rstrip("\n")
+        if vision
+        else "",
+        "text_path": "self.model.language_model" if vision else "self.model",
         "spec": spec,
         "spec_label": spec_label,
         "hash": spec_hash(source),

@@ -313,8 +313,12 @@ def _check_supported(spec: schema.Spec, rep: _Reporter) -> None:
             rep.at_key(base + (part,), "C001", f"two {part} variants of the same kind")
     if layers.deepstack is not None:
         rep.at_key(base + ("deepstack",), "C001", "deepstack is not compiled yet")
-    if spec.vision is not None:
-        rep.at_key(("vision",), "C001", "vision towers are not compiled yet")
+    if spec.vision is not None and spec.vision.tower not in ("pixtral",):
+        rep.at_value(("vision", "tower"), "C001", f"{spec.vision.tower} is not compiled yet")
+    if spec.vision is not None and spec.vision.image_token not in spec.params:
+        rep.at_value(
+            ("vision", "image_token"), "P001", f"'{spec.vision.image_token}' is not a param"
+        )
     if spec.weights.stack_experts:
         rep.at_key(("weights", "stack_experts"), "C001", "stack_experts is not compiled yet")
 
@@ -438,8 +442,9 @@ def check_all(paths: list[str]) -> list[Checked]:
         if c.spec is None:
             continue
         rep = _Reporter(c.path, c.positions)
-        for i, mt in enumerate(c.spec.serves.model_types):
+        for mt in c.spec.serves.registry_keys():
             if mt in served:
+                i = c.spec.serves.model_types.index(mt.split(":")[0])
                 rep.at_value(
                     ("serves", "model_types", i),
                     "R001",

@@ -197,10 +197,12 @@ class TextModel(Strict):
 
 
 class Vision(Strict):
-    """Reference to a vision tower in the runtime and the params that configure it."""
+    """A vision tower from the runtime; it reads its own settings from the whole config.json.
+
+    Its features replace the embeddings of the ``image_token`` placeholders, in prompt order.
+    """
 
     tower: Literal["qwen2_vit", "qwen2_5_vit", "qwen3_vit", "pixtral"]
-    config: str  # param (dict) holding the tower's config, e.g. vision_config
     image_token: str  # param holding the image placeholder token id
 
 
@@ -224,7 +226,15 @@ class Weights(Strict):
 
 class Serves(Strict):
     model_types: list[str] = Field(min_length=1)
+    # For wrappers whose text backbone varies (mistral3 + mistral or mistral4): serve only
+    # configs whose text_config.model_type is one of these.
+    text_model_types: list[str] = []
     architectures: list[str] = []
+
+    def registry_keys(self) -> list[str]:
+        if not self.text_model_types:
+            return list(self.model_types)
+        return [f"{m}:{t}" for m in self.model_types for t in self.text_model_types]
 
 
 class Spec(Strict):

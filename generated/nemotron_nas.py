@@ -20,6 +20,7 @@ from mlxc.runtime import layers, masks
 from mlxc.runtime.cache import KVCache
 from mlxc.runtime.config import read, round_up
 from mlxc.runtime.layers import attend
+from mlxc.runtime.multimodal import SequenceCache
 from mlxc.runtime.rope import RoPE, RopeConfig
 from mlxc.runtime.weights import WeightRules
 
@@ -176,7 +177,7 @@ class TextModel(nn.Module):
         self.layers = [DecoderLayer(args, i) for i in range(len(args.layer_args))]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, input_ids: mx.array, cache: list[KVCache]) -> mx.array:
+    def __call__(self, input_ids: mx.array, cache: SequenceCache) -> mx.array:
         h = self.embed_tokens(input_ids)
         caches = iter(cache)
         for layer in self.layers:
@@ -192,7 +193,7 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def __call__(self, input_ids: mx.array, cache: list[KVCache] | None = None) -> mx.array:
+    def __call__(self, input_ids: mx.array, cache: SequenceCache | None = None) -> mx.array:
         """Logits ``[B, L, vocab]`` for ``input_ids`` ``[B, L]``, appending to ``cache``."""
         if cache is None:
             cache = self.make_cache()
@@ -201,8 +202,8 @@ class Model(nn.Module):
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
 
-    def make_cache(self) -> list[KVCache]:
-        return [KVCache() for layer in self.model.layers if layer.has_kv_cache]
+    def make_cache(self) -> SequenceCache:
+        return SequenceCache([KVCache() for layer in self.model.layers if layer.has_kv_cache])
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         return WEIGHT_RULES.apply(weights, tied_lm_head=self.args.tie_word_embeddings)

@@ -41,6 +41,18 @@ def model_types() -> dict[str, str]:
     return {mt: f"mlxc.generated.{name}" for mt, name in MODEL_TYPES.items()}
 
 
+def registry_key(config: dict[str, Any]) -> str | None:
+    """The registry key of a config: ``model_type``, or ``model_type:text_model_type`` where a
+    spec serves only one text backbone of a multimodal wrapper (mistral3 + mistral4)."""
+    model_type = config.get("model_type")
+    text_config = config.get("text_config")
+    if isinstance(text_config, dict) and text_config.get("model_type"):
+        key = f"{model_type}:{text_config['model_type']}"
+        if key in model_types():
+            return key
+    return model_type
+
+
 def resolve_module(model_type: str | None) -> ModuleType:
     """The generated module serving ``model_type``; CheckpointError listing the supported ones."""
     types = model_types()
@@ -247,7 +259,7 @@ def load_model(path: str | Path, dtype: mx.Dtype | str | None = None) -> nn.Modu
     target = _target_dtype(dtype)
     config = read_config(path)
     try:
-        module = resolve_module(config.get("model_type"))
+        module = resolve_module(registry_key(config))
     except CheckpointError as e:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from e
 
