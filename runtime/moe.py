@@ -1,0 +1,347 @@
+"""Mixture-of-experts block shared by the MoE architectures, and checkpoint layout conversion.
+
+One block serves qwen3_vl_moe / qwen2_moe (softmax, top-k), deepseek_v2 (softmax, greedy or
+group-limited), mistral4 (softmax, group-limited, shared experts) and deepseek_v3 /
+glm4_moe_lite (sigmoid with ``e_score_correction_bias``, group-limited). Experts run through
+``mx.gather_mm`` (``mx.gather_qmm`` once quantised) over stacked weights; with many
+(token, expert) pairs the tokens are sorted by expert first so each expert's weights are read
+once in a contiguous run.
+
+Internal parameter layout (what the model's ``sanitize`` must produce), under the MoE's path::
+
+    gate.weight                      [E, H]     router; nn.Linear (quantisable) for softmax
+    gate.e_score_correction_bias     [E]        sigmoid router only (kept float, as mlx-lm)
+    experts.gate_proj.weight         [E, I, H]  (out, in) per expert, as nn.Linear stores it
+    experts.up_proj.weight           [E, I, H]
+    experts.down_proj.weight         [E, H, I]
+    shared_experts.{gate,up,down}_proj.weight   SwiGLU of width ``shared_hidden``
+    shared_expert.{gate,up,down}_proj.weight    qwen2_moe style instead (``shared_gate=True``)
+    shared_expert_gate.weight        [1, H]     qwen2_moe style
+
+Checkpoint layouts that :func:`convert_expert_weights` turns into it (E experts, H hidden,
+I expert intermediate; ``P`` is ``experts`` under any prefix, e.g. ``model.layers.3.mlp.experts``;
+tf5 = what transformers 5 ``save_pretrained`` writes):
+
+  | layout     | keys                                | shapes            | seen in                 |
+  |------------|-------------------------------------|-------------------|-------------------------|
+  | per-expert | P.{e}.{gate,up,down}_proj.weight    | [I,H] [I,H] [H,I] | deepseek_v2/v3, glm4_   |
+  |            | (+ .scales/.biases when quantised)  |                   | moe_lite, qwen2/3_moe   |
+  |            |                                     |                   | hub, and their tf5 save |
+  | fused      | P.gate_up_proj, P.down_proj         | [E,2I,H] [E,H,I]  | mistral4 hub + tf5;     |
+  | out-major  | (no ``.weight`` suffix)             |                   | qwen3_vl_moe tf5 save   |
+  | fused      | P.gate_up_proj, P.down_proj         | [E,H,2I] [E,I,H]  | qwen3_vl_moe hub        |
+  | in-major   |                                     |                   |                         |
+  | mlx-lm     | ...switch_mlp.{gate,up,down}_proj.* | [E,I,H] [E,H,I]   | mlx-community, also     |
+  |            | (weight, scales, biases)            |                   | quantised               |
+
+Fused ``gate_up_proj`` holds gate in the first I rows and up in the last I (transformers'
+``.chunk(2, dim=-1)``). Fused tensors are told apart by shape exactly as transformers'
+``Transpose(1, 2, check_dims=True)`` does: a tensor already shaped ``[E, 2I, H]`` (``[E, H, I]``
+for down) is taken as is, anything else is transposed; so when ``H == 2I`` (or ``H == I``) we
+read the checkpoint as transformers reads it. mistral4 has no transformers conversion rule, so
+its HF-format hub checkpoints are already in the fused out-major layout. FP8 ``*_scale_inv``
+tensors must be dequantised before conversion.
+"""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxc.runtime.layers import ACTIVATIONS, SwiGLU
+
+PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+# --- expert linears ------------------------------------------------------------------------
+
+
+class ExpertLinear(nn.Module):
+    """``E`` linears stacked as ``weight [E, out, in]``; each row of ``x`` goes to its expert."""
+
+    def __init__(self, input_dims: int, output_dims: int, num_experts: int) -> None:
+        super().__init__()
+        scale = input_dims**-0.5
+        self.weight = mx.random.uniform(-scale, scale, (num_experts, output_dims, input_dims))
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        return mx.gather_mm(
+            x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices
+        )
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine"):
+        # nn.quantize calls this for every module that has it (runtime/loading.py predicate).
+        return QuantizedExpertLinear.from_dense(self, group_size, bits, mode)
+
+
+class QuantizedExpertLinear(nn.Module):
+    """Quantised :class:`ExpertLinear` (weight/scales/biases as mlx-lm's SwitchLinear saves)."""
+
+    def __init__(self, group_size: int, bits: int, mode: str = "affine") -> None:
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+
+    @classmethod
+    def from_dense(cls, dense: ExpertLinear, group_size: int, bits: int, mode: str = "affine"):
+        q = cls(group_size, bits, mode)
+        q.weight, q.scales, *biases = mx.quantize(dense.weight, group_size, bits, mode=mode)
+        if biases:
+            q.biases = biases[0]
+        q.freeze()
+        return q
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        return mx.gather_qmm(
+            x,
+            self["weight"],
+            self["scales"],
+            self.get("biases"),
+            rhs_indices=indices,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+            sorted_indices=sorted_indices,
+        )
+
+
+class Experts(nn.Module):
+    """``E`` SwiGLU experts: ``down(act(gate(x)) * up(x))`` for each (token, chosen expert)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        act: str = "silu",
+        sort_threshold: int = 64,
+    ) -> None:
+        super().__init__()
+        self.gate_proj = ExpertLinear(hidden, intermediate, num_experts)
+        self.up_proj = ExpertLinear(hidden, intermediate, num_experts)
+        self.down_proj = ExpertLinear(intermediate, hidden, num_experts)
+        self.act = ACTIVATIONS[act]
+        # Sorting costs two argsorts and a gather; it pays once the pairs outnumber the experts
+        # a few times over (prefill), not for one decode token. 64 is mlx-lm's choice too.
+        self.sort_threshold = sort_threshold
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        """``x [N, H]``, ``indices [N, k]`` -> ``[N, k, H]`` (one output per chosen expert)."""
+        N, k = indices.shape
+        indices = mx.stop_gradient(indices)
+        do_sort = indices.size >= self.sort_threshold
+        if do_sort:
+            # One row per (token, expert) pair, grouped by expert; undone after down_proj.
+            flat = indices.flatten()
+            order = mx.argsort(flat)
+            inverse = mx.argsort(order)
+            x = x[order // k][:, None, :]  # [N*k, 1, H]
+            idx = flat[order]  # [N*k]
+        else:
+            x = x[:, None, None, :]  # [N, 1, 1, H] broadcasts against indices [N, k]
+            idx = indices
+        h = self.act(self.gate_proj(x, idx, do_sort)) * self.up_proj(x, idx, do_sort)
+        y = self.down_proj(h, idx, do_sort)
+        if do_sort:
+            return y[inverse].reshape(N, k, -1)
+        return y.squeeze(-2)
+
+
+# --- routers -------------------------------------------------------------------------------
+
+
+class SigmoidRouter(nn.Module):
+    """DeepSeek-V3 router parameters: ``weight [E, H]`` and ``e_score_correction_bias [E]``."""
+
+    def __init__(self, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = mx.zeros((num_experts, hidden))
+        self.e_score_correction_bias = mx.zeros((num_experts,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        # float32 like transformers (the router weight is kept in float32 there).
+        return x.astype(mx.float32) @ self.weight.astype(mx.float32).T
+
+
+def route(
+    logits: mx.array,
+    top_k: int,
+    *,
+    scoring: str = "softmax",
+    bias: mx.array | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    group_score: str = "top2",
+    norm_topk_prob: bool = False,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[mx.array, mx.array]:
+    """Router logits ``[N, E]`` -> (expert indices ``[N, k]``, float32 weights ``[N, k]``).
+
+    ``scoring``: softmax (qwen, mistral4, deepseek_v2) or sigmoid (deepseek_v3, glm4_moe_lite;
+    ``bias`` = ``e_score_correction_bias`` shifts the choice only, not the weights).
+    ``n_group``/``topk_group``: keep the ``topk_group`` best of ``n_group`` expert groups, a
+    group scored by the sum of its two best experts (``top2``: deepseek_v3, mistral4) or by its
+    best one (``max``: deepseek_v2 ``group_limited_greedy``).
+    """
+    scores = logits.astype(mx.float32)
+    scores = mx.softmax(scores, axis=-1) if scoring == "softmax" else mx.sigmoid(scores)
+    choice = scores if bias is None else scores + bias.astype(mx.float32)
+    if n_group > 1 and topk_group < n_group:
+        grouped = mx.unflatten(choice, -1, (n_group, -1))  # [N, G, E/G]
+        if group_score == "top2":
+            gscore = mx.topk(grouped, 2, axis=-1).sum(axis=-1)
+        else:
+            gscore = grouped.max(axis=-1)
+        drop = mx.argpartition(gscore, n_group - topk_group - 1, axis=-1)
+        drop = drop[..., : n_group - topk_group, None]  # the worst groups
+        # -inf, not 0: sigmoid scores plus a negative bias can be below zero.
+        grouped = mx.put_along_axis(grouped, drop, mx.array(-mx.inf, mx.float32), axis=-2)
+        choice = mx.flatten(grouped, -2, -1)
+    inds = mx.argpartition(-choice, top_k - 1, axis=-1)[..., :top_k]
+    inds = mx.stop_gradient(inds)
+    weights = mx.take_along_axis(scores, inds, axis=-1)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return inds, weights * routed_scaling_factor
+
+
+# --- the block -----------------------------------------------------------------------------
+
+
+class MoE(nn.Module):
+    """Routed SwiGLU experts plus optional shared experts; ``[..., H] -> [..., H]``.
+
+    Settings by family (config keys in brackets):
+      qwen3_vl_moe: softmax, norm_topk_prob=True (transformers always normalises), no shared.
+      qwen2_moe:    softmax, [norm_topk_prob], shared_hidden=[shared_expert_intermediate_size],
+                    shared_gate=True.
+      mistral4:     softmax, [n_group, topk_group] group_score="top2", [norm_topk_prob],
+                    [routed_scaling_factor], shared_hidden=moe_intermediate_size*n_shared_experts.
+      deepseek_v2:  softmax, norm_topk_prob=False (transformers ignores the key),
+                    [topk_method]="group_limited_greedy" -> n_group/topk_group with
+                    group_score="max", [routed_scaling_factor], shared as mistral4.
+      deepseek_v3, glm4_moe_lite: scoring="sigmoid", group_score="top2", otherwise as mistral4.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        scoring: str = "softmax",
+        norm_topk_prob: bool = False,
+        routed_scaling_factor: float = 1.0,
+        n_group: int = 1,
+        topk_group: int = 1,
+        group_score: str = "top2",
+        shared_hidden: int = 0,
+        shared_gate: bool = False,
+        act: str = "silu",
+        sort_threshold: int = 64,
+    ) -> None:
+        super().__init__()
+        if scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"MoE scoring must be softmax or sigmoid, got {scoring!r}")
+        if group_score not in ("top2", "max"):
+            raise ValueError(f"MoE group_score must be top2 or max, got {group_score!r}")
+        if num_experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"bad expert groups: {num_experts} experts, {n_group=} {topk_group=}")
+        self.top_k = top_k
+        self.scoring = scoring
+        self.norm_topk_prob = norm_topk_prob
+        self.routed_scaling_factor = routed_scaling_factor
+        self.n_group, self.topk_group, self.group_score = n_group, topk_group, group_score
+        self.shared_gate = shared_gate
+        if scoring == "sigmoid":
+            self.gate = SigmoidRouter(hidden, num_experts)
+        else:
+            self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = Experts(hidden, intermediate, num_experts, act, sort_threshold)
+        if shared_hidden and shared_gate:
+            self.shared_expert = SwiGLU(hidden, shared_hidden, act=act)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        elif shared_hidden:
+            self.shared_experts = SwiGLU(hidden, shared_hidden, act=act)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        bias = self.gate.e_score_correction_bias if self.scoring == "sigmoid" else None
+        inds, weights = route(
+            self.gate(x),
+            self.top_k,
+            scoring=self.scoring,
+            bias=bias,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            group_score=self.group_score,
+            norm_topk_prob=self.norm_topk_prob,
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
+        y = self.experts(x, inds)  # [N, k, H]
+        y = (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+        if "shared_experts" in self:
+            y = y + self.shared_experts(x)
+        elif "shared_expert" in self:
+            y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y.reshape(shape)
+
+
+# --- checkpoint conversion -----------------------------------------------------------------
+
+_PER_EXPERT = re.compile(
+    r"^((?:.*\.)?experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$"
+)
+_FUSED = re.compile(r"^((?:.*\.)?experts)\.(gate_up_proj|down_proj)$")
+_SWITCH = re.compile(
+    r"^((?:.*\.)?)switch_mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$"
+)
+
+
+def convert_expert_weights(
+    weights: dict[str, mx.array], *, hidden: int, intermediate: int, num_experts: int
+) -> dict[str, mx.array]:
+    """Rewrite every expert tensor in ``weights`` into the internal stacked layout.
+
+    Pure: returns a new dict; tensors that are not expert weights pass through unchanged.
+    Raises ValueError on a shape that fits no layout or an incomplete per-expert set.
+    See the module docstring for the layouts.
+    """
+    E, H, I = num_experts, hidden, intermediate
+    out: dict[str, mx.array] = {}
+    per_expert: dict[tuple[str, str, str], dict[int, mx.array]] = {}
+    for name, w in weights.items():
+        if m := _PER_EXPERT.match(name):
+            prefix, e, proj, kind = m.groups()
+            per_expert.setdefault((prefix, proj, kind), {})[int(e)] = w
+        elif m := _SWITCH.match(name):
+            out[f"{m[1]}experts.{m[2]}.{m[3]}"] = w
+        elif m := _FUSED.match(name):
+            prefix, proj = m.groups()
+            if proj == "gate_up_proj":
+                w = _as_out_in(name, w, (E, 2 * I, H))
+                out[f"{prefix}.gate_proj.weight"] = w[:, :I, :]
+                out[f"{prefix}.up_proj.weight"] = w[:, I:, :]
+            else:
+                out[f"{prefix}.down_proj.weight"] = _as_out_in(name, w, (E, H, I))
+        else:
+            out[name] = w
+    for (prefix, proj, kind), by_expert in per_expert.items():
+        if sorted(by_expert) != list(range(E)):
+            missing = sorted(set(range(E)) - set(by_expert))
+            raise ValueError(f"{prefix}.*.{proj}.{kind}: experts {missing} missing of {E}")
+        out[f"{prefix}.{proj}.{kind}"] = mx.stack([by_expert[e] for e in range(E)])
+    return out
+
+
+def _as_out_in(name: str, w: mx.array, target: tuple[int, int, int]) -> mx.array:
+    """``w`` as ``target`` (E, out, in): kept if already so, else transposed, as transformers."""
+    if tuple(w.shape) == target:
+        return w
+    if tuple(w.shape) == (target[0], target[2], target[1]):
+        return w.swapaxes(1, 2)
+    raise ValueError(f"{name}: shape {tuple(w.shape)} fits neither {target} nor its transpose")

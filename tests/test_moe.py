@@ -1,0 +1,346 @@
+"""runtime/moe.py against transformers' own MoE blocks on re-randomised float32 weights."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlxc.runtime.moe import MoE, convert_expert_weights, route
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+H, I, E, K = 32, 24, 8, 2  # H != I and H != 2I: every fused layout is unambiguous
+ATOL = 1e-4
+
+
+def randomize(module, seed: int, std: float = 0.3) -> None:
+    """Overwrite every parameter and buffer: transformers' near-zero init hides bugs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in module.state_dict().values():
+            if t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=g) * std)
+
+
+def to_mx(state_dict, prefix: str = "") -> dict[str, mx.array]:
+    return {prefix + k: mx.array(v.detach().float().numpy()) for k, v in state_dict.items()}
+
+
+def load_block(moe: MoE, weights: dict[str, mx.array], prefix: str = "mlp.") -> MoE:
+    """Strictly load converted ``prefix*`` weights into ``moe`` (as a model's loader would)."""
+    conv = convert_expert_weights(weights, hidden=H, intermediate=I, num_experts=E)
+    moe.load_weights([(k[len(prefix) :], v) for k, v in conv.items()], strict=True)
+    return moe
+
+
+def _input(shape, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def assert_grouping_matters(moe: MoE, shape=(2, 7, H)) -> None:
+    """Group-limited routing picks other experts than plain top-k for some of these tokens."""
+    logits = moe.gate(mx.array(_input(shape)).reshape(-1, H))
+    bias = moe.gate.e_score_correction_bias if moe.scoring == "sigmoid" else None
+    common = {"scoring": moe.scoring, "bias": bias}
+    grouped, _ = route(
+        logits,
+        K,
+        n_group=moe.n_group,
+        topk_group=moe.topk_group,
+        group_score=moe.group_score,
+        **common,
+    )
+    plain, _ = route(logits, K, **common)
+    assert (mx.sort(grouped, -1) != mx.sort(plain, -1)).any().item()
+
+
+def compare(block, moe: MoE, shape=(2, 7, H), seed: int = 0) -> None:
+    x = _input(shape, seed)
+    with torch.no_grad():
+        want = block(torch.from_numpy(x)).numpy()
+    got = np.array(moe(mx.array(x)))
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    assert np.abs(want).mean() > 0.1  # the comparison is not between two near-zero tensors
+
+
+@pytest.mark.parametrize("hub_layout", [False, True], ids=["tf5-[E,2I,H]", "hub-[E,H,2I]"])
+def test_qwen3_vl_moe_block(hub_layout):
+    from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeTextConfig
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
+        Qwen3VLMoeTextSparseMoeBlock,
+    )
+
+    cfg = Qwen3VLMoeTextConfig(
+        hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K
+    )
+    block = Qwen3VLMoeTextSparseMoeBlock(cfg).eval()
+    randomize(block, 1)
+    w = to_mx(block.state_dict(), "mlp.")
+    assert w["mlp.experts.gate_up_proj"].shape == (E, 2 * I, H)
+    if hub_layout:  # as the hub checkpoints store it (transformers transposes on load)
+        for k in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+            w[k] = w[k].swapaxes(1, 2)
+    # transformers always renormalises the top-k for qwen3_vl_moe
+    moe = load_block(MoE(H, I, E, K, norm_topk_prob=True), w)
+    compare(block, moe)
+
+
+@pytest.mark.parametrize(
+    "groups,tokens",
+    [((1, 1), (2, 7)), ((4, 1), (2, 7)), ((4, 1), (2, 40))],
+    ids=["plain", "grouped", "grouped-sorted"],
+)
+def test_mistral4_moe(groups, tokens):
+    from transformers import Mistral4Config
+    from transformers.models.mistral4.modeling_mistral4 import Mistral4MoE
+
+    n_group, topk_group = groups
+    cfg = Mistral4Config(
+        hidden_size=H,
+        moe_intermediate_size=I,
+        n_routed_experts=E,
+        num_experts_per_tok=K,
+        n_shared_experts=2,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    )
+    block = Mistral4MoE(cfg).eval()
+    randomize(block, 2)
+    moe = MoE(
+        H,
+        I,
+        E,
+        K,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        n_group=n_group,
+        topk_group=topk_group,
+        group_score="top2",
+        shared_hidden=2 * I,
+    )
+    load_block(moe, to_mx(block.state_dict(), "mlp."))
+    if n_group > 1:
+        assert_grouping_matters(moe, (*tokens, H))
+    compare(block, moe, (*tokens, H))
+
+
+@pytest.mark.parametrize("topk_method", ["greedy", "group_limited_greedy"])
+def test_deepseek_v2_moe(topk_method):
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
+
+    cfg = DeepseekV2Config(
+        hidden_size=H,
+        moe_intermediate_size=I,
+        n_routed_experts=E,
+        num_experts_per_tok=K,
+        n_shared_experts=1,
+        topk_method=topk_method,
+        n_group=4,
+        topk_group=1,  # with K=2 and max-scored groups, keeping 2 groups never changes the pick
+        routed_scaling_factor=1.7,
+    )
+    block = DeepseekV2Moe(cfg).eval()
+    randomize(block, 3)
+    grouped = topk_method == "group_limited_greedy"
+    moe = MoE(
+        H,
+        I,
+        E,
+        K,
+        norm_topk_prob=False,  # transformers' DeepseekV2 router never renormalises
+        routed_scaling_factor=1.7,
+        n_group=4 if grouped else 1,
+        topk_group=1,
+        group_score="max",
+        shared_hidden=I,
+    )
+    load_block(moe, to_mx(block.state_dict(), "mlp."))
+    if grouped:
+        assert_grouping_matters(moe)
+    compare(block, moe)
+
+
+def test_deepseek_v2_saved_checkpoint(tmp_path):
+    """The per-expert tensors transformers 5 writes, read back through the conversion."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    cfg = DeepseekV2Config(
+        vocab_size=64,
+        hidden_size=H,
+        intermediate_size=48,
+        moe_intermediate_size=I,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        n_routed_experts=E,
+        num_experts_per_tok=K,
+        n_shared_experts=1,
+        kv_lora_rank=8,
+        q_lora_rank=None,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=4,
+        first_k_dense_replace=1,
+    )
+    model = DeepseekV2ForCausalLM(cfg).eval()
+    randomize(model, 4)
+    model.save_pretrained(tmp_path)
+    saved = mx.load(str(tmp_path / "model.safetensors"))
+    assert "model.layers.1.mlp.experts.3.gate_proj.weight" in saved  # per-expert on disk
+    prefix = "model.layers.1.mlp."
+    mlp = {k: v for k, v in saved.items() if k.startswith(prefix)}
+    moe = load_block(MoE(H, I, E, K, shared_hidden=I), mlp, prefix)
+    compare(model.model.layers[1].mlp, moe)
+
+
+@pytest.mark.parametrize("cls_name", ["DeepseekV3", "Glm4MoeLite"])
+def test_sigmoid_router_moe(cls_name):
+    import importlib
+
+    mod_name = {"DeepseekV3": "deepseek_v3", "Glm4MoeLite": "glm4_moe_lite"}[cls_name]
+    module = importlib.import_module(f"transformers.models.{mod_name}.modeling_{mod_name}")
+    cfg = getattr(transformers, f"{cls_name}Config")(
+        hidden_size=H,
+        moe_intermediate_size=I,
+        n_routed_experts=E,
+        num_experts_per_tok=K,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    )
+    block = getattr(module, f"{cls_name}MoE")(cfg).eval()
+    randomize(block, 5)  # includes the e_score_correction_bias buffer
+    moe = MoE(
+        H,
+        I,
+        E,
+        K,
+        scoring="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        n_group=4,
+        topk_group=2,
+        shared_hidden=I,
+    )
+    load_block(moe, to_mx(block.state_dict(), "mlp."))
+    assert_grouping_matters(moe)
+    compare(block, moe)
+
+
+def test_qwen2_moe_shared_expert_gate():
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    cfg = Qwen2MoeConfig(
+        hidden_size=H,
+        moe_intermediate_size=I,
+        shared_expert_intermediate_size=40,
+        num_experts=E,
+        num_experts_per_tok=K,
+        norm_topk_prob=False,
+    )
+    block = Qwen2MoeSparseMoeBlock(cfg).eval()
+    randomize(block, 6)
+    moe = MoE(H, I, E, K, shared_hidden=40, shared_gate=True)
+    compare(block, load_block(moe, to_mx(block.state_dict(), "mlp.")))
+
+
+def _random_moe(seed: int, hidden: int = H, inter: int = I, **kw) -> MoE:
+    mx.random.seed(seed)
+    moe = MoE(hidden, inter, E, K, shared_hidden=inter, **kw)
+    moe.update(nn.utils.tree_map(lambda p: mx.random.normal(p.shape) * 0.3, moe.parameters()))
+    return moe
+
+
+def test_sorted_and_unsorted_gather_agree():
+    x = mx.random.normal((3, 50, H), key=mx.random.key(7))
+    unsorted = _random_moe(8, sort_threshold=10**9)
+    sorted_ = _random_moe(8, sort_threshold=0)
+    a, b = unsorted(x), sorted_(x)
+    np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-5, rtol=0)
+    # a single decode token takes the unsorted path by default and matches too
+    np.testing.assert_allclose(
+        np.array(_random_moe(8)(x[:, -1:])), np.array(a[:, -1:]), atol=1e-5, rtol=0
+    )
+
+
+def test_every_layout_converts_to_the_same_tensors():
+    rng = np.random.default_rng(9)
+    gate_up = rng.standard_normal((E, 2 * I, H)).astype(np.float32)
+    down = rng.standard_normal((E, H, I)).astype(np.float32)
+    p = "model.layers.3.mlp."
+    layouts = {
+        "fused-out-major": {p + "experts.gate_up_proj": gate_up, p + "experts.down_proj": down},
+        "fused-in-major": {
+            p + "experts.gate_up_proj": gate_up.transpose(0, 2, 1),
+            p + "experts.down_proj": down.transpose(0, 2, 1),
+        },
+        "per-expert": {
+            f"{p}experts.{e}.{name}.weight": w
+            for e in range(E)
+            for name, w in (
+                ("gate_proj", gate_up[e, :I]),
+                ("up_proj", gate_up[e, I:]),
+                ("down_proj", down[e]),
+            )
+        },
+        "mlx-lm": {
+            p + "switch_mlp.gate_proj.weight": gate_up[:, :I],
+            p + "switch_mlp.up_proj.weight": gate_up[:, I:],
+            p + "switch_mlp.down_proj.weight": down,
+        },
+    }
+    want = {
+        p + "experts.gate_proj.weight": gate_up[:, :I],
+        p + "experts.up_proj.weight": gate_up[:, I:],
+        p + "experts.down_proj.weight": down,
+    }
+    for name, layout in layouts.items():
+        other = {p + "gate.weight": mx.zeros((E, H)), "model.norm.weight": mx.ones((H,))}
+        src = {**{k: mx.array(v) for k, v in layout.items()}, **other}
+        got = convert_expert_weights(src, hidden=H, intermediate=I, num_experts=E)
+        assert set(got) == set(want) | set(other), name
+        for k, v in want.items():
+            np.testing.assert_array_equal(np.array(got[k]), v, err_msg=f"{name}: {k}")
+
+
+def test_conversion_errors():
+    w = {f"mlp.experts.{e}.gate_proj.weight": mx.zeros((I, H)) for e in range(E - 1)}
+    with pytest.raises(ValueError, match=r"experts \[7\] missing"):
+        convert_expert_weights(w, hidden=H, intermediate=I, num_experts=E)
+    with pytest.raises(ValueError, match="fits neither"):
+        convert_expert_weights(
+            {"mlp.experts.down_proj": mx.zeros((E, H, H))},
+            hidden=H,
+            intermediate=I,
+            num_experts=E,
+        )
+
+
+def test_quantized_experts_match_their_dequantized_weights():
+    """nn.quantize swaps in gather_qmm experts; same numbers as the dense dequantized block."""
+    from mlx.utils import tree_flatten
+
+    moe = _random_moe(10, hidden=64, inter=32)
+    nn.quantize(moe, group_size=32, bits=8)
+    assert "scales" in moe.experts.gate_proj and "scales" in moe.experts.down_proj
+    params = dict(tree_flatten(moe.parameters()))
+    dense = {}
+    for k, w in params.items():
+        if k.endswith(".scales"):
+            base = k[: -len(".scales")]
+            q = (params[base + ".weight"], w, params[base + ".biases"])
+            dense[base + ".weight"] = mx.dequantize(*q, group_size=32, bits=8)
+        elif not k.endswith((".weight", ".biases")) or k[:-7] + ".scales" not in params:
+            dense.setdefault(k, w)
+    ref = _random_moe(11, hidden=64, inter=32)
+    ref.load_weights(list(dense.items()), strict=True)
+    x = mx.random.normal((2, 40, 64), key=mx.random.key(12))
+    np.testing.assert_allclose(np.array(moe(x)), np.array(ref(x)), atol=1e-4, rtol=0)
