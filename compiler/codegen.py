@@ -188,38 +188,64 @@ class _Gen:
 
     # --- blocks -------------------------------------------------------------------------
 
-    def attention(self, block) -> dict | None:
-        if not isinstance(block, schema.GQA):
-            return None
-        values = [block.heads, block.kv_heads, block.head_dim, block.bias.qkv, block.bias.o]
-        rope = None
-        if block.rope is not None:
-            dims = block.rope.dims if block.rope.dims is not None else None
-            values.append(dims)
-            rope = {
-                "param": block.rope.param,
-                "dims": "self.head_dim" if dims is None else self.py(dims),
-                "traditional": block.rope.traditional,
-                "positions": _route(block, "positions"),
-            }
-        qk_norm = None
-        if block.qk_norm is not None:
-            values.append(block.qk_norm.eps)
-            qk_norm = {"eps": self.py(block.qk_norm.eps)}
-        return {
-            "per_layer": self.needs_layer_args(*values),
+    def attention(self, block) -> dict:
+        """Template context of one attention class (``Attention`` for gqa, ``LatentAttention``
+        for mla); ``per_layer`` when its settings read per-layer fields."""
+        common = {
             "dim": self.py(self.spec.text.embed.dim),
-            "heads": self.py(block.heads),
-            "kv_heads": self.py(block.kv_heads),
-            "head_dim": self.py(block.head_dim),
-            "qkv_bias": self.py(block.bias.qkv),
-            "o_bias": self.py(block.bias.o),
-            "qk_norm": qk_norm,
-            "rope": rope,
             "mask": _route(block, "mask"),
+            "positions": _route(block, "positions") if block.rope is not None else None,
+            "attn_scale": _route(block, "attn_scale") if block.scale == "llama4" else None,
+        }
+        if isinstance(block, schema.GQA):
+            values = [block.heads, block.kv_heads, block.head_dim, block.bias.qkv, block.bias.o]
+            rope = None
+            if block.rope is not None:
+                values += [block.rope.dims, block.rope.traditional]
+                rope = {
+                    "param": block.rope.param,
+                    "dims": "self.head_dim"
+                    if block.rope.dims is None
+                    else self.py(block.rope.dims),
+                    "traditional": self.py(block.rope.traditional),
+                }
+            qk_norm = None
+            if block.qk_norm is not None:
+                values.append(block.qk_norm.eps)
+                qk_norm = {"eps": self.py(block.qk_norm.eps)}
+            return common | {
+                "template": "attention_gqa.py.j2",
+                "class_name": "Attention",
+                "per_layer": self.needs_layer_args(*values),
+                "heads": self.py(block.heads),
+                "kv_heads": self.py(block.kv_heads),
+                "head_dim": self.py(block.head_dim),
+                "qkv_bias": self.py(block.bias.qkv),
+                "o_bias": self.py(block.bias.o),
+                "qk_norm": qk_norm,
+                "rope": rope,
+            }
+        values = [
+            block.heads, block.q_lora_rank, block.kv_lora_rank, block.qk_nope_head_dim,
+            block.qk_rope_head_dim, block.v_head_dim, block.bias, block.norm_eps,
+            block.rope.traditional,
+        ]  # fmt: skip
+        return common | {
+            "template": "attention_mla.py.j2",
+            "class_name": "LatentAttention",
+            "per_layer": self.needs_layer_args(*values),
+            "heads": self.py(block.heads),
+            "q_lora_rank": self.py(block.q_lora_rank),
+            "kv_lora_rank": self.py(block.kv_lora_rank),
+            "qk_nope_head_dim": self.py(block.qk_nope_head_dim),
+            "qk_rope_head_dim": self.py(block.qk_rope_head_dim),
+            "v_head_dim": self.py(block.v_head_dim),
+            "bias": self.py(block.bias),
+            "norm_eps": self.py(block.norm_eps),
+            "rope": {"param": block.rope.param, "traditional": self.py(block.rope.traditional)},
         }
 
-    def sublayer(self, part: str, attention: dict | None) -> Sublayer:
+    def sublayer(self, part: str, attentions: dict[str, dict]) -> Sublayer:
         dim = self.py(self.spec.text.embed.dim)
         eps = self.py(self.layers.norm.eps)
         sub = Sublayer(
@@ -227,18 +253,19 @@ class _Gen:
             norm_attr="input_layernorm" if part == "attention" else "post_attention_layernorm",
             norm_ctor=f"nn.RMSNorm({dim}, eps={eps})",
         )
-        blocks = getattr(self.layers, part)
-        for b in blocks if isinstance(blocks, list) else [blocks]:
+        for b in _blocks(getattr(self.layers, part)):
             when = None if b.when is None else self.py(b.when)
-            sub.variants.append(Variant(when, b.kind, self._ctor(b, attention)))
+            sub.variants.append(Variant(when, b.kind, self._ctor(b, attentions)))
         return sub
 
-    def _ctor(self, b, attention: dict | None) -> str | None:
+    def _ctor(self, b, attentions: dict[str, dict]) -> str | None:
         dim = self.py(self.spec.text.embed.dim)
         if b.kind == "none":
             return None
-        if isinstance(b, schema.GQA):
-            return "Attention(args, layer_idx)" if attention["per_layer"] else "Attention(args)"
+        if isinstance(b, (schema.GQA, schema.MLA)):
+            attn = attentions[b.kind]
+            args = "args, layer_idx" if attn["per_layer"] else "args"
+            return f"{attn['class_name']}({args})"
         if isinstance(b, schema.LinearAttention):
             return f"layers.LinearAttention({dim}, bias={self.py(b.bias)})"
         if isinstance(b, schema.LinearMLP):
@@ -247,7 +274,29 @@ class _Gen:
             hidden, bias = self.py(b.hidden), self.py(b.bias)
             act = "" if b.act == "silu" else f", act={pyrepr(b.act)}"
             return f"layers.SwiGLU({dim}, {hidden}, bias={bias}{act})"
-        raise NotImplementedError(f"{b.kind} blocks are not compiled yet")  # lint C001
+        if isinstance(b, schema.MoE):
+            options = [
+                f"scoring={pyrepr(b.router)}",
+                f"norm_topk_prob={self.py(b.norm_topk_prob)}",
+                f"routed_scaling_factor={self.py(b.routed_scaling_factor)}",
+                f"n_group={self.py(b.n_group)}",
+                f"topk_group={self.py(b.topk_group)}",
+                f"group_score={pyrepr(b.group_score)}",
+                f"shared_hidden={self.py(b.shared_experts_hidden)}",
+            ]
+            return (
+                f"moe.MoE({dim}, {self.py(b.expert_hidden)}, {self.py(b.experts)}, "
+                f"{self.py(b.top_k)}, {', '.join(options)})"
+            )
+        raise NotImplementedError(f"{b.kind} blocks are not compiled")
+
+
+def _class_tuple(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else "(" + ", ".join(names) + ")"
+
+
+def _blocks(block) -> list:
+    return block if isinstance(block, list) else [block]
 
 
 # Vision towers the runtime provides: its module, the template wiring it, and the inputs
@@ -297,9 +346,12 @@ def _wrap_call(line: str) -> list[str]:
     indent = line[: len(line) - len(line.lstrip())]
     code = line.strip()
     try:
-        stmt = ast.parse(code).body[0]
+        body = ast.parse(code).body
     except SyntaxError:
         return [line]
+    if len(body) != 1:
+        return [line]  # a comment
+    stmt = body[0]
     call = getattr(stmt, "value", None)
     if not isinstance(call, ast.Call) or call.end_col_offset != len(code):
         return [line]
@@ -327,28 +379,44 @@ def spec_hash(source: str) -> str:
 def render_model(spec: schema.Spec, source: str, spec_label: str) -> str:
     gen = _Gen(spec)
     layers = spec.text.layers
-    attn_blocks = layers.attention if isinstance(layers.attention, list) else [layers.attention]
-    gqa = next((b for b in attn_blocks if isinstance(b, schema.GQA)), None)
-    attention = gen.attention(gqa) if gqa is not None else None
-    sublayers = [gen.sublayer("attention", attention), gen.sublayer("mlp", attention)]
-    all_cached = all(v.kind == "gqa" for v in sublayers[0].variants)
+    attentions = {
+        b.kind: gen.attention(b)
+        for b in _blocks(layers.attention)
+        if isinstance(b, (schema.GQA, schema.MLA))
+    }
+    sublayers = [gen.sublayer("attention", attentions), gen.sublayer("mlp", attentions)]
+    all_cached = all(v.kind in attentions for v in sublayers[0].variants)
+    moe_block = next((b for b in _blocks(layers.mlp) if isinstance(b, schema.MoE)), None)
     tied = spec.text.lm_head.tied
     vision = None
     if spec.vision is not None:
         vision = dict(VISION_TOWERS[spec.vision.tower], image_token=spec.vision.image_token)
+    env = _env()
     ctx = {
-        "vision": vision,
-        "vision_block": _env().get_template(vision["template"]).render().rstrip("\n")
-        if vision
-        else "",
-        "text_path": "self.model.language_model" if vision else "self.model",
         "spec": spec,
         "spec_label": spec_label,
         "hash": spec_hash(source),
         "params": gen.params(),
         "layer_fields": gen.layer_fields(),
         "for_each": layers.for_each,
-        "attention": attention,
+        "attention_classes": [
+            env.get_template(a["template"]).render(attention=a).rstrip("\n")
+            for a in attentions.values()
+        ],
+        "cached_classes": _class_tuple([a["class_name"] for a in attentions.values()]),
+        "uses_rope": any(a["template"] == "attention_gqa.py.j2" and a["rope"] for a in attentions.values()),
+        "uses_yarn": any(a["template"] == "attention_mla.py.j2" or a["attn_scale"] for a in attentions.values()),
+        "moe": None
+        if moe_block is None
+        else {
+            "hidden": gen.py(moe_block.expert_hidden, args="self.args", layer=False),
+            "experts": gen.py(moe_block.experts, args="self.args", layer=False),
+        },
+        "vision": vision,
+        "vision_block": env.get_template(vision["template"]).render().rstrip("\n")
+        if vision
+        else "",
+        "text_path": "self.model.language_model" if vision else "self.model",
         "sublayers": sublayers,
         "layer_needs_args": any(
             "layer_args." in (v.when or "") + (v.ctor or "")
@@ -360,6 +428,7 @@ def render_model(spec: schema.Spec, source: str, spec_label: str) -> str:
         if layers.repeat is not None
         else "len(args.layer_args)",
         "dim": gen.py(spec.text.embed.dim, layer=False),
+        "self_dim": gen.py(spec.text.embed.dim, args="self.args", layer=False),
         "vocab": gen.py(spec.text.embed.vocab, layer=False),
         "final_eps": gen.py(spec.text.final_norm.eps, layer=False),
         "tied": tied if isinstance(tied, bool) else gen.py(tied, args="self.args", layer=False),
@@ -369,8 +438,9 @@ def render_model(spec: schema.Spec, source: str, spec_label: str) -> str:
         ),
         "drop": tuple_field("drop", spec.weights.drop),
     }
+    # Compiling the attention classes above registered the helpers they need.
     ctx["uses_math"], ctx["uses_round_up"] = gen.uses_math, gen.uses_round_up
-    return format_source(_env().get_template("model.py.j2").render(**ctx))
+    return format_source(env.get_template("model.py.j2").render(**ctx))
 
 
 def render_registry(entries: list[tuple[str, str]]) -> str:

@@ -71,7 +71,7 @@ class RopeRef(Strict):
     """Which rope param an attention block applies, and how."""
 
     param: str  # name of a param of type rope
-    traditional: bool = False  # interleaved pairs (GPT-J style) instead of split halves
+    traditional: BoolExpr = False  # interleaved pairs (GPT-J style) instead of split halves
     dims: IntExpr | None = None  # rotate only the first `dims` features (default: all)
     mrope: Literal["chunked", "interleaved"] | None = None  # multimodal sections (Qwen VL)
 
@@ -99,16 +99,20 @@ class GQA(_Block):
 
 
 class MLA(_Block):
+    """Multi-head latent attention (DeepSeek-V2 style). The cache keeps the compressed latent
+    and the shared RoPE key, not per-head K/V; queries are absorbed into the latent space."""
+
     kind: Literal["mla"]
     heads: IntExpr
-    q_lora_rank: IntExpr | None = None
+    q_lora_rank: IntExpr | None = None  # an expression may evaluate to None: no q LoRA
     kv_lora_rank: IntExpr
     qk_nope_head_dim: IntExpr
     qk_rope_head_dim: IntExpr
     v_head_dim: IntExpr
+    bias: BoolExpr = False  # on q_a_proj, kv_a_proj_with_mqa and o_proj
     rope: RopeRef
     scale: Literal["default", "llama4"] = "default"
-    norm_eps: FloatExpr = 1e-6
+    norm_eps: FloatExpr = 1e-6  # q_a_layernorm / kv_a_layernorm (fixed in transformers)
     inputs: dict[str, Any] = {}
 
 
@@ -147,6 +151,9 @@ class NoMLP(_Block):
 
 
 class MoE(_Block):
+    """Routed SwiGLU experts (+ optional shared experts). Checkpoint expert layouts (per-expert,
+    fused [E, 2I, H] or [E, H, 2I], mlx-lm switch_mlp) are converted on load."""
+
     kind: Literal["moe"]
     experts: IntExpr
     top_k: IntExpr
@@ -154,8 +161,10 @@ class MoE(_Block):
     router: Literal["softmax", "sigmoid"] = "softmax"
     norm_topk_prob: BoolExpr = False
     routed_scaling_factor: FloatExpr = 1.0
-    shared_experts_hidden: IntExpr | None = None
-    layout: Literal["fused", "per-expert"] = "per-expert"
+    n_group: IntExpr = 1  # group-limited routing (DeepSeek / mistral4)
+    topk_group: IntExpr = 1
+    group_score: Literal["top2", "max"] = "top2"
+    shared_experts_hidden: IntExpr = 0  # 0: no shared experts
 
 
 MLPBlock = Annotated[Union[SwiGLU, LinearMLP, NoMLP, MoE], Field(discriminator="kind")]
@@ -211,17 +220,9 @@ class Rename(Strict):
     to: str
 
 
-class StackExperts(Strict):
-    """Per-expert tensors ``...experts.{e}.<name>`` stacked into one ``[E, ...]`` tensor."""
-
-    pattern: str
-    into: str
-
-
 class Weights(Strict):
     rename: list[Rename] = []
     drop: list[str] = []  # regular expressions of tensors the model does not use
-    stack_experts: list[StackExperts] = []
 
 
 class Serves(Strict):

@@ -173,7 +173,7 @@ class VisionLanguageModel(nn.Module):
         self.language_model = TextModel(args)
 
     def image_features(self, pixel_values: mx.array, image_sizes: mx.array) -> ImageFeatures:
-        """Features of every ``[IMG]`` token: ``pixel_values [N, 3, H, W]``, ``image_sizes [N, 2]``."""
+        """Features of every ``[IMG]`` token, from ``pixel_values [N, 3, H, W]`` and their sizes."""
         embeds = pixtral.image_features(
             self.vision_tower,
             self.multi_modal_projector,
@@ -217,4 +217,5 @@ class Model(nn.Module):
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = WEIGHT_RULES.apply(weights, tied_lm_head=self.args.tie_word_embeddings)
-        return pixtral.sanitize(weights)
+        weights = pixtral.sanitize(weights)
+        return weights

@@ -120,15 +120,20 @@ def test_generated_code_is_ruff_formatted():
 
 
 def test_registry_maps_every_model_type():
+    import yaml
+
     from mlxc.generated.registry import MODEL_TYPES
 
-    assert MODEL_TYPES == {
-        "llama": "llama",
-        "mistral": "llama",
-        "nemotron-nas": "nemotron_nas",
-        "qwen2": "qwen2",
-        "qwen3": "qwen3",
-    }
+    expected = {}
+    for path in sorted((ROOT / "specs").glob("*.yaml")):
+        serves = yaml.safe_load(path.read_text())["serves"]
+        for model_type in serves["model_types"]:
+            texts = serves.get("text_model_types") or [None]
+            for text in texts:
+                expected[f"{model_type}:{text}" if text else model_type] = path.stem
+    assert MODEL_TYPES == expected
+    assert MODEL_TYPES["nemotron-nas"] == "nemotron_nas"
+    assert MODEL_TYPES["mistral3:mistral"] == "mistral3"
 
 
 def test_build_cli_errors():

@@ -49,7 +49,7 @@ EXPECTED = {
     "padded_vocab -> vocab_size",
     "name_mismatch": "name_mismatch.yaml:1:7: R002 spec name 'something_else' must match its "
     "file name",
-    "not_compiled": "not_compiled.yaml:24:17: C001 moe mlp is not compiled yet",
+    "not_compiled": "not_compiled.yaml:21:7: C001 sliding windows not compiled yet",
 }
 
 

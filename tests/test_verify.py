@@ -17,7 +17,9 @@ def test_verify_passes_on_every_spec():
     result = CliRunner().invoke(main, ["verify", str(ROOT / "specs")])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    assert len(lines) == 4 and all(line.startswith("ok ") for line in lines)
+    specs = sorted(p.stem for p in (ROOT / "specs").glob("*.yaml"))
+    assert [line.split()[1].rstrip(":") for line in lines] == specs
+    assert all(line.startswith("ok ") for line in lines)
 
 
 def _spec(name):
