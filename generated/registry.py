@@ -11,6 +11,7 @@ MODEL_TYPES = {
     "mistral3:ministral": "mistral3",
     "mistral3:ministral3": "mistral3",
     "mistral3:mistral": "mistral3",
+    "mistral3:mistral4": "mistral_small4",
     "mistral4": "mistral4",
     "nemotron-nas": "nemotron_nas",
     "qwen2": "qwen2",

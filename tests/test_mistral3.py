@@ -1,4 +1,5 @@
-"""mistral3 (Mistral-Small 3.x: mistral text + pixtral): logits against transformers.
+"""mistral3 + pixtral, with a mistral text backbone (Mistral-Small 3.x, spec mistral3) and with
+a mistral4 one (Mistral-Small-4, spec mistral_small4): logits against transformers.
 
 Tiny random checkpoints (every parameter re-randomised: transformers' near-zero init hides
 bugs), float32, atol 1e-4: independent float32 implementations agree to ~1e-5, a real bug moves
@@ -35,8 +36,55 @@ def rerandomise(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 1.5 / p[0].numel() ** 0.5)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+TEXT_CONFIGS = {
+    "mistral": {
+        "model_type": "mistral",
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 96,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0},
+        "tie_word_embeddings": False,
+    },
+    "mistral4": {
+        "model_type": "mistral4",
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "vocab_size": 96,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 24,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 12,
+        "head_dim": 16,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 24,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "max_position_embeddings": 128,
+        # Small original length: the prompts run past it, so yarn and the Llama-4 scale act.
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "llama_4_scaling_beta": 0.1,
+        },
+        "tie_word_embeddings": False,
+    },
+}
+
+
+@pytest.fixture(scope="module", params=sorted(TEXT_CONFIGS))
+def checkpoint(request, tmp_path_factory):
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
     config = Mistral3Config(
@@ -51,19 +99,7 @@ def checkpoint(tmp_path_factory):
             "hidden_act": "silu",
             "rope_parameters": {"rope_type": "default", "rope_theta": 100.0},
         },
-        text_config={
-            "model_type": "mistral",
-            "hidden_size": 64,
-            "intermediate_size": 96,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "vocab_size": 96,
-            "rms_norm_eps": 1e-5,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0},
-            "tie_word_embeddings": False,
-        },
+        text_config=dict(TEXT_CONFIGS[request.param]),
         image_token_index=IMG,
         spatial_merge_size=MERGE,
         projector_hidden_act="gelu",
@@ -71,15 +107,23 @@ def checkpoint(tmp_path_factory):
     )
     model = Mistral3ForConditionalGeneration(config).eval()
     rerandomise(model, 3)
-    path = tmp_path_factory.mktemp("mistral3")
+    path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     return model, path
+
+
+def test_text_backbone_picks_the_spec(checkpoint):
+    _, path = checkpoint
+    model = mlxc.load_model(path)
+    text_type = json.loads((path / "config.json").read_text())["text_config"]["model_type"]
+    spec = {"mistral": "mistral3", "mistral4": "mistral_small4"}[text_type]
+    assert type(model).__module__ == f"mlxc.generated.{spec}"
 
 
 def prompt(rng, images):
     """Token ids with each image's [IMG]/[IMG_BREAK]/[IMG_END] block, and its pixel inputs."""
     cfg = pp.PixtralProcessorConfig(patch_size=PATCH, spatial_merge_size=MERGE, longest_edge=40)
-    text = [int(t) for t in rng.integers(13, 96, size=7)]
+    text = [int(t) for t in rng.integers(13, 96, size=12)]
     ids = text[:3]
     for _ in images:
         ids += [IMG] + [int(t) for t in rng.integers(13, 96, size=2)]

@@ -1,0 +1,1 @@
+"""Vision towers that generated multimodal models call (one module per family)."""

@@ -1,0 +1,268 @@
+"""MRoPE (runtime/mrope.py) against transformers 5: get_rope_index, decode positions, rotation."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from test_qwen_vision import CONFIGS, build
+
+from mlxc.runtime import mrope
+
+IMAGE, VIDEO, START, END = 120, 121, 122, 123  # token ids set by build()
+MERGE = 2
+
+
+class _Prompt:
+    """A prompt assembled piece by piece: text runs, images and videos with their grids."""
+
+    def __init__(self, rng):
+        self.rng, self.ids, self.images, self.videos = rng, [], [], []
+
+    def text(self, n):
+        self.ids += self.rng.integers(3, 100, n).tolist()
+        return self
+
+    def image(self, t, h, w):
+        self.images.append((t, h, w))
+        self.ids += [START] + [IMAGE] * (t * h * w // MERGE**2) + [END]
+        return self
+
+    def video(self, t, h, w, per_frame=False):
+        self.videos.append((t, h, w))
+        if not per_frame:
+            self.ids += [START] + [VIDEO] * (t * h * w // MERGE**2) + [END]
+            return self
+        for _ in range(t):  # qwen3: "<timestamp> <vision_start> frame <vision_end>" per frame
+            self.text(2)
+            self.ids += [START] + [VIDEO] * (h * w // MERGE**2) + [END]
+        return self
+
+
+def _batch(prompts):
+    """Left-padded [B, L] ids and mask, plus all grids in batch order (None when empty)."""
+    length = max(len(p.ids) for p in prompts)
+    ids = np.zeros((len(prompts), length), np.int64)
+    mask = np.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, length - len(p.ids) :] = p.ids
+        mask[b, length - len(p.ids) :] = 1
+    images = [g for p in prompts for g in p.images] or None
+    videos = [g for p in prompts for g in p.videos] or None
+    return ids, mask, images, videos
+
+
+def _cases(model_type):
+    rng = np.random.default_rng(7)
+    qwen3 = model_type == "qwen3_vl"
+    P = lambda: _Prompt(rng)
+    return {
+        "text_only": [P().text(9)],
+        "one_image": [P().text(3).image(1, 6, 8).text(4)],
+        "two_images": [P().text(2).image(1, 6, 8).text(3).image(1, 12, 4).text(2)],
+        "batch_padded": [
+            P().text(2).image(1, 6, 8).text(2),
+            P().text(5).image(1, 4, 4).text(1).image(1, 12, 4).text(3),
+        ],
+        "batch_text_and_image": [P().text(4), P().text(1).image(1, 6, 8).text(2)],
+        # a long video (temporal row outgrows h, w) then text; and an image after a video
+        "video": [P().text(2).video(4, 4, 6, per_frame=qwen3).text(3)],
+        "video_then_image": [P().text(1).video(2, 4, 4, per_frame=qwen3).text(2).image(1, 6, 8)],
+        # ends in video tokens: qwen2.5's rope delta then comes from the temporal row
+        "video_last": [P().text(2).video(4, 4, 6, per_frame=qwen3)],
+    }
+
+
+def _ours(model, model_type, ids, mask, images, videos, seconds=None):
+    vision = model.config.vision_config
+    return mrope.rope_index(
+        ids,
+        images,
+        videos,
+        mask,
+        spatial_merge_size=vision.spatial_merge_size,
+        image_token_id=model.config.image_token_id,
+        video_token_id=model.config.video_token_id,
+        vision_start_token_id=model.config.vision_start_token_id,
+        tokens_per_second=vision.tokens_per_second if model_type == "qwen2_5_vl" else None,
+        second_per_grid_ts=seconds,
+        frames_as_images=model_type == "qwen3_vl",
+    )
+
+
+def _theirs(model, model_type, ids, mask, images, videos, seconds=None):
+    t = lambda a: None if a is None else torch.tensor(np.asarray(a))
+    extra = {"second_per_grid_ts": t(seconds)} if model_type == "qwen2_5_vl" else {}
+    types = np.where(ids == IMAGE, 1, np.where(ids == VIDEO, 2, 0))
+    pos, deltas = model.model.get_rope_index(
+        input_ids=t(ids),
+        mm_token_type_ids=t(types),
+        image_grid_thw=t(images),
+        video_grid_thw=t(videos),
+        attention_mask=t(mask),
+        **extra,
+    )
+    return pos.numpy(), deltas.numpy().reshape(-1)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def model_type_and_model(request):
+    return request.param, build(request.param)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "text_only",
+        "one_image",
+        "two_images",
+        "batch_padded",
+        "batch_text_and_image",
+        "video",
+        "video_then_image",
+        "video_last",
+    ],
+)
+def test_rope_index_matches_transformers(model_type_and_model, case):
+    model_type, model = model_type_and_model
+    ids, mask, images, videos = _batch(_cases(model_type)[case])
+    seconds = [0.5] if videos and model_type == "qwen2_5_vl" else None
+    # a single prompt also without a mask; a batch of different lengths needs its mask
+    for m in [mask, None] if len(ids) == 1 else [mask]:
+        ours = _ours(model, model_type, ids, m, images, videos, seconds)
+        theirs = _theirs(model, model_type, ids, m, images, videos, seconds)
+        np.testing.assert_array_equal(ours[0], theirs[0])
+        np.testing.assert_array_equal(ours[1], theirs[1])
+        assert ours[0].shape == (3,) + ids.shape and ours[1].shape == (ids.shape[0],)
+
+
+def test_qwen25_video_timing_default_seconds():
+    model = build("qwen2_5_vl")
+    ids, mask, images, videos = _batch(
+        [_Prompt(np.random.default_rng(0)).text(2).video(3, 4, 4).text(1)]
+    )
+    ours = _ours(model, "qwen2_5_vl", ids, mask, images, videos)
+    np.testing.assert_array_equal(
+        ours[0], _theirs(model, "qwen2_5_vl", ids, mask, images, videos)[0]
+    )
+    # tokens_per_second (4) x 1 s per temporal patch: frames at p, p+4, p+8
+    assert sorted(set(ours[0][0, 0, 3:15].tolist())) == [3, 7, 11]
+
+
+def test_rope_index_back_to_back_images_and_errors():
+    """Extension: two images with no token between them still take one grid each (transformers
+    5 groups the run as one image and fails); placeholder/grid mismatches raise."""
+    kw = {"spatial_merge_size": 2, "image_token_id": IMAGE, "video_token_id": VIDEO}
+    ids = np.array([[5] + [IMAGE] * 4 + [IMAGE] * 2 + [6]])
+    pos, deltas = mrope.rope_index(ids, [(1, 4, 4), (1, 2, 4)], **kw)
+    np.testing.assert_array_equal(
+        pos[:, 0], [[0, 1, 1, 1, 1, 3, 3, 5], [0, 1, 1, 2, 2, 3, 3, 5], [0, 1, 2, 1, 2, 3, 4, 5]]
+    )
+    assert deltas.tolist() == [6 - 8]  # max 5, plus 1, minus 8 tokens
+    with pytest.raises(ValueError):
+        mrope.rope_index(ids, [(1, 4, 4), (1, 4, 4)], **kw)  # 8 tokens wanted, 6 present
+    with pytest.raises(ValueError):
+        mrope.rope_index(ids, [(1, 4, 4)], **kw)  # too few grids
+
+
+class _Cache:
+    def __init__(self, n):
+        self.n = n
+
+    def get_seq_length(self, *args):
+        return self.n
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_decode_positions_match_transformers(model_type_and_model, batched):
+    """The token after the prompt: transformers' decode branch (cache filled, rope_deltas set)."""
+    model_type, model = model_type_and_model
+    cases = _cases(model_type)
+    prompts = cases["batch_padded"] if batched else cases["two_images"]
+    ids, mask, images, videos = _batch(prompts)
+    base, deltas = _ours(model, model_type, ids, mask, images, videos)
+    B, L = ids.shape
+    hidden = model.config.text_config.hidden_size
+
+    model.model.rope_deltas = torch.tensor(deltas).reshape(B, 1)
+    full_mask = torch.tensor(np.concatenate([mask, np.ones((B, 1), np.int64)], axis=1))
+    theirs = model.model.compute_3d_position_ids(
+        input_ids=torch.zeros(B, 1, dtype=torch.long),
+        inputs_embeds=torch.zeros(B, 1, hidden),
+        attention_mask=full_mask if batched else None,
+        cache=_Cache(L),
+        image_grid_thw=None,
+        video_grid_thw=None,
+    )[..., -1:].numpy()
+    pad = L - mask.sum(axis=1)
+    ours = mrope.decode_positions(L, deltas, B, 1, left_padding=pad if batched else None)
+    np.testing.assert_array_equal(ours, theirs)
+    # and the continuation follows the prompt's largest position on each row
+    assert (ours[0, :, 0] == base.max(axis=(0, 2)) + 1).all()
+
+
+def test_positions_slice_the_prompt_then_continue():
+    model = build("qwen2_vl")
+    ids, mask, images, videos = _batch(_cases("qwen2_vl")["two_images"])
+    base, deltas = _ours(model, "qwen2_vl", ids, mask, images, videos)
+    L = ids.shape[1]
+    np.testing.assert_array_equal(mrope.positions(5, 7, base, deltas), base[..., 5:12])
+    across = mrope.positions(L - 2, 5, base, deltas)  # a chunk over the end of the prompt
+    np.testing.assert_array_equal(across[..., :2], base[..., -2:])
+    np.testing.assert_array_equal(across[..., 2:], mrope.decode_positions(L, deltas, 1, 3))
+    assert (np.diff(across[0, 0, 1:]) == 1).all() and across[0, 0, 2] == base.max() + 1
+    text_only = mrope.positions(4, 3, None, np.zeros(2, np.int64))
+    np.testing.assert_array_equal(text_only, np.broadcast_to(np.arange(4, 7), (3, 2, 3)))
+
+
+@pytest.mark.parametrize("offset", [0, 3000])
+def test_rotation_matches_transformers(model_type_and_model, offset):
+    model_type, model = model_type_and_model
+    import importlib
+
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    text = model.config.text_config
+    rope = text.rope_parameters
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+    ids, mask, images, videos = _batch(_cases(model_type)["batch_padded"])
+    pos, _ = _ours(model, model_type, ids, mask, images, videos)
+    pos = pos + offset  # absolute positions deep into a sequence
+    B, L = ids.shape
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((B, 4, L, head_dim)).astype(np.float32)
+    k = rng.standard_normal((B, 2, L, head_dim)).astype(np.float32)
+
+    with torch.no_grad():
+        cos, sin = model.model.language_model.rotary_emb(torch.from_numpy(q), torch.from_numpy(pos))
+        q_ref, k_ref = modeling.apply_rotary_pos_emb(
+            torch.from_numpy(q), torch.from_numpy(k), cos, sin
+        )
+
+    kwargs = {
+        "theta": rope["rope_theta"],
+        "mrope_section": rope["mrope_section"],
+        "interleaved": model_type == "qwen3_vl",
+    }
+    our_cos, our_sin = mrope.cos_sin(pos, head_dim, **kwargs)
+    np.testing.assert_allclose(np.array(our_cos), cos.numpy(), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.array(our_sin), sin.numpy(), atol=1e-5, rtol=0)
+    q_out, k_out = mrope.apply(mx.array(q), mx.array(k), pos, **kwargs)
+    np.testing.assert_allclose(np.array(q_out), q_ref.numpy(), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.array(k_out), k_ref.numpy(), atol=1e-4, rtol=0)
+    # the three rows really differ here, so a wrong section layout cannot pass
+    other = mrope.apply(
+        mx.array(q), mx.array(k), pos, **{**kwargs, "interleaved": not kwargs["interleaved"]}
+    )
+    assert np.abs(np.array(other[0]) - q_ref.numpy()).max() > 1e-2
+
+
+def test_bad_section_is_refused():
+    with pytest.raises(ValueError):
+        mrope.cos_sin(
+            np.zeros((3, 1, 2)), 16, theta=1e4, mrope_section=[2, 2, 2], interleaved=False
+        )
