@@ -203,6 +203,7 @@ class _Gen:
             if block.rope is not None:
                 values += [block.rope.dims, block.rope.traditional]
                 rope = {
+                    "mrope": block.rope.mrope,
                     "param": block.rope.param,
                     "dims": "self.head_dim"
                     if block.rope.dims is None
@@ -307,6 +308,23 @@ VISION_TOWERS = {
         "template": "vision_pixtral.py.j2",
         "inputs": ["pixel_values", "image_sizes"],
     },
+    **{
+        tower: {
+            "module": "qwen",
+            "template": "vision_qwen.py.j2",
+            "inputs": ["pixel_values", "image_grid_thw"],
+            "tower_class": cls,
+            "deepstack": tower == "qwen3_vit",
+            # rope_index settings of the family (see runtime/mrope.py)
+            "tokens_per_second": tower == "qwen2_5_vit",
+            "frames_as_images": tower == "qwen3_vit",
+        }
+        for tower, cls in [
+            ("qwen2_vit", "Qwen2VisionTower"),
+            ("qwen2_5_vit", "Qwen25VisionTower"),
+            ("qwen3_vit", "Qwen3VisionTower"),
+        ]
+    },
 }
 
 
@@ -391,8 +409,20 @@ def render_model(spec: schema.Spec, source: str, spec_label: str) -> str:
     vision = None
     if spec.vision is not None:
         vision = dict(VISION_TOWERS[spec.vision.tower], image_token=spec.vision.image_token)
+    gqa = next((b for b in _blocks(layers.attention) if isinstance(b, schema.GQA)), None)
+    mrope = None
+    if gqa is not None and gqa.rope is not None and gqa.rope.mrope:
+        mrope = {
+            "interleaved": gqa.rope.mrope == "interleaved",
+            "param": gqa.rope.param,
+            "head_dim": gen.py(gqa.head_dim, layer=False),
+            "positions": _route(gqa, "positions"),
+            "rope_deltas": _route(gqa, "rope_deltas"),
+        }
     env = _env()
     ctx = {
+        "mrope": mrope,
+        "deepstack": layers.deepstack,
         "spec": spec,
         "spec_label": spec_label,
         "hash": spec_hash(source),
@@ -404,8 +434,13 @@ def render_model(spec: schema.Spec, source: str, spec_label: str) -> str:
             for a in attentions.values()
         ],
         "cached_classes": _class_tuple([a["class_name"] for a in attentions.values()]),
-        "uses_rope": any(a["template"] == "attention_gqa.py.j2" and a["rope"] for a in attentions.values()),
-        "uses_yarn": any(a["template"] == "attention_mla.py.j2" or a["attn_scale"] for a in attentions.values()),
+        "uses_rope": any(
+            a["template"] == "attention_gqa.py.j2" and a["rope"] and not a["rope"]["mrope"]
+            for a in attentions.values()
+        ),
+        "uses_yarn": any(
+            a["template"] == "attention_mla.py.j2" or a["attn_scale"] for a in attentions.values()
+        ),
         "moe": None
         if moe_block is None
         else {
@@ -413,7 +448,7 @@ def render_model(spec: schema.Spec, source: str, spec_label: str) -> str:
             "experts": gen.py(moe_block.experts, args="self.args", layer=False),
         },
         "vision": vision,
-        "vision_block": env.get_template(vision["template"]).render().rstrip("\n")
+        "vision_block": env.get_template(vision["template"]).render(vision=vision).rstrip("\n")
         if vision
         else "",
         "text_path": "self.model.language_model" if vision else "self.model",

@@ -297,15 +297,16 @@ def _check_supported(spec: schema.Spec, rep: _Reporter) -> None:
                     rep.at_key(
                         loc + ("sliding_window",), "C001", "sliding windows not compiled yet"
                     )
-                if b.rope and b.rope.mrope:
-                    rep.at_value(loc + ("rope", "mrope"), "C001", "mrope is not compiled yet")
+                qwen = spec.vision is not None and spec.vision.tower.startswith("qwen")
+                if b.rope and b.rope.mrope and not qwen:
+                    rep.at_value(
+                        loc + ("rope", "mrope"), "C001", "mrope positions need a qwen vision tower"
+                    )
         kinds = [b.kind for b, _ in _variants(getattr(layers, part), ())]
         if len(kinds) != len(set(kinds)):
             rep.at_key(base + (part,), "C001", f"two {part} variants of the same kind")
-    if layers.deepstack is not None:
-        rep.at_key(base + ("deepstack",), "C001", "deepstack is not compiled yet")
-    if spec.vision is not None and spec.vision.tower not in ("pixtral",):
-        rep.at_value(("vision", "tower"), "C001", f"{spec.vision.tower} is not compiled yet")
+    if layers.deepstack and (spec.vision is None or spec.vision.tower != "qwen3_vit"):
+        rep.at_key(base + ("deepstack",), "C001", "deepstack needs the qwen3_vit tower")
     if spec.vision is not None and spec.vision.image_token not in spec.params:
         rep.at_value(
             ("vision", "image_token"), "P001", f"'{spec.vision.image_token}' is not a param"

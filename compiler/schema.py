@@ -179,14 +179,9 @@ class Layers(Strict):
     norm: Norm  # pre-norm of each residual branch
     attention: AttentionBlock | list[AttentionBlock]
     mlp: MLPBlock | list[MLPBlock]
-    deepstack: DeepStack | None = None
-
-
-class DeepStack(Strict):
-    """Vision features from chosen tower layers added to the first decoder layers' outputs."""
-
-    layers: IntExpr  # how many decoder layers receive an injection
-    token: str  # param holding the image token id
+    # DeepStack (qwen3_vl): the tower's extra feature sets are added, one per decoder layer
+    # from the first, to that layer's output at the image-token rows.
+    deepstack: bool = False
 
 
 class Embedding(Strict):
@@ -251,4 +246,3 @@ class Spec(Strict):
     tiny_config: dict[str, Any]
 
 
-Layers.model_rebuild()

@@ -242,11 +242,10 @@ class TextModel(nn.Module):
 
     def __call__(self, input_ids: mx.array, cache: SequenceCache) -> mx.array:
         h = self.embed_tokens(input_ids)
-        if cache.images is not None:
-            # Image placeholders take the next image-feature rows, in prompt order.
-            rows = cache.images.take(input_ids, self.image_token_id)
-            if rows is not None:
-                h = rows.replace(h, cache.images.embeds)
+        # Image placeholders take the next image-feature rows, in prompt order.
+        rows = cache.images.take(input_ids, self.image_token_id) if cache.images else None
+        if rows is not None:
+            h = rows.replace(h, cache.images.embeds)
         for layer, layer_cache in zip(self.layers, cache):
             h = layer(h, layer_cache)
         return self.norm(h)
@@ -275,6 +274,9 @@ class VisionLanguageModel(nn.Module):
             self.vision_feature_layer,
         )
         return ImageFeatures(embeds)
+
+    def sanitize_vision(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        return pixtral.sanitize(weights)  # PyTorch conv layout -> MLX channels-last
 
 
 class Model(nn.Module):
@@ -317,5 +319,5 @@ class Model(nn.Module):
             intermediate=self.args.moe_intermediate_size,
             num_experts=self.args.n_routed_experts,
         )
-        weights = pixtral.sanitize(weights)
+        weights = self.model.sanitize_vision(weights)
         return weights

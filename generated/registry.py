@@ -15,5 +15,9 @@ MODEL_TYPES = {
     "mistral4": "mistral4",
     "nemotron-nas": "nemotron_nas",
     "qwen2": "qwen2",
+    "qwen2_5_vl": "qwen2_5_vl",
+    "qwen2_vl": "qwen2_vl",
     "qwen3": "qwen3",
+    "qwen3_vl": "qwen3_vl",
+    "qwen3_vl_moe": "qwen3_vl_moe",
 }

@@ -174,6 +174,58 @@ def positions(
     return after if inside is None else np.concatenate([inside, after], axis=-1)
 
 
+class PromptPositions:
+    """MRoPE positions of one sequence whose prompt arrives in chunks.
+
+    A token's position depends only on the tokens before it, so a chunk's positions are
+    ``rope_index`` over every token seen so far, sliced at ``offset`` (``cache.offset``,
+    monotonic). An image cut by the chunk boundary is completed with placeholder tokens first.
+    Once every image token has been seen, positions continue as ``offset + i + rope_deltas``
+    and the history is dropped.
+
+    A batch of several prompts with images must bring all their image tokens in its first
+    chunk: which grid belongs to which row is only known from whole prompts.
+    """
+
+    def __init__(self, **index_kwargs: Any) -> None:
+        self.index_kwargs = index_kwargs  # spatial_merge_size, image/video token ids, ...
+        self.grids: np.ndarray | None = None  # [n, 3] images whose tokens are still to come
+        self.history: np.ndarray | None = None  # [B, T] tokens since the sequence start
+        self.deltas: np.ndarray = np.zeros(1, np.int64)
+
+    def add_images(self, image_grid_thw: Any) -> None:
+        self.grids = np.asarray(image_grid_thw, np.int64).reshape(-1, 3)
+
+    def __call__(self, input_ids: Any, offset: int) -> np.ndarray:
+        """Positions ``[3, B, L]`` of the chunk ``input_ids [B, L]`` starting at ``offset``."""
+        ids = np.asarray(input_ids)
+        B, L = ids.shape
+        if self.grids is None:
+            return decode_positions(offset, self.deltas, B, L)
+        if self.history is None:  # text before the images ran at positions 0..offset-1
+            self.history = np.full((B, offset), -1, ids.dtype)
+        history = np.concatenate([self.history, ids], axis=1)
+        merge = self.index_kwargs["spatial_merge_size"]
+        per_grid = np.cumsum(self.grids.prod(axis=1) // merge**2)
+        image_token = self.index_kwargs["image_token_id"]
+        seen = int((history == image_token).sum())
+        started = int(np.searchsorted(per_grid, seen, side="left")) + 1
+        missing = int(per_grid[min(started, len(per_grid)) - 1]) - seen
+        if missing and B > 1:
+            raise ValueError(
+                "a batch of prompts with images must bring all image tokens in its first chunk"
+            )
+        completed = history
+        if missing:  # a chunk boundary inside an image: complete it to index the prefix
+            completed = np.concatenate([history, np.full((1, missing), image_token)], axis=1)
+        pos, deltas = rope_index(completed, self.grids[:started], **self.index_kwargs)
+        if seen >= int(per_grid[-1]):  # every image seen: plain offsets from now on
+            self.grids, self.history, self.deltas = None, None, deltas
+        else:
+            self.history = history
+        return pos[:, :, offset : offset + L]
+
+
 # ---------------------------------------------------------------- rotation
 
 
