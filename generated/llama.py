@@ -26,6 +26,7 @@ from mlxc.runtime.weights import WeightRules
 SPEC = "llama"
 MODEL_TYPES = ("llama", "mistral")
 CACHE_POLICY = "pooled-kv"
+VISION_TOWER = None  # runtime preprocessing follows it
 WEIGHT_RULES = WeightRules(
     rename=(),
     drop=(r"\.rotary_emb\.inv_freq$",),

@@ -27,6 +27,7 @@ from mlxc.runtime.weights import WeightRules
 SPEC = "mistral4"
 MODEL_TYPES = ("mistral4",)
 CACHE_POLICY = "pooled-kv"
+VISION_TOWER = None  # runtime preprocessing follows it
 WEIGHT_RULES = WeightRules(
     rename=(),
     drop=(r"\.rotary_emb\.inv_freq$",),

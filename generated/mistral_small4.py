@@ -28,6 +28,7 @@ from mlxc.runtime.weights import WeightRules
 SPEC = "mistral_small4"
 MODEL_TYPES = ("mistral3",)
 CACHE_POLICY = "pooled-kv"
+VISION_TOWER = "pixtral"  # runtime preprocessing follows it
 WEIGHT_RULES = WeightRules(
     rename=(
         (r"^language_model\.model\.", "model.language_model."),

@@ -27,6 +27,7 @@ from mlxc.runtime.weights import WeightRules
 SPEC = "nemotron_nas"
 MODEL_TYPES = ("nemotron-nas",)
 CACHE_POLICY = "pooled-kv"
+VISION_TOWER = None  # runtime preprocessing follows it
 WEIGHT_RULES = WeightRules(
     rename=(
         (r"\.self_attn\.linear\.", ".self_attn.linear_attn."),

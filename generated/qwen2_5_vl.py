@@ -28,6 +28,7 @@ from mlxc.runtime.weights import WeightRules
 SPEC = "qwen2_5_vl"
 MODEL_TYPES = ("qwen2_5_vl",)
 CACHE_POLICY = "pooled-kv"
+VISION_TOWER = "qwen2_5_vit"  # runtime preprocessing follows it
 WEIGHT_RULES = WeightRules(
     rename=(
         (r"^visual\.", "model.visual."),

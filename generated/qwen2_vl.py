@@ -27,6 +27,7 @@ from mlxc.runtime.weights import WeightRules
 SPEC = "qwen2_vl"
 MODEL_TYPES = ("qwen2_vl",)
 CACHE_POLICY = "pooled-kv"
+VISION_TOWER = "qwen2_vit"  # runtime preprocessing follows it
 WEIGHT_RULES = WeightRules(
     rename=(
         (r"^visual\.", "model.visual."),

@@ -25,6 +25,7 @@ from mlxc.runtime.weights import WeightRules
 SPEC = "qwen3"
 MODEL_TYPES = ("qwen3",)
 CACHE_POLICY = "pooled-kv"
+VISION_TOWER = None  # runtime preprocessing follows it
 WEIGHT_RULES = WeightRules(
     rename=(),
     drop=(r"\.rotary_emb\.inv_freq$",),

@@ -28,6 +28,7 @@ from mlxc.runtime.weights import WeightRules
 SPEC = "qwen3_vl"
 MODEL_TYPES = ("qwen3_vl",)
 CACHE_POLICY = "pooled-kv"
+VISION_TOWER = "qwen3_vit"  # runtime preprocessing follows it
 WEIGHT_RULES = WeightRules(
     rename=(
         (r"^visual\.", "model.visual."),

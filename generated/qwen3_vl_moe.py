@@ -27,6 +27,7 @@ from mlxc.runtime.weights import WeightRules
 SPEC = "qwen3_vl_moe"
 MODEL_TYPES = ("qwen3_vl_moe",)
 CACHE_POLICY = "pooled-kv"
+VISION_TOWER = "qwen3_vit"  # runtime preprocessing follows it
 WEIGHT_RULES = WeightRules(
     rename=(
         (r"^visual\.", "model.visual."),

@@ -69,21 +69,53 @@ def randomize(model, seed: int = 0) -> None:
     mx.eval(model.parameters())
 
 
-def _schedule(rng: np.random.Generator, vocab: int) -> list[np.ndarray]:
-    """Token chunks: prefill chunks, one continuation chunk, then single-token decode steps."""
+IMAGE_AT = 5  # the image's tokens start here, so the first chunk boundary falls inside them
+
+
+def vision_inputs(tower: str, config: dict, rng: np.random.Generator) -> tuple[dict, int]:
+    """Random pixel inputs for one small image and its number of placeholder tokens."""
+    vision = config["vision_config"]
+    patch = vision.get("patch_size", 14)
+    if tower == "pixtral":
+        merge = config.get("spatial_merge_size", 2)
+        h, w = 2 * patch * merge, 3 * patch * merge
+        pixels = rng.standard_normal((1, 3, h, w)).astype(np.float32)
+        return {"pixel_values": mx.array(pixels), "image_sizes": mx.array([[h, w]])}, 6
+    merge = vision.get("spatial_merge_size", 2)
+    t, h, w = 1, 2 * merge, 3 * merge
+    channels = vision.get("in_channels", vision.get("in_chans", 3))
+    width = channels * vision.get("temporal_patch_size", 2) * patch * patch
+    pixels = rng.standard_normal((t * h * w, width)).astype(np.float32)
+    return {"pixel_values": mx.array(pixels), "image_grid_thw": mx.array([[t, h, w]])}, 6
+
+
+def _schedule(
+    rng: np.random.Generator, vocab: int, image: tuple[int, int] | None = None
+) -> list[np.ndarray]:
+    """Token chunks: prefill chunks, one continuation chunk, then single-token decode steps.
+
+    ``image``: (placeholder token id, count) placed at ``IMAGE_AT``; other tokens avoid the id.
+    """
     tokens = rng.integers(0, vocab, size=PROMPT_LEN + CONTINUATION + DECODE_STEPS)
+    if image is not None:
+        token, count = image
+        tokens[tokens == token] = (token + 1) % vocab
+        tokens[IMAGE_AT : IMAGE_AT + count] = token
     chunks = [tokens[i : i + PREFILL_CHUNK] for i in range(0, PROMPT_LEN, PREFILL_CHUNK)]
     chunks.append(tokens[PROMPT_LEN : PROMPT_LEN + CONTINUATION])
     chunks += [tokens[i : i + 1] for i in range(PROMPT_LEN + CONTINUATION, len(tokens))]
     return chunks
 
 
-def _run(model, chunks, max_kv: int | None, keep: int) -> tuple[list[mx.array], int | None]:
+def _run(
+    model, chunks, max_kv: int | None, keep: int, vision: dict | None = None
+) -> tuple[list[mx.array], int | None]:
     """Logits per chunk, and the index of the first chunk that ran after a trim."""
     cache = model.make_cache()
     outputs, first_trimmed, offset = [], None, 0
     for i, chunk in enumerate(chunks):
-        logits = model(mx.array(chunk[None, :]), cache=cache)
+        extra = vision if (vision and i == 0) else {}  # vision inputs come with the first chunk
+        logits = model(mx.array(chunk[None, :]), cache=cache, **extra)
         mx.eval(logits)
         outputs.append(logits)
         offset += len(chunk)
@@ -97,18 +129,27 @@ def _run(model, chunks, max_kv: int | None, keep: int) -> tuple[list[mx.array], 
     return outputs, first_trimmed
 
 
-def verify_module(name: str, module: types.ModuleType, config: dict) -> Report:
+def verify_module(
+    name: str, module: types.ModuleType, config: dict, image_token: str | None = None
+) -> Report:
+    """``image_token``: for a vision spec, the param holding the placeholder id; the schedule
+    then carries one image in its first chunk, cut by the first chunk boundary."""
     args = module.ModelArgs.from_config(config)
     model = module.Model(args)
     randomize(model)
     vocab = model(mx.array([[0]])).shape[-1]
-    chunks = _schedule(np.random.default_rng(1), vocab)
-    notes = []
+    rng = np.random.default_rng(1)
+    vision, image = None, None
+    if image_token is not None:
+        vision, count = vision_inputs(module.VISION_TOWER, config, rng)
+        image = (getattr(args, image_token), count)
+    chunks = _schedule(rng, vocab, image)
+    notes = [] if vision is None else ["one image in the first chunks"]
     with masks.array_masks() as audit:
-        reference, _ = _run(model, chunks, None, 0)
-        full = model(mx.array(np.concatenate(chunks)[None, :]))
+        reference, _ = _run(model, chunks, None, 0, vision)
+        full = model(mx.array(np.concatenate(chunks)[None, :]), **(vision or {}))
         for keep in SINKS:
-            trimmed, first = _run(model, chunks, MAX_KV, keep)
+            trimmed, first = _run(model, chunks, MAX_KV, keep, vision)
             if first is None:
                 raise VerifyError(f"no trim happened with max-kv-size {MAX_KV}")
             for i in range(first):
@@ -126,7 +167,7 @@ def verify_module(name: str, module: types.ModuleType, config: dict) -> Report:
     err = mx.abs(chunked - full).max().item()
     if err > ATOL:
         raise VerifyError(f"chunked prefill + decode differs from one forward pass by {err:.2e}")
-    fast, _ = _run(model, chunks, None, 0)  # string "causal" masks, the production path
+    fast, _ = _run(model, chunks, None, 0, vision)  # string "causal" masks, as in production
     fast_err = max(mx.abs(a - b).max().item() for a, b in zip(fast, reference))
     if fast_err > ATOL:
         raise VerifyError(f'"causal" fast path differs from array masks by {fast_err:.2e}')
@@ -148,7 +189,9 @@ def verify(paths: list[str]) -> list[Report]:
         name = checked.spec.name
         try:
             module = load_source(name, result.files[f"{name}.py"])
-            reports.append(verify_module(name, module, checked.spec.tiny_config))
+            vision = checked.spec.vision
+            image_token = vision.image_token if vision is not None else None
+            reports.append(verify_module(name, module, checked.spec.tiny_config, image_token))
         except Exception as err:  # any failure of one spec is reported, the others still run
             reports.append(Report(name, False, f"{type(err).__name__}: {err}"))
     return reports
