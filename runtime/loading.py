@@ -21,6 +21,8 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten
 
+from mlxc.runtime import fp8
+
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_LISTED = 10  # tensor names listed per kind of mismatch; the rest are counted
 
@@ -274,6 +276,8 @@ def load_model(path: str | Path, dtype: mx.Dtype | str | None = None) -> nn.Modu
     files = weight_files(path)
     weights, source = _read_weights(files)
     try:
+        block = tuple((config.get("quantization_config") or {}).get("weight_block_size", fp8.BLOCK))
+        weights = fp8.dequantize(weights, block, dtype=target or mx.bfloat16)
         weights = model.sanitize(weights)
     except (KeyError, ValueError) as e:
         raise CheckpointError(
