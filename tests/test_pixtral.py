@@ -183,17 +183,31 @@ def test_sanitize_is_idempotent_and_leaves_others():
         pixtral.sanitize({"patch_conv.weight": mx.zeros((8, 3, 3, 3))})
 
 
-def test_merge_image_features_matches_masked_scatter(rng):
+def test_image_rows_match_masked_scatter_across_chunks(rng):
+    """What the models use (ImageFeatures.take + replace), also split over two chunks."""
+    from mlxc.runtime.multimodal import ImageFeatures
+
     img = 5
     ids = np.array([[1, img, img, 2, img], [img, 3, 4, img, img]])
     embeds = rng.standard_normal((2, 5, 6)).astype(np.float32)
     feats = rng.standard_normal((int((ids == img).sum()), 6)).astype(np.float32)
     mask = torch.from_numpy(ids == img)[..., None].expand(2, 5, 6)
     want = torch.from_numpy(embeds).masked_scatter(mask, torch.from_numpy(feats)).numpy()
-    got = pixtral.merge_image_features(mx.array(embeds), mx.array(ids), mx.array(feats), img)
+    features = ImageFeatures(mx.array(feats))
+    rows = features.take(mx.array(ids), img)
+    got = rows.replace(mx.array(embeds), features.embeds)
     np.testing.assert_array_equal(np.array(got), want)
-    with pytest.raises(ValueError, match="image tokens"):
-        pixtral.merge_image_features(mx.array(embeds), mx.array(ids), mx.array(feats[:-1]), img)
+    # One sequence in two chunks takes the rows in order.
+    seq = np.array([[img, 1, img, img, 2, img]])
+    features = ImageFeatures(mx.array(feats[:4]))
+    parts = [
+        features.take(mx.array(seq[:, :3]), img).replace(mx.zeros((1, 3, 6)), features.embeds),
+        features.take(mx.array(seq[:, 3:]), img).replace(mx.zeros((1, 3, 6)), features.embeds),
+    ]
+    got = np.concatenate([np.array(p) for p in parts], axis=1)[0]
+    np.testing.assert_array_equal(got[[0, 2, 3, 5]], feats[:4])
+    with pytest.raises(ValueError, match="more image tokens"):
+        features.take(mx.array([[img]]), img)
 
 
 # --- preprocessing --------------------------------------------------------------------------

@@ -324,28 +324,6 @@ def tokens_per_image(image_sizes: Any, patch_size: int, spatial_merge_size: int)
     return [(h // k) * (w // k) for h, w in _sizes(image_sizes)]
 
 
-def merge_image_features(
-    embeds: mx.array, input_ids: mx.array, features: mx.array, image_token_id: int
-) -> mx.array:
-    """Put ``features`` rows, in order, at the ``image_token_id`` positions of ``embeds``
-    ``[B, L, D]`` (row-major over batch then position), like transformers' ``masked_scatter``.
-
-    The counts must match exactly (transformers raises too); a chunked prefill passes the slice
-    of ``features`` that belongs to the chunk's image tokens.
-    """
-    is_img = (input_ids == image_token_id).reshape(-1)
-    n = int(is_img.sum().item())
-    if n != features.shape[0]:
-        raise ValueError(f"{n} image tokens but {features.shape[0]} image feature rows")
-    if n == 0:
-        return embeds
-    flat = embeds.reshape(-1, embeds.shape[-1])
-    # Row r of the output takes features[rank of r among image tokens] where it is an image token.
-    rank = mx.maximum(mx.cumsum(is_img.astype(mx.int32)) - 1, 0)
-    flat = mx.where(is_img[:, None], features.astype(flat.dtype)[rank], flat)
-    return flat.reshape(embeds.shape)
-
-
 def sanitize(weights: dict[str, mx.array], num_channels: int = 3) -> dict[str, mx.array]:
     """Convert PyTorch-layout patch-conv weights to MLX's; every other tensor passes unchanged.
 
