@@ -126,8 +126,3 @@ def to_python(value, scope: Scope, args: str = "args", layer_args: str = "layer_
         return repr(value)
     tree = _Rewrite(scope, args, layer_args).visit(parse(value))
     return ast.unparse(tree)
-
-
-def uses_layer(value) -> bool:
-    """Whether an expression depends on the layer (a layer field or layer_idx)."""
-    return isinstance(value, str) and any(n == "layer_idx" for n, _ in names(value))

@@ -292,7 +292,7 @@ def _check_supported(spec: schema.Spec, rep: _Reporter) -> None:
         for b, loc in _variants(getattr(layers, part), base + (part,)):
             if isinstance(b, schema.GQA):
                 if b.scale == "llama4":
-                    rep.at_value(loc + ("scale",), "C001", "llama4 scale on gqa is not compiled yet")
+                    rep.at_value(loc + ("scale",), "C001", "gqa llama4 scale is not compiled yet")
                 if b.sliding_window is not None:
                     rep.at_key(
                         loc + ("sliding_window",), "C001", "sliding windows not compiled yet"

@@ -244,5 +244,3 @@ class Spec(Strict):
     weights: Weights = Weights()
     # A tiny config.json that `mlxc verify` instantiates with random weights.
     tiny_config: dict[str, Any]
-
-
