@@ -176,6 +176,14 @@ class _GenerateCommand(click.Command):
 )
 @click.option("--prefill-chunk-size", default=512, show_default=True, type=click.IntRange(min=1))
 @click.option("--no-chat-template", is_flag=True, help="Encode the prompt as raw text.")
+@click.option(
+    "--image",
+    "images",
+    multiple=True,
+    metavar="PATH",
+    help="Image file for a vision-language model; repeat for several (they go before the "
+    "prompt text, in the order given).",
+)
 def generate(
     model_dir,
     prompt,
@@ -188,13 +196,26 @@ def generate(
     kv_sink,
     prefill_chunk_size,
     no_chat_template,
+    images,
 ):
     """Generate a completion for PROMPT, streaming the text to stdout."""
     import time
 
     # MLX and transformers load here, not at CLI start-up: lint and build never need them.
     from mlxc.runtime.generate import DEFAULT_KV_SINK, generate_tokens
-    from mlxc.runtime.loading import CheckpointError, load_model, read_config
+    from mlxc.runtime.loading import (
+        CheckpointError,
+        load_model,
+        read_config,
+        registry_key,
+        resolve_module,
+    )
+    from mlxc.runtime.processor import (
+        ImageInputError,
+        load_image,
+        load_processor,
+        suppress_tokens,
+    )
     from mlxc.runtime.sample import make_sampler
     from mlxc.runtime.tokenizer import (
         StreamingDetokenizer,
@@ -209,30 +230,57 @@ def generate(
             f"must be larger than --kv-sink ({kv_sink})", param_hint="'--max-kv-size'"
         )
     try:
-        read_config(model_dir)  # "not a checkpoint" before "no tokenizer"
+        config = read_config(model_dir)  # "not a checkpoint" before "no tokenizer"
+        tower = None
+        if images:  # fail before loading weights: a text model, an unreadable image
+            tower = getattr(resolve_module(registry_key(config)), "VISION_TOWER", None)
+            if tower is None:
+                raise click.BadParameter(
+                    f"the {config.get('model_type')} model at {model_dir} takes no images "
+                    "(it has no vision tower)",
+                    param_hint="'--image'",
+                )
+            try:
+                pil_images = [load_image(p) for p in images]
+            except ImageInputError as e:
+                raise click.BadParameter(str(e), param_hint="'--image'") from e
         tokenizer = load_tokenizer(model_dir)
         if tokenizer is None:
             raise CheckpointError(
                 f"no tokenizer in {model_dir} (tokenizer.json, tokenizer_config.json or "
                 "tokenizer.model): copy the tokenizer files of the model there"
             )
+        processor = load_processor(model_dir, tokenizer, tower) if images else None
         model = load_model(model_dir)
-    except CheckpointError as e:
+    except (CheckpointError, ValueError) as e:  # ValueError: inconsistent processor files
         raise _OneLineError(str(e), 1) from e
 
-    ids = encode_prompt(tokenizer, prompt, chat_template=False if no_chat_template else None)
+    template = False if no_chat_template else None
+    vision_inputs = None
+    if processor is not None:
+        try:
+            encoded = processor.encode_text_and_images(prompt, pil_images, chat_template=template)
+        except ValueError as e:  # ImageInputError included
+            raise _OneLineError(str(e), 1) from e
+        ids, vision_inputs = encoded.ids, encoded.vision
+    else:
+        ids = encode_prompt(tokenizer, prompt, chat_template=template)
     if not ids:
         raise click.BadParameter("encodes to no tokens", param_hint="'--prompt'")
 
+    sampler = make_sampler(temp=temp, top_p=top_p, top_k=top_k, seed=seed)
+    if processor is not None:  # image placeholders are prompt-only: never generate one
+        sampler = suppress_tokens(sampler, processor.image_slot_token_ids)
     tokens = generate_tokens(
         model,
         ids,
         max_tokens=max_tokens,
-        sampler=make_sampler(temp=temp, top_p=top_p, top_k=top_k, seed=seed),
+        sampler=sampler,
         prefill_chunk_size=prefill_chunk_size,
         max_kv_size=max_kv_size,
         kv_sink=kv_sink,
         eos_token_ids=eos_token_ids(tokenizer, model_dir),
+        vision_inputs=vision_inputs,
     )
     detok = StreamingDetokenizer(tokenizer)
     start = time.perf_counter()
@@ -259,6 +307,185 @@ def generate(
 
 
 # --- end generate ---------------------------------------------------------------------------
+
+
+# --- serve (runtime) ------------------------------------------------------------------------
+
+
+@main.command(cls=_GenerateCommand)
+@click.option(
+    "--model",
+    "model_dir",
+    default=None,
+    type=click.Path(exists=True, file_okay=False),
+    help="HF checkpoint directory. Default: the built-in demo checkpoint (a small llama with "
+    "RANDOM weights, written to $MLXC_HOME or ~/.cache/mlxc on first use; no download).",
+)
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Interface to bind (0.0.0.0 exposes the server to the network: set --api-key).",
+)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option(
+    "--max-kv-size",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Keep at most this many tokens in each sequence's KV cache, trimming the oldest after "
+    "every prefill chunk and decode step (a sliding window; prompts may then exceed the "
+    "context). Default: unbounded, and prompts longer than the context get a 400.",
+)
+@click.option(
+    "--kv-sink",
+    default=None,
+    type=click.IntRange(min=0),
+    help="Tokens kept at the front when --max-kv-size trims. Default 4: StreamingLLM found that "
+    "the first tokens soak up attention mass ('attention sinks') and evicting them degrades a "
+    "sliding window sharply; keeping 4 restores it. 0 is a plain sliding window.",
+)
+@click.option(
+    "--prefill-chunk-size",
+    default=512,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Prompt tokens per prefill step; running sequences decode a token between chunks.",
+)
+@click.option(
+    "--max-concurrency",
+    default=8,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Sequences generating at once; more requests wait in the queue.",
+)
+@click.option(
+    "--max-queue",
+    default=64,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Requests waiting for a slot; past this the answer is 429 at once.",
+)
+@click.option(
+    "--max-tokens",
+    default=512,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Completion length for requests that set no max_tokens.",
+)
+@click.option(
+    "--api-key",
+    default=None,
+    envvar="MLXC_API_KEY",
+    help="Require 'Authorization: Bearer KEY' on /v1/* (401 otherwise); also read from "
+    "$MLXC_API_KEY. /health stays open.",
+)
+@click.option(
+    "--chat-template",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Jinja chat template file used instead of the tokenizer's.",
+)
+@click.option("--model-id", default=None, help="Model name in the API (default: directory name).")
+@click.option(
+    "--max-body-bytes",
+    default=32 * 1024 * 1024,
+    show_default=True,
+    type=click.IntRange(min=1024),
+    help="Largest request body accepted (413 above).",
+)
+@click.option(
+    "--log-level",
+    default="info",
+    show_default=True,
+    type=click.Choice(["debug", "info", "warning", "error"]),
+)
+def serve(
+    model_dir,
+    host,
+    port,
+    max_kv_size,
+    kv_sink,
+    prefill_chunk_size,
+    max_concurrency,
+    max_queue,
+    max_tokens,
+    api_key,
+    chat_template,
+    model_id,
+    max_body_bytes,
+    log_level,
+):
+    """Serve a model over an OpenAI-compatible HTTP API (chat, completions, streaming)."""
+    import logging
+    from pathlib import Path
+
+    import uvicorn
+
+    from mlxc.runtime.generate import DEFAULT_KV_SINK
+    from mlxc.runtime.loading import CheckpointError
+    from mlxc.runtime.server import Engine, create_app
+
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    log = logging.getLogger("mlxc.serve")
+    kv_sink = DEFAULT_KV_SINK if kv_sink is None else kv_sink
+    if max_kv_size is not None and max_kv_size <= kv_sink:
+        raise click.BadParameter(
+            f"must be larger than --kv-sink ({kv_sink})", param_hint="'--max-kv-size'"
+        )
+    template = None
+    if chat_template is not None:
+        try:
+            template = Path(chat_template).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise _OneLineError(f"cannot read --chat-template {chat_template}: {e}") from e
+
+    description = None
+    if model_dir is None:
+        from mlxc.runtime import demo
+
+        model_dir = demo.ensure_demo()
+        model_id = model_id or demo.DEMO_MODEL_ID
+        description = demo.DEMO_DESCRIPTION
+        log.warning(
+            "no --model: serving the built-in demo checkpoint %s. Its weights are RANDOM: the "
+            "output is meaningless text. Pass --model DIR to serve a real model.",
+            model_dir,
+        )
+    try:
+        engine = Engine.from_path(
+            model_dir,
+            model_id=model_id,
+            chat_template=template,
+            description=description,
+            max_kv_size=max_kv_size,
+            kv_sink=kv_sink,
+            prefill_chunk_size=prefill_chunk_size,
+            max_concurrency=max_concurrency,
+            max_queue=max_queue,
+        )
+    except CheckpointError as e:
+        raise _OneLineError(str(e), 1) from e
+
+    app = create_app(
+        engine, api_key=api_key, default_max_tokens=max_tokens, max_body_bytes=max_body_bytes
+    )
+    window = f"max-kv-size {max_kv_size}, kv-sink {kv_sink}" if max_kv_size else "unbounded KV"
+    log.info(
+        "serving %r from %s (%s, prefill chunk %d, concurrency %d, queue %d); OpenAI base_url "
+        "http://%s:%d/v1",
+        engine.model_id,
+        model_dir,
+        window,
+        prefill_chunk_size,
+        max_concurrency,
+        max_queue,
+        host,
+        port,
+    )
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+# --- end serve ------------------------------------------------------------------------------
 
 
 if __name__ == "__main__":

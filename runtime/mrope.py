@@ -245,7 +245,9 @@ def _tables(head_dim: int, theta: float, section: tuple[int, ...], interleaved: 
             raise ValueError(f"mrope_section {list(section)} must sum to head_dim/2 = {half}")
         axis = np.repeat(np.arange(3, dtype=np.int32), section)
     inv_freq = 1.0 / theta ** (mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim)
-    return inv_freq, mx.array(axis)
+    axis = mx.array(axis)
+    mx.eval(inv_freq, axis)  # cached across calls and threads: never leave it lazy
+    return inv_freq, axis
 
 
 def cos_sin(

@@ -76,6 +76,8 @@ class RoPE(nn.Module):
             self.scale = 1.0 / cfg.factor
         elif cfg.kind == "llama3":
             self.base, self._periods = None, llama3_periods(dims, cfg)
+            # Evaluated now: a lazy array cannot be evaluated on another thread (the server's).
+            mx.eval(self._periods)
         elif cfg.kind != "default":
             raise ConfigError(f"rope kind '{cfg.kind}' is not supported for this attention")
 

@@ -107,6 +107,7 @@ class YarnRoPE(nn.Module):
             dims, base, factor, original_max_position_embeddings, beta_fast, beta_slow, truncate
         )
         self._periods = 1.0 / inv_freq  # mx.fast.rope wants periods: angle = position / period
+        mx.eval(self._periods)  # a lazy array cannot be evaluated on another thread
         self.mscale = yarn_attention_factor(factor, mscale, mscale_all_dim, attention_factor)
 
     @classmethod

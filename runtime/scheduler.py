@@ -1,0 +1,609 @@
+"""Continuous-batching scheduler and KV cache pool for ``mlxc serve`` (DESIGN.md sections 3, 5).
+
+One background thread owns MLX and the model: MLX is not safe under concurrent forwards, so
+every model call, sampler call and cache operation happens on it (given a ``load`` function, it
+builds the model there too: MLX streams are per thread). Other threads only
+``submit`` requests (through a lock-protected queue), ``cancel`` them (a flag) and read
+``stats()`` (a snapshot the thread publishes).
+
+Each tick of the loop:
+
+1. admits waiting requests while fewer than ``max_concurrency`` run (continuous batching: new
+   sequences join between steps, never mid-step);
+2. drops cancelled sequences, which returns their caches to the pool;
+3. advances every decoding sequence by one token and ONE prefilling sequence (round-robin) by
+   one chunk of at most ``prefill_chunk_size`` tokens, so a long prompt costs the others one
+   chunk per token instead of its whole prefill;
+4. evaluates all of that in one ``mx.eval`` and hands each sampled token to its request.
+
+After every prefill chunk and every decode step the pool calls ``enforce_max_kv`` on that
+sequence's caches (never on ``model-owned`` ones). A failure in one sequence (an MLX exception
+in its forward included) ends that request with a :class:`Failed` event and frees its caches;
+the others carry on.
+
+Decode steps are built per sequence: ``KVCache`` holds one sequence with one offset, so one
+batched forward over sequences of different lengths needs a batched cache. ``_advance`` is
+where a batched decode forward drops in; the tick already evaluates every sequence together.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx import nn
+
+from mlxc.runtime.cache import enforce_max_kv
+from mlxc.runtime.generate import DEFAULT_KV_SINK
+from mlxc.runtime.sample import make_sampler
+from mlxc.runtime.tokenizer import StreamingDetokenizer
+
+log = logging.getLogger("mlxc.serve")
+
+
+class QueueFull(Exception):
+    """``max_queue`` requests already wait for a slot: answer 429, do not queue."""
+
+
+class SchedulerStopped(Exception):
+    """The scheduler is shut down (or its thread died) and takes no more requests."""
+
+
+# --- requests and the events they receive ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks, tests)
+
+
+# A request receives any number of Delta events, then exactly one Finished or Failed.
+
+
+@dataclass
+class Delta:
+    text: str  # may be "" (a token that ends mid-character, or text held back by `stop`)
+    token: int
+
+
+@dataclass
+class Finished:
+    reason: str  # "stop" (EOS or a stop string) or "length" (max_tokens)
+    text: str  # the text held back until the end
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Failed:
+    message: str
+
+
+Event = Delta | Finished | Failed
+
+
+class Request:
+    """A submitted generation. ``cancel()`` may be called from any thread, any time."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        emit: Callable[[Event], None],
+        wake: Callable[[], None],
+        model_inputs: dict[str, Any] | None = None,
+    ) -> None:
+        self.id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.emit = emit
+        # Extra keyword inputs of the first prefill chunk's forward: a VL model's pixel_values
+        # and grids (the model keeps the image features on its SequenceCache for later chunks).
+        self.model_inputs = model_inputs or {}
+        self._wake = wake
+        self._cancelled = threading.Event()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Stop generating and free the slot (a no-op once the request has finished)."""
+        self._cancelled.set()
+        self._wake()
+
+
+# --- stop strings ------------------------------------------------------------------------------
+
+
+class StopMatcher:
+    """Cuts the text stream at the first stop string, holding back a possible partial match.
+
+    ``feed`` returns the text safe to emit and whether a stop string was hit (the text then ends
+    just before it). Text that could be the start of a stop string waits for the next delta.
+    """
+
+    def __init__(self, stops: Iterable[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.pending)), hold, -1):
+                if self.pending.endswith(s[:k]):
+                    hold = k
+                    break
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+# --- cache pool --------------------------------------------------------------------------------
+
+
+def cache_policy(model: nn.Module) -> str:
+    """The generated module's ``CACHE_POLICY`` ("pooled-kv" when it declares none)."""
+    module = sys.modules.get(type(model).__module__)
+    return getattr(module, "CACHE_POLICY", "pooled-kv")
+
+
+def _cache_nbytes(cache: Any) -> int:
+    if hasattr(cache, "nbytes"):
+        return int(cache.nbytes)
+    # Model-owned state without accounting of its own: count the arrays it holds.
+    return sum(v.nbytes for v in vars(cache).values() if isinstance(v, mx.array))
+
+
+def _cache_arrays(caches: list) -> list[mx.array]:
+    return [v for c in caches for v in vars(c).values() if isinstance(v, mx.array)]
+
+
+class CachePool:
+    """Each running sequence's cache list, its memory, and the bounded-cache rule.
+
+    Used from the scheduler thread only. ``enforce`` is the one call site of ``enforce_max_kv``
+    in the server; model-owned caches (``CACHE_POLICY = "model-owned"``) are never trimmed.
+    """
+
+    def __init__(self, model: nn.Module | None, max_kv_size: int | None, kv_sink: int) -> None:
+        self.model = model  # set by the scheduler once it has built the model
+        self.max_kv_size = max_kv_size
+        self.kv_sink = kv_sink
+        self._caches: dict[str, list] = {}
+        self.peak_bytes = 0
+
+    @property
+    def trims(self) -> bool:
+        if self.max_kv_size is None or self.model is None:
+            return False
+        return cache_policy(self.model) != "model-owned"
+
+    def allocate(self, key: str) -> list:
+        caches = self.model.make_cache()
+        self._caches[key] = caches
+        return caches
+
+    def release(self, key: str) -> None:
+        self._caches.pop(key, None)
+
+    def enforce(self, caches: list) -> int:
+        """Trim ``caches`` back to ``max_kv_size`` live tokens; the number dropped."""
+        if not self.trims:
+            return 0
+        trimmable = [c for c in caches if hasattr(c, "trim_front")]
+        return enforce_max_kv(trimmable, self.max_kv_size, self.kv_sink)
+
+    def __len__(self) -> int:
+        return len(self._caches)
+
+    def nbytes(self) -> int:
+        total = sum(_cache_nbytes(c) for caches in self._caches.values() for c in caches)
+        self.peak_bytes = max(self.peak_bytes, total)
+        return total
+
+
+# --- scheduler -------------------------------------------------------------------------------
+
+
+class _Sequence:
+    """A running request's generation state (scheduler thread only)."""
+
+    def __init__(self, request: Request, caches: list, tokenizer: Any) -> None:
+        p = request.params
+        self.request = request
+        self.caches = caches
+        self.sampler = make_sampler(temp=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
+        self.prefilled = 0  # prompt tokens already forwarded
+        self.last_token: int | None = None  # input of the next decode step
+        self.generated = 0
+        self.detok = StreamingDetokenizer(tokenizer)
+        self.stops = StopMatcher(p.stop)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.request.prompt_ids)
+
+
+class Scheduler:
+    """Runs many generations on one model from one thread; see the module docstring."""
+
+    def __init__(
+        self,
+        model: nn.Module | None,
+        tokenizer: Any,
+        *,
+        load: Callable[[], nn.Module] | None = None,
+        eos_token_ids: Iterable[int] = (),
+        max_kv_size: int | None = None,
+        kv_sink: int = DEFAULT_KV_SINK,
+        prefill_chunk_size: int = 512,
+        max_concurrency: int = 8,
+        max_queue: int = 64,
+    ) -> None:
+        if prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        if kv_sink < 0:
+            raise ValueError(f"kv_sink must be >= 0, got {kv_sink}")
+        if max_kv_size is not None and max_kv_size <= kv_sink:
+            raise ValueError(f"max_kv_size ({max_kv_size}) must be larger than kv_sink ({kv_sink})")
+        if (model is None) == (load is None):
+            raise ValueError("pass either a model or a load function")
+        self.model = model
+        self._load = load
+        self.tokenizer = tokenizer
+        # Hugging Face tokenizers are not safe under concurrent use (encode may reconfigure
+        # the Rust tokenizer while a decode holds it): the server encodes under this lock too.
+        self.tokenizer_lock = threading.Lock()
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.prefill_chunk_size = prefill_chunk_size
+        self.max_concurrency = max_concurrency
+        self.max_queue = max_queue
+        self.pool = CachePool(model, max_kv_size, kv_sink)
+
+        self._cond = threading.Condition()
+        self._waiting: deque[Request] = deque()  # guarded by _cond
+        self._stopping = False  # guarded by _cond
+        self._slots_taken = 0  # guarded by _cond: admitted requests not yet released
+        self._running: list[_Sequence] = []  # scheduler thread only
+        self._prefill_queue: deque[_Sequence] = deque()  # round-robin order of prefills
+        self._ids = itertools.count(1)
+        self._counts = dict.fromkeys(("completed", "failed", "cancelled", "rejected"), 0)
+        self._snapshot = {"running": 0, "pool_sequences": 0, "pool_bytes": 0}
+        self._thread: threading.Thread | None = None
+
+    # --- any thread ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the scheduler thread (idempotent).
+
+        With ``load``, the model is built on that thread first, and a failure to build it
+        raises here: MLX streams belong to a thread, so arrays left lazy by one thread (a RoPE
+        table computed in a constructor, say) cannot be evaluated on another.
+        """
+        if self._thread is not None:
+            return
+        ready = threading.Event()
+        errors: list[BaseException] = []
+        self._thread = threading.Thread(
+            target=self._main, args=(ready, errors), name="mlxc-scheduler", daemon=True
+        )
+        self._thread.start()
+        ready.wait()
+        if errors:
+            raise errors[0]
+
+    def _main(self, ready: threading.Event, errors: list[BaseException]) -> None:
+        try:
+            if self._load is not None:
+                self.model = self._load()
+            self.pool.model = self.model
+        except BaseException as e:  # noqa: BLE001 - start() re-raises it
+            errors.append(e)
+            return
+        finally:
+            ready.set()
+        self._loop()
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Finish the loop; running and waiting requests end with a Failed event."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        emit: Callable[[Event], None],
+        model_inputs: dict[str, Any] | None = None,
+    ) -> Request:
+        """Queue a generation; ``emit`` receives its events on the scheduler thread.
+
+        ``model_inputs`` go to the forward of the first prefill chunk (vision inputs; numpy
+        arrays are converted on the scheduler thread).
+
+        Raises QueueFull when ``max_queue`` requests already wait, SchedulerStopped after
+        ``stop``. ``emit`` must not block; an exception from it cancels the request.
+        """
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: generation needs at least one token")
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        with self._cond:
+            if self._stopping or (self._thread is not None and not self._thread.is_alive()):
+                raise SchedulerStopped("the scheduler is not running")
+            self._purge_cancelled()
+            free_slots = max(self.max_concurrency - self._slots_taken, 0)
+            if len(self._waiting) >= self.max_queue + free_slots:
+                self._counts["rejected"] += 1
+                raise QueueFull(
+                    f"{len(self._waiting)} requests are already waiting (--max-queue "
+                    f"{self.max_queue}); retry later"
+                )
+            request = Request(
+                f"req-{next(self._ids)}", list(prompt_ids), params, emit, self._wake, model_inputs
+            )
+            self._waiting.append(request)
+            self._cond.notify_all()
+        return request
+
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            waiting = sum(not r.cancelled for r in self._waiting)
+            return {
+                "running": self._snapshot["running"],
+                "waiting": waiting,
+                "max_concurrency": self.max_concurrency,
+                "max_queue": self.max_queue,
+                "pool": {
+                    "sequences": self._snapshot["pool_sequences"],
+                    "bytes": self._snapshot["pool_bytes"],
+                    "peak_bytes": self.pool.peak_bytes,
+                    "max_kv_size": self.pool.max_kv_size,
+                    "kv_sink": self.pool.kv_sink,
+                    "trims": self.pool.trims,
+                },
+                "requests": dict(self._counts),
+            }
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _purge_cancelled(self) -> None:
+        # Caller holds _cond. A cancelled waiting request gives its queue place back at once.
+        if any(r.cancelled for r in self._waiting):
+            kept = [r for r in self._waiting if not r.cancelled]
+            self._counts["cancelled"] += len(self._waiting) - len(kept)
+            self._waiting = deque(kept)
+
+    # --- scheduler thread -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._purge_cancelled()
+                while not self._stopping and not self._waiting and not self._running:
+                    self._cond.wait()
+                    self._purge_cancelled()
+                if self._stopping:
+                    break
+                admitted = []
+                while self._waiting and self._slots_taken < self.max_concurrency:
+                    admitted.append(self._waiting.popleft())
+                    self._slots_taken += 1
+            for request in admitted:
+                self._admit(request)
+            try:
+                self._tick()
+            except Exception as e:  # a bug outside any one sequence: fail them all, keep serving
+                log.exception("scheduler tick failed")
+                for seq in list(self._running):
+                    self._fail(seq, e)
+            self._publish()
+        self._shutdown()
+
+    def _admit(self, request: Request) -> None:
+        try:
+            seq = _Sequence(request, self.pool.allocate(request.id), self.tokenizer)
+        except Exception as e:  # noqa: BLE001 - a bad request must not stop the loop
+            self.pool.release(request.id)
+            self._send(request, Failed(f"cannot start generation: {e}"))
+            self._count("failed")
+            with self._cond:
+                self._slots_taken -= 1
+            return
+        self._running.append(seq)
+        self._prefill_queue.append(seq)
+
+    def _tick(self) -> None:
+        for seq in [s for s in self._running if s.request.cancelled]:
+            self._release(seq)
+            self._count("cancelled")
+
+        work = [s for s in self._running if not s.prefilling]
+        if self._prefill_queue:
+            work.append(self._prefill_queue.popleft())
+
+        built: list[tuple[_Sequence, list[mx.array], mx.array | None]] = []
+        for seq in work:
+            try:
+                arrays, token = self._advance(seq)
+            except Exception as e:  # noqa: BLE001 - MLX errors in a forward end that request only
+                self._fail(seq, e)
+                continue
+            built.append((seq, arrays, token))
+            if seq.prefilling:
+                self._prefill_queue.append(seq)  # back of the round-robin for its next chunk
+
+        try:
+            mx.eval([a for _, arrays, _ in built for a in arrays])
+        except Exception:  # noqa: BLE001 - retried one by one just below
+            # Find the sequence(s) whose graph fails; the others' results stand.
+            ok = []
+            for item in built:
+                try:
+                    mx.eval(item[1])
+                    ok.append(item)
+                except Exception as e:  # noqa: BLE001 - this sequence's graph fails
+                    self._fail(item[0], e)
+            built = ok
+
+        for seq, _, token in built:
+            if token is None:
+                continue
+            try:
+                self._accept(seq, int(token.item()))
+            except Exception as e:  # noqa: BLE001 - ends this request only
+                self._fail(seq, e)
+
+    def _forward(self, seq: _Sequence, ids: list[int]) -> mx.array:
+        inputs = {}
+        if seq.prefilled == 0:  # numpy inputs become MLX arrays here, on the owning thread
+            inputs = {
+                k: mx.array(v) if isinstance(v, np.ndarray) else v
+                for k, v in seq.request.model_inputs.items()
+            }
+        logits = self.model(mx.array([ids], dtype=mx.int32), cache=seq.caches, **inputs)
+        self.pool.enforce(seq.caches)  # after every prefill chunk and every decode step
+        return logits
+
+    def _advance(self, seq: _Sequence) -> tuple[list[mx.array], mx.array | None]:
+        """Build (lazily) one prefill chunk or one decode step: (arrays to evaluate, token).
+
+        The chunking is ``generate_tokens``'s: full chunks while more than one chunk remains,
+        then the rest, whose last logits give the first token; so greedy output matches
+        ``mlxc generate`` token for token, trims included.
+        """
+        if seq.prefilling:
+            prompt = seq.request.prompt_ids
+            start, chunk = seq.prefilled, self.prefill_chunk_size
+            if len(prompt) - start > chunk:
+                self._forward(seq, prompt[start : start + chunk])
+                seq.prefilled += chunk
+                return _cache_arrays(seq.caches), None
+            logits = self._forward(seq, prompt[start:])
+            seq.prefilled = len(prompt)
+        else:
+            logits = self._forward(seq, [seq.last_token])
+        token = seq.sampler(logits[:, -1, :])
+        return [token], token
+
+    def _accept(self, seq: _Sequence, token: int) -> None:
+        params = seq.request.params
+        if token in self.eos_token_ids and not params.ignore_eos:
+            self._finish(seq, "stop")
+            return
+        seq.generated += 1
+        with self.tokenizer_lock:
+            delta = seq.detok.add(token)
+        text, hit = seq.stops.feed(delta)
+        if hit:
+            self._finish(seq, "stop", final_text=text)
+            return
+        self._send(seq.request, Delta(text, token))
+        if seq.generated >= params.max_tokens:
+            self._finish(seq, "length")
+        else:
+            seq.last_token = token
+
+    def _finish(self, seq: _Sequence, reason: str, final_text: str | None = None) -> None:
+        if final_text is None:
+            # EOS or max_tokens: flush what the detokenizer and the stop matcher hold back.
+            with self.tokenizer_lock:
+                tail = seq.detok.finalize()
+            final_text, hit = seq.stops.feed(tail)
+            if hit:
+                reason = "stop"
+            else:
+                final_text += seq.stops.flush()
+        self._send(
+            seq.request,
+            Finished(reason, final_text, len(seq.request.prompt_ids), seq.generated),
+        )
+        self._release(seq)
+        self._count("completed")
+
+    def _fail(self, seq: _Sequence, error: BaseException) -> None:
+        log.warning("request %s failed: %s: %s", seq.request.id, type(error).__name__, error)
+        log.debug("traceback of request %s", seq.request.id, exc_info=error)
+        self._send(seq.request, Failed(f"generation failed: {type(error).__name__}: {error}"))
+        self._release(seq)
+        self._count("failed")
+
+    def _release(self, seq: _Sequence) -> None:
+        if seq in self._running:
+            self._running.remove(seq)
+            with self._cond:
+                self._slots_taken -= 1
+        if seq in self._prefill_queue:
+            self._prefill_queue.remove(seq)
+        self.pool.release(seq.request.id)
+        seq.caches = []
+
+    def _send(self, request: Request, event: Event) -> None:
+        try:
+            request.emit(event)
+        except Exception as e:  # noqa: BLE001 - the listener is gone (closed loop): stop
+            log.debug("request %s: emit failed (%s); cancelling", request.id, e)
+            request._cancelled.set()
+
+    def _count(self, what: str) -> None:
+        with self._cond:
+            self._counts[what] += 1
+
+    def _publish(self) -> None:
+        snapshot = {
+            "running": len(self._running),
+            "pool_sequences": len(self.pool),
+            "pool_bytes": self.pool.nbytes(),
+        }
+        with self._cond:
+            self._snapshot = snapshot
+
+    def _shutdown(self) -> None:
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), deque()
+        for request in waiting:
+            self._send(request, Failed("the server is shutting down"))
+        for seq in list(self._running):
+            self._send(seq.request, Failed("the server is shutting down"))
+            self._release(seq)
+        self._publish()

@@ -1,0 +1,723 @@
+"""OpenAI-compatible HTTP API over the scheduler (FastAPI): ``create_app(engine)``.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``
+(and ``/v1/models/{id}``), ``GET /health``. Streaming answers are server-sent events that end
+with ``data: [DONE]``. Every error is OpenAI-shaped: ``{"error": {"message", "type", "param",
+"code"}}``; bad input is rejected before anything is queued, so it changes no state.
+
+Request path: body (size-limited) -> JSON -> pydantic schema (strict types) -> prompt ids (chat
+template, or the raw prompt) -> context check -> ``Scheduler.submit`` -> events from the
+scheduler thread, handed to the event loop with ``call_soon_threadsafe`` -> JSON or SSE.
+``image_url`` parts are collected on the way: a text model answers 400; a VL model (its module
+has a VISION_TOWER) will hand them to ``Engine.processor``, whose vision inputs go to
+``Scheduler.submit(model_inputs=...)`` (not wired yet: 501).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mlxc.runtime.scheduler import (
+    Failed,
+    Finished,
+    QueueFull,
+    SamplingParams,
+    Scheduler,
+    SchedulerStopped,
+)
+
+log = logging.getLogger("mlxc.serve")
+
+DEFAULT_MAX_TOKENS = 512
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # room for base64 images; a text prompt needs far less
+MAX_STOP_STRINGS = 16
+
+
+# --- the engine: model + tokenizer + scheduler ---------------------------------------------------
+
+
+class PromptError(ValueError):
+    """A request that cannot be turned into prompt ids (answered 400)."""
+
+
+class Engine:
+    """What the server serves: one model, its tokenizer and chat template, its scheduler."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        model_id: str,
+        aliases: tuple[str, ...] = (),
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        context_length: int | None = None,
+        vocab_size: int | None = None,
+        chat_template: str | None = None,
+        description: str | None = None,
+        processor: Any = None,
+        **scheduler_options: Any,
+    ) -> None:
+        self.model_id = model_id
+        self.names = {model_id, *aliases}
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.vocab_size = vocab_size
+        self.chat_template = chat_template  # overrides the tokenizer's (--chat-template)
+        self.description = description
+        self.processor = processor  # image processor of a VL model; None: text only
+        self.created = int(time.time())
+        self.scheduler = Scheduler(
+            model, tokenizer, eos_token_ids=eos_token_ids, **scheduler_options
+        )
+
+    @classmethod
+    def from_path(
+        cls,
+        path: str | Path,
+        *,
+        model_id: str | None = None,
+        chat_template: str | None = None,
+        description: str | None = None,
+        **scheduler_options: Any,
+    ) -> Engine:
+        """Load the checkpoint at ``path`` and start the scheduler; CheckpointError when it
+        cannot be served. The model is built on the scheduler thread, which owns MLX."""
+        from mlxc.runtime.config import lookup
+        from mlxc.runtime.loading import CheckpointError, load_model, read_config
+        from mlxc.runtime.tokenizer import eos_token_ids, load_tokenizer
+
+        path = Path(path)
+        config = read_config(path)
+        tokenizer = load_tokenizer(path)
+        if tokenizer is None:
+            raise CheckpointError(
+                f"no tokenizer in {path} (tokenizer.json, tokenizer_config.json or "
+                "tokenizer.model): the server needs one to read prompts"
+            )
+
+        def config_int(key: str) -> int | None:
+            for prefix in ("", "text_config."):
+                value = lookup(config, prefix + key, None)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    return value
+            return None
+
+        name = model_id or path.resolve().name
+        engine = cls(
+            None,
+            tokenizer,
+            load=lambda: load_model(path),
+            model_id=name,
+            aliases=(str(path),),
+            eos_token_ids=eos_token_ids(tokenizer, path),
+            context_length=config_int("max_position_embeddings"),
+            vocab_size=config_int("vocab_size"),
+            chat_template=chat_template,
+            description=description,
+            **scheduler_options,
+        )
+        engine.start()  # loads the model; raises CheckpointError here, not at the first request
+        return engine
+
+    @property
+    def vision_tower(self) -> str | None:
+        """The generated module's VISION_TOWER (None: a text model)."""
+        module = sys.modules.get(type(self.scheduler.model).__module__)
+        return getattr(module, "VISION_TOWER", None)
+
+    @property
+    def max_kv_size(self) -> int | None:
+        return self.scheduler.pool.max_kv_size
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+    # Prompt building runs on the event loop thread; the lock keeps the tokenizer away from
+    # the scheduler thread's detokenizers while it works.
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        tok = self.tokenizer
+        if not (self.chat_template or getattr(tok, "chat_template", None)):
+            raise PromptError(
+                "this model has no chat template: start the server with --chat-template FILE, "
+                "or send a raw prompt to /v1/completions"
+            )
+        try:
+            with self.scheduler.tokenizer_lock:
+                rendered = tok.apply_chat_template(
+                    messages,
+                    chat_template=self.chat_template,
+                    add_generation_prompt=True,
+                    tokenize=False,
+                )
+                # The template writes BOS and the other special tokens itself (as `mlxc
+                # generate` does): do not add them twice.
+                return list(tok.encode(rendered, add_special_tokens=False))
+        except Exception as e:  # jinja TemplateError from raise_exception(...), bad roles...
+            raise PromptError(f"the chat template rejected the messages: {e}") from e
+
+    def encode_text(self, text: str) -> list[int]:
+        from mlxc.runtime.tokenizer import encode_prompt
+
+        with self.scheduler.tokenizer_lock:
+            return encode_prompt(self.tokenizer, text, chat_template=False)
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """An OpenAI-shaped error response."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def _validation_error(e: ValidationError | RequestValidationError) -> APIError:
+    errors = e.errors()
+    described = []
+    for err in errors[:3]:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        described.append(f"{loc}: {err['msg']}" if loc else err["msg"])
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    first = [p for p in (errors[0].get("loc", ()) if errors else ()) if p != "body"]
+    param = str(first[0]) if first else None
+    return APIError(400, "invalid request: " + "; ".join(described) + more, param=param)
+
+
+# --- request schemas ------------------------------------------------------------------------------
+
+
+class _Schema(BaseModel):
+    # Strict: "5" is not an int, 1.0 is not an int, "true" is not a bool. Unknown fields (the
+    # many OpenAI options this server does not use) are ignored.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Schema):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Schema):
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(_Schema):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class ChatMessage(_Schema):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+
+class StreamOptions(_Schema):
+    include_usage: bool = False
+
+
+class _Sampling(_Schema):
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)  # -1 (vLLM) or 0: no top-k filter
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM extension: generate exactly max_tokens tokens
+
+    def params(self, max_tokens: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(self.top_k or 0, 0),
+            seed=self.seed,
+            stop=tuple(stop),
+            ignore_eos=self.ignore_eos,
+        )
+
+    def check_supported(self) -> None:
+        if self.n not in (None, 1):
+            raise APIError(
+                400, f"n={self.n} is not supported: this server returns one choice (n=1)", param="n"
+            )
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if not self.messages:
+            raise APIError(400, "messages must hold at least one message", param="messages")
+        if self.logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs is not None:
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if self.best_of not in (None, 1):
+            raise APIError(
+                400, "best_of is not supported (one choice per request)", param="best_of"
+            )
+
+
+# --- prompt building ------------------------------------------------------------------------------
+
+
+def _chat_prompt(engine: Engine, req: ChatCompletionRequest) -> list[int]:
+    messages, images = [], []
+    for message in req.messages:
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if isinstance(part, ImagePart):
+                    images.append(part.image_url.url)
+                else:
+                    texts.append(part.text)
+            content = "".join(texts)
+        messages.append({"role": message.role, "content": content or ""})
+    if images:
+        if engine.vision_tower is None:
+            raise APIError(
+                400,
+                f"this model takes no images: {engine.model_id} is a text model; "
+                "send text parts only",
+                param="messages",
+                code="image_input_not_supported",
+            )
+        # VL models: a processor (engine.processor) decodes the data URLs (guarding against
+        # decompression bombs), expands the image placeholders in the ids and returns the
+        # vision inputs that Scheduler.submit(model_inputs=...) hands to the first prefill
+        # chunk. Not wired yet.
+        raise APIError(
+            501,
+            f"image input through the server is not wired yet for {engine.vision_tower} "
+            "models; send text parts only",
+            type="not_implemented_error",
+            param="messages",
+        )
+    try:
+        return engine.encode_chat(messages)
+    except PromptError as e:
+        raise APIError(400, str(e), param="messages") from e
+
+
+def _completion_prompt(engine: Engine, req: CompletionRequest) -> list[int]:
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(
+                400,
+                "send one prompt per request (batched prompts are not supported)",
+                param="prompt",
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return engine.encode_text(prompt)
+    vocab = engine.vocab_size
+    bad = [t for t in prompt if t < 0 or (vocab is not None and t >= vocab)]
+    if bad:
+        raise APIError(
+            400, f"token id {bad[0]} is out of range (vocab size {vocab})", param="prompt"
+        )
+    return list(prompt)
+
+
+def _max_tokens(
+    engine: Engine, n_prompt: int, requested: int | None, default: int, prompt_param: str
+) -> int:
+    """The completion budget; 400 when the prompt does not fit the context."""
+    if n_prompt == 0:
+        raise APIError(400, "the prompt encodes to no tokens", param=prompt_param)
+    ctx = engine.context_length
+    if ctx is None or engine.max_kv_size is not None:
+        # A bounded cache slides: any length fits (the operator opted in with --max-kv-size).
+        return requested or default
+    if n_prompt >= ctx:
+        raise APIError(
+            400,
+            f"the prompt has {n_prompt} tokens but the model's context is {ctx} tokens: "
+            "shorten it, or start the server with --max-kv-size N to keep a sliding window",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    room = ctx - n_prompt
+    if requested is None:
+        return min(default, room)
+    if requested > room:
+        raise APIError(
+            400,
+            f"the prompt ({n_prompt} tokens) plus max_tokens ({requested}) exceeds the model's "
+            f"context of {ctx} tokens: ask for at most {room} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+# --- the app --------------------------------------------------------------------------------------
+
+
+class _SSEResponse(StreamingResponse):
+    """A stream whose request is cancelled however the response ends (client gone included)."""
+
+    def __init__(self, content: AsyncIterator[str], handle: Any) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.handle = handle
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.handle.cancel()  # a no-op when it finished
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _usage(done: Finished) -> dict[str, int]:
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+    }
+
+
+class _Reply:
+    """Response bodies of one completion: ``kind`` "chat" (chat.completion) or "text"."""
+
+    def __init__(self, engine: Engine, kind: str) -> None:
+        self.kind = kind
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        self.head = {
+            "id": f"{prefix}-{uuid.uuid4().hex[:24]}",
+            "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": int(time.time()),
+            "model": engine.model_id,
+        }
+
+    def _log(self, done: Finished) -> None:
+        log.info(
+            "%s: prompt %d tokens, completion %d tokens, finish %s",
+            self.head["id"],
+            done.prompt_tokens,
+            done.completion_tokens,
+            done.reason,
+        )
+
+    def whole(self, text: str, done: Finished) -> dict[str, Any]:
+        self._log(done)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": done.reason, "logprobs": None}
+        if self.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {**self.head, "choices": [choice], "usage": _usage(done)}
+
+    async def stream(self, events: asyncio.Queue, include_usage: bool) -> AsyncIterator[str]:
+        head = dict(self.head)
+        if self.kind == "chat":
+            head["object"] = "chat.completion.chunk"
+        if include_usage:
+            head["usage"] = None  # every chunk carries the key; the last one has the numbers
+
+        def chunk(text: str | None, finish: str | None = None, role: bool = False) -> str:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+            if self.kind == "chat":
+                delta = {"role": "assistant"} if role else {}
+                choice["delta"] = delta | ({"content": text} if text is not None else {})
+            else:
+                choice["text"] = text or ""
+            return _sse({**head, "choices": [choice]})
+
+        if self.kind == "chat":
+            yield chunk("", role=True)
+        while True:
+            event = await events.get()
+            if isinstance(event, Failed):
+                yield _sse(APIError(500, event.message, type="server_error").body())
+                break
+            if event.text:
+                yield chunk(event.text)
+            if isinstance(event, Finished):
+                self._log(event)
+                yield chunk(None, finish=event.reason)
+                if include_usage:
+                    yield _sse({**head, "choices": [], "usage": _usage(event)})
+                break
+        yield "data: [DONE]\n\n"
+
+
+def create_app(
+    engine: Engine,
+    *,
+    api_key: str | None = None,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """The FastAPI app serving ``engine``; its lifespan starts and stops the scheduler."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="mlxc", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine = engine
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        return _validation_error(e).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return APIError(e.status_code, str(e.detail), type=kind).response()
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return APIError(
+            500, f"internal error: {type(e).__name__}: {e}", type="server_error"
+        ).response()
+
+    def check_auth(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            token.strip().encode(), api_key.encode()
+        ):
+            raise APIError(
+                401,
+                "missing or wrong API key: send the header 'Authorization: Bearer KEY' with "
+                "the server's --api-key",
+                code="invalid_api_key",
+            )
+
+    async def read_json(request: Request) -> dict[str, Any]:
+        declared = request.headers.get("content-length")
+        too_big = APIError(
+            413,
+            f"request body over the {max_body_bytes} byte limit",
+            code="request_too_large",
+        )
+        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+            raise too_big
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_body_bytes:
+                raise too_big
+        try:
+            data = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise APIError(400, f"the body is not valid JSON: {e}") from e
+        if not isinstance(data, dict):
+            raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}")
+        return data
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in engine.names:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist: this server serves {engine.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def submit(prompt_ids: list[int], params: SamplingParams):
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit(event) -> None:  # scheduler thread -> event loop
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        try:
+            handle = engine.scheduler.submit(prompt_ids, params, emit)
+        except QueueFull as e:
+            raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from e
+        except SchedulerStopped as e:
+            raise APIError(503, str(e), type="server_error") from e
+        return handle, events
+
+    async def serve(request: Request, req: _Sampling, prompt_ids: list[int], reply: _Reply):
+        """Queue the generation; answer JSON, or SSE when the request streams."""
+        max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        prompt_param = "messages" if reply.kind == "chat" else "prompt"
+        max_tokens = _max_tokens(
+            engine, len(prompt_ids), max_tokens, default_max_tokens, prompt_param
+        )
+        handle, events = submit(prompt_ids, req.params(max_tokens))
+        if req.stream:
+            return _SSEResponse(reply.stream(events, req.include_usage), handle)
+        try:
+            parts = []
+            while True:
+                try:
+                    event = await asyncio.wait_for(events.get(), timeout=1.0)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        return JSONResponse({}, status_code=499)  # nobody reads it
+                    continue
+                if isinstance(event, Failed):
+                    raise APIError(500, event.message, type="server_error")
+                parts.append(event.text)
+                if isinstance(event, Finished):
+                    return reply.whole("".join(parts), event)
+        finally:
+            handle.cancel()  # client gone or error: free the slot (a no-op once finished)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        check_auth(request)
+        data = await read_json(request)
+        try:
+            req = ChatCompletionRequest.model_validate(data)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        check_model(req.model)
+        req.check_supported()
+        return await serve(request, req, _chat_prompt(engine, req), _Reply(engine, "chat"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        check_auth(request)
+        data = await read_json(request)
+        try:
+            req = CompletionRequest.model_validate(data)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        check_model(req.model)
+        req.check_supported()
+        prompt = _completion_prompt(engine, req)
+        return await serve(request, req, prompt, _Reply(engine, "text"))
+
+    def model_card() -> dict[str, Any]:
+        card = {
+            "id": engine.model_id,
+            "object": "model",
+            "created": engine.created,
+            "owned_by": "mlxc",
+            "max_model_len": engine.context_length,
+        }
+        if engine.description:
+            card["description"] = engine.description
+        return card
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_auth(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request):
+        check_auth(request)
+        check_model(name)
+        return model_card()
+
+    @app.get("/health")
+    async def health():
+        # Open without the API key: load balancers and the tests poll it.
+        alive = engine.scheduler.alive
+        body = {
+            "status": "ok" if alive else "error",
+            "model": engine.model_id,
+            **engine.scheduler.stats(),
+        }
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    return app

@@ -1,0 +1,396 @@
+"""Scheduler and cache pool, in process on the toy model: equality with generate_tokens
+(chunked prefill, trims), interleaving, cancellation, failure isolation, admission control."""
+
+from __future__ import annotations
+
+import queue
+import sys
+import time
+import types
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # the toy model lives beside the tests
+import _toy_model as toy
+
+from mlxc.runtime.generate import generate_tokens
+from mlxc.runtime.sample import make_sampler
+from mlxc.runtime.scheduler import (
+    Delta,
+    Failed,
+    Finished,
+    QueueFull,
+    SamplingParams,
+    Scheduler,
+    StopMatcher,
+    cache_policy,
+)
+from mlxc.runtime.tokenizer import StreamingDetokenizer, load_tokenizer
+
+POISON = 7  # a prompt holding this id makes FaultyModel raise inside its forward
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = toy.Model(toy.ModelArgs.from_config(toy.CONFIG))
+    m.load_weights(list(toy.random_weights().items()))
+    mx.eval(m.parameters())
+    return m
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("toy-tokenizer")
+    toy.write_tokenizer(path)
+    return load_tokenizer(path)
+
+
+def prompt(n: int, start: int = 10) -> list[int]:
+    return [(start + 3 * i) % 240 + 10 for i in range(n)]  # never POISON
+
+
+class Collector:
+    """An emit callback that records events (the scheduler calls it from its thread)."""
+
+    def __init__(self) -> None:
+        self.events: queue.Queue = queue.Queue()
+
+    def __call__(self, event) -> None:
+        self.events.put(event)
+
+    def result(self, timeout: float = 60.0):
+        tokens, text = [], []
+        while True:
+            event = self.events.get(timeout=timeout)
+            if isinstance(event, Delta):
+                tokens.append(event.token)
+                text.append(event.text)
+            else:
+                if isinstance(event, Finished):
+                    text.append(event.text)
+                return tokens, "".join(text), event
+
+
+@pytest.fixture
+def make_scheduler(model, tokenizer):
+    made = []
+
+    def make(m=None, start=True, **options) -> Scheduler:
+        s = Scheduler(m or model, tokenizer, **options)
+        if start:
+            s.start()
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+def expected(model, ids, n, **options) -> list[int]:
+    # Runs on the test thread while no scheduler works: MLX never sees two threads at once.
+    return list(generate_tokens(model, ids, max_tokens=n, **options))
+
+
+def wait_idle(s: Scheduler) -> dict:
+    """Stats once nothing runs or waits (the last publish follows the last event)."""
+    for _ in range(6000):  # a deadline for a hung test, not a timing assertion
+        stats = s.stats()
+        if stats["running"] == 0 and stats["waiting"] == 0 and stats["pool"]["sequences"] == 0:
+            return stats
+        time.sleep(0.01)
+    raise AssertionError(f"scheduler never went idle: {s.stats()}")
+
+
+# --- equality with generate_tokens -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "chunk, max_kv, sink",
+    [(512, None, 4), (5, None, 4), (8, 24, 4), (16, 20, 0), (7, 30, 2)],
+)
+def test_greedy_matches_generate_tokens(model, make_scheduler, chunk, max_kv, sink):
+    ids = prompt(53)
+    want = expected(model, ids, 20, prefill_chunk_size=chunk, max_kv_size=max_kv, kv_sink=sink)
+    s = make_scheduler(prefill_chunk_size=chunk, max_kv_size=max_kv, kv_sink=sink)
+    out = Collector()
+    s.submit(ids, SamplingParams(max_tokens=20), out)
+    tokens, _, done = out.result()
+    assert tokens == want
+    assert (done.reason, done.prompt_tokens, done.completion_tokens) == ("length", 53, 20)
+
+
+def test_seeded_sampling_matches_generate_tokens(model, make_scheduler):
+    ids = prompt(30)
+    sampling = {"temp": 0.8, "top_p": 0.9, "top_k": 20, "seed": 11}
+    want = expected(model, ids, 12, sampler=make_sampler(**sampling))
+    s = make_scheduler()
+    out = Collector()
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=20, seed=11)
+    s.submit(ids, params, out)
+    assert out.result()[0] == want
+
+
+def test_eos_stops_and_is_not_emitted(model, make_scheduler):
+    ids = prompt(20)
+    free = expected(model, ids, 10)
+    eos = free[4]
+    s = make_scheduler(eos_token_ids={eos})
+    out = Collector()
+    s.submit(ids, SamplingParams(max_tokens=10), out)
+    tokens, _, done = out.result()
+    assert tokens == free[: free.index(eos)]
+    assert done.reason == "stop" and done.completion_tokens == len(tokens)
+    # ignore_eos generates through it
+    out = Collector()
+    s.submit(ids, SamplingParams(max_tokens=10, ignore_eos=True), out)
+    assert out.result()[0] == free
+
+
+# --- many sequences ------------------------------------------------------------------------------
+
+
+def test_concurrent_sequences_match_alone_and_pool_empties(model, make_scheduler):
+    jobs = [(prompt(n, start=n), k) for n, k in [(5, 9), (61, 14), (17, 3), (90, 11), (33, 20)]]
+    wants = [expected(model, ids, k, prefill_chunk_size=8, max_kv_size=40) for ids, k in jobs]
+    s = make_scheduler(prefill_chunk_size=8, max_kv_size=40, max_concurrency=3)
+    outs = [Collector() for _ in jobs]
+    for (ids, k), out in zip(jobs, outs):
+        s.submit(ids, SamplingParams(max_tokens=k), out)
+    for want, out in zip(wants, outs):
+        assert out.result()[0] == want
+    stats = wait_idle(s)
+    assert stats["pool"]["bytes"] == 0
+    assert stats["requests"]["completed"] == len(jobs)
+    # Toy caches: 2 layers x (K + V) x 32 floats per token. The pool never held more than
+    # max_kv_size (+1 token in flight before a trim) tokens per running sequence.
+    per_token = 2 * 2 * 32 * 4
+    assert 0 < stats["pool"]["peak_bytes"] <= 3 * 40 * per_token
+
+
+class Recorder:
+    """Wraps a model; records (cache list id, number of input tokens) of every forward."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, []
+
+    def __call__(self, ids, cache=None):
+        self.calls.append((id(cache), ids.shape[1]))
+        return self.model(ids, cache=cache)
+
+    def make_cache(self):
+        return self.model.make_cache()
+
+
+def test_long_prefill_interleaves_with_decode(model, make_scheduler):
+    rec = Recorder(model)
+    s = make_scheduler(rec, prefill_chunk_size=10)
+    short, long = Collector(), Collector()
+    s.submit(prompt(4), SamplingParams(max_tokens=60, ignore_eos=True), short)
+    assert isinstance(short.events.get(timeout=60), Delta)  # the short one is decoding
+    s.submit(prompt(95), SamplingParams(max_tokens=2), long)
+    long.result()
+    short.result()
+    long_cache = next(c for c, n in rec.calls if n == 10)
+    chunks = [i for i, (c, n) in enumerate(rec.calls) if c == long_cache]
+    between = [rec.calls[i] for i in range(chunks[0], chunks[9])]
+    # Between the long prompt's first and last chunk, the short one kept decoding.
+    assert sum(1 for c, n in between if c != long_cache and n == 1) >= 8
+
+
+def test_cancel_frees_the_slot(model, make_scheduler):
+    s = make_scheduler(max_concurrency=1)
+    first, second = Collector(), Collector()
+    handle = s.submit(prompt(10), SamplingParams(max_tokens=10_000, ignore_eos=True), first)
+    assert isinstance(first.events.get(timeout=60), Delta)
+    s.submit(prompt(12), SamplingParams(max_tokens=5), second)  # waits for the only slot
+    handle.cancel()
+    tokens, _, done = second.result()
+    assert isinstance(done, Finished) and len(tokens) == 5
+    stats = wait_idle(s)
+    assert stats["requests"]["cancelled"] == 1
+    assert stats["pool"]["bytes"] == 0
+
+
+def test_cancel_inside_emit(model, make_scheduler):
+    """A listener may cancel from its callback (the server does so when a client leaves)."""
+    s = make_scheduler()
+    seen = []
+
+    def emit(event):
+        seen.append(event)
+        if len(seen) == 3:
+            handle.cancel()
+
+    handle = s.submit(prompt(8), SamplingParams(max_tokens=500, ignore_eos=True), emit)
+    stats = wait_idle(s)
+    assert stats["requests"]["cancelled"] == 1
+    assert len(seen) < 10
+
+
+# --- failures -------------------------------------------------------------------------------------
+
+
+class FaultyModel:
+    """The toy model, except a forward whose input holds POISON fails the way #421 did: an MLX
+    broadcast error raised in the middle of the forward."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, ids, cache=None):
+        if POISON in ids.tolist()[0]:
+            return mx.zeros((1, 4, 8)) + mx.zeros((1, 6, 8))  # ValueError: broadcast_shapes
+        return self.model(ids, cache=cache)
+
+    def make_cache(self):
+        return self.model.make_cache()
+
+
+def test_a_failing_forward_ends_only_its_request(model, make_scheduler):
+    good = [prompt(30, start=1), prompt(45, start=2)]
+    wants = [expected(model, ids, 15, prefill_chunk_size=8) for ids in good]
+    s = make_scheduler(FaultyModel(model), prefill_chunk_size=8)
+    bad_prompt = prompt(20) + [POISON] + prompt(20)  # fails on its third chunk
+    outs = [Collector() for _ in range(3)]
+    s.submit(good[0], SamplingParams(max_tokens=15), outs[0])
+    s.submit(bad_prompt, SamplingParams(max_tokens=15), outs[1])
+    s.submit(good[1], SamplingParams(max_tokens=15), outs[2])
+    assert outs[0].result()[0] == wants[0]
+    assert outs[2].result()[0] == wants[1]
+    _, _, failed = outs[1].result()
+    assert isinstance(failed, Failed) and "broadcast" in failed.message
+    stats = wait_idle(s)
+    assert stats["requests"]["failed"] == 1 and stats["pool"]["bytes"] == 0
+    # ... and the scheduler still serves.
+    out = Collector()
+    s.submit(good[0], SamplingParams(max_tokens=15), out)
+    assert out.result()[0] == wants[0]
+
+
+def test_bad_sampling_params_fail_the_request_not_the_loop(model, make_scheduler):
+    s = make_scheduler()
+    out = Collector()
+    s.submit(prompt(5), SamplingParams(max_tokens=3, top_p=0.0, temperature=1.0), out)
+    assert isinstance(out.result()[2], Failed)
+    out = Collector()
+    s.submit(prompt(5), SamplingParams(max_tokens=3), out)
+    assert len(out.result()[0]) == 3
+
+
+# --- admission ------------------------------------------------------------------------------------
+
+
+def test_queue_full_and_cancelled_waiters_give_their_place_back(make_scheduler):
+    # Not started: nothing is admitted. One free slot plus two queue places take three.
+    s = make_scheduler(start=False, max_concurrency=1, max_queue=2)
+    waiters = [s.submit(prompt(5), SamplingParams(max_tokens=1), Collector()) for _ in range(3)]
+    with pytest.raises(QueueFull):
+        s.submit(prompt(5), SamplingParams(max_tokens=1), Collector())
+    waiters[0].cancel()
+    s.submit(prompt(5), SamplingParams(max_tokens=1), Collector())
+    stats = s.stats()
+    assert stats["waiting"] == 3
+    assert stats["requests"]["rejected"] == 1 and stats["requests"]["cancelled"] == 1
+
+
+def test_max_queue_zero_still_admits_into_free_slots(make_scheduler):
+    s = make_scheduler(max_concurrency=2, max_queue=0)
+    outs = [Collector(), Collector()]
+    for out in outs:
+        s.submit(prompt(5), SamplingParams(max_tokens=2), out)
+    assert all(len(out.result()[0]) == 2 for out in outs)
+
+
+def test_submit_validates(make_scheduler):
+    s = make_scheduler(start=False)
+    with pytest.raises(ValueError, match="empty"):
+        s.submit([], SamplingParams(max_tokens=1), Collector())
+    with pytest.raises(ValueError, match="max_tokens"):
+        s.submit([1], SamplingParams(max_tokens=0), Collector())
+    with pytest.raises(ValueError, match="kv_sink"):
+        make_scheduler(start=False, max_kv_size=4, kv_sink=4)
+
+
+# --- model-owned caches --------------------------------------------------------------------------
+
+
+def test_model_owned_caches_are_never_trimmed(model, make_scheduler, monkeypatch):
+    module = types.ModuleType("owned_toy")
+    module.CACHE_POLICY = "model-owned"
+    monkeypatch.setitem(sys.modules, "owned_toy", module)
+    Owned = type("Owned", (toy.Model,), {"__module__": "owned_toy"})
+    owned = Owned(model.args)
+    owned.update(model.parameters())
+    assert cache_policy(owned) == "model-owned" and cache_policy(model) == "pooled-kv"
+
+    ids = prompt(40)
+    want = expected(model, ids, 10, prefill_chunk_size=8)  # the untrimmed result
+    s = make_scheduler(owned, prefill_chunk_size=8, max_kv_size=16)
+    assert not s.pool.trims
+    out = Collector()
+    s.submit(ids, SamplingParams(max_tokens=10), out)
+    assert out.result()[0] == want
+
+
+# --- stop strings --------------------------------------------------------------------------------
+
+
+def test_stop_matcher():
+    m = StopMatcher(["END", "xy"])
+    assert m.feed("abc E") == ("abc ", False)  # "E" may start "END": held back
+    assert m.feed("N") == ("", False)
+    assert m.feed("D and more") == ("", True)
+
+    m = StopMatcher(["xy", "bx"])
+    assert m.feed("aaxbxy") == ("aax", True)  # the earliest hit wins
+    m = StopMatcher(["##"])
+    assert m.feed("a#") == ("a", False)
+    assert m.feed("b") == ("#b", False)  # a false start is released
+    assert m.flush() == ""
+    assert StopMatcher([]).feed("x") == ("x", False)
+
+
+def test_stop_string_ends_generation(model, tokenizer, make_scheduler):
+    ids = prompt(25)
+    free = expected(model, ids, 30)
+    detok = StreamingDetokenizer(tokenizer)
+    text = "".join(detok.add(t) for t in free) + detok.finalize()
+    stop = text[10:13]
+    assert len(stop) == 3
+    s = make_scheduler()
+    out = Collector()
+    s.submit(ids, SamplingParams(max_tokens=30, stop=(stop,)), out)
+    tokens, got, done = out.result()
+    assert got == text[: text.index(stop)]
+    assert done.reason == "stop" and len(tokens) < 30
+
+
+class KwargsRecorder:
+    """Records the keyword inputs of every forward (what a VL model gets with its images)."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, []
+
+    def __call__(self, ids, cache=None, **inputs):
+        self.calls.append((ids.shape[1], inputs))
+        return self.model(ids, cache=cache)
+
+    def make_cache(self):
+        return self.model.make_cache()
+
+
+def test_model_inputs_go_to_the_first_prefill_chunk_only(model, make_scheduler):
+    rec = KwargsRecorder(model)
+    s = make_scheduler(rec, prefill_chunk_size=8)
+    out = Collector()
+    pixels = np.arange(6, dtype=np.float32).reshape(2, 3)
+    s.submit(prompt(20), SamplingParams(max_tokens=3), out, model_inputs={"pixel_values": pixels})
+    out.result()
+    (n_first, first), *rest = rec.calls
+    assert n_first == 8 and isinstance(first["pixel_values"], mx.array)
+    assert np.array_equal(np.array(first["pixel_values"]), pixels)
+    assert len(rest) == 2 + 2 and all(inputs == {} for _, inputs in rest)
