@@ -40,6 +40,7 @@ def generate_tokens(
     kv_sink: int = DEFAULT_KV_SINK,
     eos_token_ids: Iterable[int] = (),
     cache: list | None = None,
+    vision_inputs: dict[str, mx.array] | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids one at a time (EOS is not yielded).
 
@@ -53,6 +54,11 @@ def generate_tokens(
     ``cache``: the model's caches to continue from (``model.make_cache()`` when None). Afterwards
     it holds the prompt and the generated tokens except the last one yielded (plus the EOS token
     when one stopped the run).
+
+    ``vision_inputs``: keyword arguments of the model's image inputs for this prompt (e.g.
+    ``pixel_values`` and ``image_grid_thw`` or ``image_sizes``, as ``runtime.processor`` makes
+    them); passed with the first prefill chunk only, later chunks use the features the model
+    keeps on the cache.
     """
     if not prompt_ids:
         raise ValueError("the prompt is empty: generation needs at least one token")
@@ -70,9 +76,12 @@ def generate_tokens(
     eos = set(eos_token_ids)
     cache = model.make_cache() if cache is None else cache
     trimmable = _trimmable(cache)
+    first_chunk_inputs = dict(vision_inputs or {})
 
     def forward(ids: mx.array) -> mx.array:
-        logits = model(ids, cache=cache)
+        nonlocal first_chunk_inputs
+        extra, first_chunk_inputs = first_chunk_inputs, {}
+        logits = model(ids, cache=cache, **extra)
         enforce_max_kv(trimmable, max_kv_size, kv_sink)
         return logits
 

@@ -42,10 +42,14 @@ class ImageFeatures:
     consumed: int = 0
 
     def take(self, input_ids: mx.array, image_token_id: int) -> ImageRows | None:
-        """Claim the rows for this chunk's image tokens (None when the chunk has none)."""
+        """Claim the rows for this chunk's image tokens (None when the chunk has none).
+
+        Once every row is used, a placeholder token is plain text (a model may generate one;
+        transformers embeds it as text too).
+        """
         is_image = np.asarray(input_ids) == image_token_id
         n = int(is_image.sum())
-        if n == 0:
+        if n == 0 or self.consumed == self.embeds.shape[0]:
             return None
         if self.consumed + n > self.embeds.shape[0]:
             raise ValueError(

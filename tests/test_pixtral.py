@@ -206,8 +206,12 @@ def test_image_rows_match_masked_scatter_across_chunks(rng):
     ]
     got = np.concatenate([np.array(p) for p in parts], axis=1)[0]
     np.testing.assert_array_equal(got[[0, 2, 3, 5]], feats[:4])
+    # Every row used: a later (e.g. generated) placeholder is plain text.
+    assert features.take(mx.array([[img]]), img) is None
+    # A chunk that asks for more rows than remain is an inconsistent prompt.
+    features = ImageFeatures(mx.array(feats[:2]))
     with pytest.raises(ValueError, match="more image tokens"):
-        features.take(mx.array([[img]]), img)
+        features.take(mx.array([[img, img, img]]), img)
 
 
 # --- preprocessing --------------------------------------------------------------------------

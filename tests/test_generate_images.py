@@ -1,0 +1,238 @@
+"""Images end to end on each vision-language architecture: processor output -> logits against
+transformers, and ``mlxc generate --image PATH`` (streamed text, greedy tokens equal to a manual
+greedy loop over the model) and its errors.
+
+Tiny re-randomised float32 checkpoints (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, and
+mistral3 with a mistral and with a mistral4 text backbone) with the tokenizers, chat templates
+and processor files of test_processor.py; atol 1e-4 as in test_qwen_vl.py / test_mistral3.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+from PIL import Image
+from test_mistral3 import TEXT_CONFIGS as MISTRAL_TEXT
+from test_mistral3 import rerandomise
+from test_processor import (
+    IMG,
+    MERGE,
+    PATCH,
+    QWEN_IDS,
+    VOCAB,
+    png_header_only,
+    qwen_config,
+    write_mistral_files,
+    write_qwen_files,
+)
+from test_qwen_vision import randomise
+from test_qwen_vl import MOE_TEXT
+
+sys.path.insert(0, str(Path(__file__).parent))
+import checkpoints as ck
+
+import mlxc
+from mlxc.cli import main
+from mlxc.runtime import generate as generate_mod
+from mlxc.runtime import processor as proc
+from mlxc.runtime.tokenizer import eos_token_ids, load_tokenizer
+
+ATOL = 1e-4
+QWEN_MODEL_CLASS = {
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+}
+ARCHS = [*QWEN_MODEL_CLASS, "mistral3:mistral", "mistral3:mistral4"]
+IMAGE_SIZES = [(50, 70), (30, 44)]  # (height, width): two images of different sizes
+
+
+def build(arch, path):
+    """A re-randomised transformers model saved to ``path`` with its tokenizer and processor
+    files; returns the transformers model (float32, eval)."""
+    if arch in QWEN_MODEL_CLASS:
+        extra = {"num_hidden_layers": 2, **(MOE_TEXT if arch == "qwen3_vl_moe" else {})}
+        config = qwen_config(arch, **extra)
+        model = getattr(transformers, QWEN_MODEL_CLASS[arch])(config).float().eval()
+        randomise(model, 1)
+        model.save_pretrained(path)
+        write_qwen_files(path, arch)
+        return model
+    text = {**MISTRAL_TEXT[arch.split(":")[1]], "vocab_size": VOCAB}
+    config = transformers.Mistral3Config(
+        vision_config={
+            "model_type": "pixtral",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "patch_size": PATCH,
+            "image_size": 64,
+            "hidden_act": "silu",
+            "rope_parameters": {"rope_type": "default", "rope_theta": 100.0},
+        },
+        text_config=text,
+        image_token_index=IMG,
+        spatial_merge_size=MERGE,
+        projector_hidden_act="gelu",
+        tie_word_embeddings=False,
+    )
+    model = transformers.Mistral3ForConditionalGeneration(config).eval()
+    rerandomise(model, 3)
+    model.save_pretrained(path)
+    write_mistral_files(path)
+    return model
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def checkpoint(request, tmp_path_factory):
+    arch = request.param
+    path = tmp_path_factory.mktemp(arch.replace(":", "-"))
+    hf = build(arch, path)
+    rng = np.random.default_rng(11)
+    files = []
+    for i, (h, w) in enumerate(IMAGE_SIZES):
+        f = path.parent / f"{path.name}-{'ab'[i]}.png"
+        pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(f)
+        files.append(f)
+    return arch, path, hf, files
+
+
+def hf_logits(arch, hf, ids, vision):
+    kwargs = {k: torch.from_numpy(v) for k, v in vision.items()}
+    if arch in QWEN_MODEL_CLASS:
+        # What the processor returns; without it transformers 5 skips MRoPE positions.
+        kwargs["mm_token_type_ids"] = torch.from_numpy(
+            (ids == QWEN_IDS["image_token_id"]).astype(np.int64)
+        )
+    with torch.no_grad():
+        return hf(input_ids=torch.from_numpy(ids), **kwargs).logits.numpy()
+
+
+def encode(path, files, text="describe both images"):
+    model = mlxc.load_model(path)
+    processor = proc.load_processor(path, load_tokenizer(path), model)
+    prompt = processor.encode_text_and_images(text, [proc.load_image(f) for f in files])
+    return model, processor, prompt
+
+
+def test_processor_output_logits_match_transformers(checkpoint):
+    arch, path, hf, files = checkpoint
+    model, _, prompt = encode(path, files)
+    ids = np.array([prompt.ids])
+    vision = {k: np.array(v) for k, v in prompt.vision.items()}
+    ours = np.array(model(mx.array(ids), cache=model.make_cache(), **prompt.vision))
+    np.testing.assert_allclose(ours, hf_logits(arch, hf, ids, vision), atol=ATOL, rtol=0)
+
+
+def greedy(model, prompt, n, eos):
+    """Greedy tokens: the whole prompt in one forward (images included), then one cached step
+    per token. A generated image placeholder is plain text here, as in transformers."""
+    cache, out = model.make_cache(), []
+    logits = model(mx.array([prompt.ids]), cache=cache, **prompt.vision)
+    for _ in range(n):
+        token = int(np.argmax(np.array(logits[0, -1])))
+        if token in eos:
+            break
+        out.append(token)
+        logits = model(mx.array([[token]]), cache=cache)
+    return out
+
+
+def test_vision_inputs_go_with_the_first_chunk_only():
+    calls = []
+
+    class Recorder:
+        def __call__(self, ids, cache=None, **kwargs):
+            calls.append((ids.shape[1], sorted(kwargs)))
+            return mx.zeros((1, ids.shape[1], 8))
+
+        def make_cache(self):
+            return []
+
+    vision = {"pixel_values": mx.zeros((4, 3)), "image_grid_thw": mx.array([[1, 2, 2]])}
+    tokens = generate_mod.generate_tokens(
+        Recorder(), list(range(10)), max_tokens=3, prefill_chunk_size=4, vision_inputs=vision
+    )
+    assert list(tokens) == [0, 0, 0]
+    assert calls[0] == (4, ["image_grid_thw", "pixel_values"])
+    assert [c[0] for c in calls] == [4, 4, 2, 1, 1] and all(not k for _, k in calls[1:])
+    calls.clear()  # a prompt that fits one chunk: the step that samples the first token
+    list(generate_mod.generate_tokens(Recorder(), [1, 2], max_tokens=2, vision_inputs=vision))
+    assert calls == [(2, ["image_grid_thw", "pixel_values"]), (1, [])]
+
+
+def run_cli(*args):
+    return CliRunner().invoke(main, ["generate", *map(str, args)])
+
+
+def test_cli_generates_with_images(checkpoint, monkeypatch):
+    arch, path, _, files = checkpoint
+    recorded = []
+    real = generate_mod.generate_tokens
+
+    def recording(*args, **kwargs):
+        for token in real(*args, **kwargs):
+            recorded.append(token)
+            yield token
+
+    monkeypatch.setattr(generate_mod, "generate_tokens", recording)
+    text = "describe both images"
+    args = ["--model", path, "--image", files[0], "--image", files[1], "--prompt", text]
+    # A small prefill chunk: chunk boundaries fall inside the images' tokens.
+    result = run_cli(*args, "--max-tokens", 5, "--prefill-chunk-size", 16)
+    assert result.exit_code == 0, result.output
+
+    model, processor, prompt = encode(path, files, text)
+    tokenizer = load_tokenizer(path)
+    expected = greedy(model, prompt, 5, eos_token_ids(tokenizer, path))
+    assert recorded == expected
+    assert result.stdout == tokenizer.decode(expected, skip_special_tokens=True) + "\n"
+    stats = result.stderr.strip().splitlines()
+    assert len(stats) == 1 and f"prompt: {len(prompt.ids)} tokens" in stats[0]
+    assert len(prompt.ids) > 40  # the images' tokens are in the prompt
+
+
+def assert_one_error_line(result, *needles):
+    assert result.exit_code != 0, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output and not result.stdout
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def text_checkpoint(tmp_path_factory):
+    return ck.make_llama(tmp_path_factory.mktemp("llama"), num_hidden_layers=1)
+
+
+def test_cli_image_errors(checkpoint, text_checkpoint, tmp_path, monkeypatch):
+    _, path, _, files = checkpoint
+
+    def gen(model, *images):
+        image_args = [a for f in images for a in ("--image", f)]
+        return run_cli("--model", model, *image_args, "--prompt", "hi", "--max-tokens", 2)
+
+    assert_one_error_line(gen(text_checkpoint, files[0]), "--image", "llama", "takes no images")
+    assert_one_error_line(gen(path, tmp_path / "nope.png"), "--image", "nope.png", "no such file")
+    corrupt = tmp_path / "corrupt.png"
+    corrupt.write_bytes(files[0].read_bytes()[:80])
+    assert_one_error_line(gen(path, files[0], corrupt), "corrupt.png", "cannot decode")
+    (tmp_path / "text.jpg").write_text("hello")
+    assert_one_error_line(gen(path, tmp_path / "text.jpg"), "text.jpg", "cannot decode")
+    bomb = tmp_path / "bomb.png"
+    bomb.write_bytes(png_header_only(12_000, 9_000))
+    assert_one_error_line(gen(path, bomb), "bomb.png", "too large")
+    monkeypatch.setattr(proc, "MAX_IMAGE_PIXELS", 1000)
+    assert_one_error_line(gen(path, files[0]), "too large", "70x50")
+    assert_one_error_line(gen(path, tmp_path), "directory")
