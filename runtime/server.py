@@ -8,14 +8,16 @@ with ``data: [DONE]``. Every error is OpenAI-shaped: ``{"error": {"message", "ty
 Request path: body (size-limited) -> JSON -> pydantic schema (strict types) -> prompt ids (chat
 template, or the raw prompt) -> context check -> ``Scheduler.submit`` -> events from the
 scheduler thread, handed to the event loop with ``call_soon_threadsafe`` -> JSON or SSE.
-``image_url`` parts are collected on the way: a text model answers 400; a VL model (its module
-has a VISION_TOWER) will hand them to ``Engine.processor``, whose vision inputs go to
-``Scheduler.submit(model_inputs=...)`` (not wired yet: 501).
+``image_url`` parts (data URLs or bare base64; the server fetches nothing) go to a VL model's
+``Engine.processor``, which expands the image placeholders; its vision inputs travel with the
+first prefill chunk through ``Scheduler.submit(model_inputs=...)``. A text model answers 400.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import logging
 import secrets
@@ -25,13 +27,17 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+if TYPE_CHECKING:
+    from mlxc.runtime.processor import Prompt
 
 from mlxc.runtime.scheduler import (
     Failed,
@@ -100,7 +106,13 @@ class Engine:
         """Load the checkpoint at ``path`` and start the scheduler; CheckpointError when it
         cannot be served. The model is built on the scheduler thread, which owns MLX."""
         from mlxc.runtime.config import lookup
-        from mlxc.runtime.loading import CheckpointError, load_model, read_config
+        from mlxc.runtime.loading import (
+            CheckpointError,
+            load_model,
+            read_config,
+            registry_key,
+            resolve_module,
+        )
         from mlxc.runtime.tokenizer import eos_token_ids, load_tokenizer
 
         path = Path(path)
@@ -119,6 +131,16 @@ class Engine:
                     return value
             return None
 
+        processor = None
+        module = resolve_module(registry_key(config))
+        if getattr(module, "VISION_TOWER", None):
+            from mlxc.runtime.processor import load_processor
+
+            try:
+                processor = load_processor(path, tokenizer, module, chat_template=chat_template)
+            except ValueError as e:
+                raise CheckpointError(f"{path}: cannot read its image processor: {e}") from e
+
         name = model_id or path.resolve().name
         engine = cls(
             None,
@@ -131,6 +153,7 @@ class Engine:
             vocab_size=config_int("vocab_size"),
             chat_template=chat_template,
             description=description,
+            processor=processor,
             **scheduler_options,
         )
         engine.start()  # loads the model; raises CheckpointError here, not at the first request
@@ -141,6 +164,14 @@ class Engine:
         """The generated module's VISION_TOWER (None: a text model)."""
         module = sys.modules.get(type(self.scheduler.model).__module__)
         return getattr(module, "VISION_TOWER", None)
+
+    def encode_chat_with_images(self, messages: list[dict], images: list) -> Prompt:
+        """Prompt ids with the image placeholders expanded, and the vision inputs."""
+        try:
+            with self.scheduler.tokenizer_lock:
+                return self.processor.encode(messages, images)
+        except ValueError as e:  # template or placeholder/image count problems
+            raise PromptError(str(e)) from e
 
     @property
     def max_kv_size(self) -> int | None:
@@ -343,43 +374,62 @@ class CompletionRequest(_Sampling):
 # --- prompt building ------------------------------------------------------------------------------
 
 
-def _chat_prompt(engine: Engine, req: ChatCompletionRequest) -> list[int]:
+def _decode_image(url: str):
+    """A data URL or bare base64 string -> a decoded PIL image (400 on anything else)."""
+    from mlxc.runtime.processor import ImageInputError, load_image
+
+    if url.startswith(("http://", "https://", "file:")):
+        raise APIError(
+            400,
+            "image URLs are not fetched: send the image inline as a data URL "
+            "(data:image/png;base64,...)",
+            param="messages",
+        )
+    payload = url.split(",", 1)[1] if url.startswith("data:") and "," in url else url
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise APIError(400, f"an image is not valid base64: {e}", param="messages") from e
+    try:
+        return load_image(data)  # refuses decompression bombs before decoding
+    except ImageInputError as e:
+        raise APIError(400, f"an image cannot be used: {e}", param="messages") from e
+
+
+def _chat_prompt(engine: Engine, req: ChatCompletionRequest) -> tuple[list[int], dict | None]:
+    """Prompt ids, and the vision inputs of its images (None without images)."""
     messages, images = [], []
     for message in req.messages:
         content = message.content
         if isinstance(content, list):
-            texts = []
+            parts = []
             for part in content:
                 if isinstance(part, ImagePart):
                     images.append(part.image_url.url)
+                    parts.append({"type": "image"})
                 else:
-                    texts.append(part.text)
-            content = "".join(texts)
+                    parts.append({"type": "text", "text": part.text})
+            content = parts if images else "".join(p["text"] for p in parts)
         messages.append({"role": message.role, "content": content or ""})
-    if images:
-        if engine.vision_tower is None:
-            raise APIError(
-                400,
-                f"this model takes no images: {engine.model_id} is a text model; "
-                "send text parts only",
-                param="messages",
-                code="image_input_not_supported",
-            )
-        # VL models: a processor (engine.processor) decodes the data URLs (guarding against
-        # decompression bombs), expands the image placeholders in the ids and returns the
-        # vision inputs that Scheduler.submit(model_inputs=...) hands to the first prefill
-        # chunk. Not wired yet.
+    if not images:
+        try:
+            return engine.encode_chat(messages), None
+        except PromptError as e:
+            raise APIError(400, str(e), param="messages") from e
+    if engine.processor is None:
         raise APIError(
-            501,
-            f"image input through the server is not wired yet for {engine.vision_tower} "
-            "models; send text parts only",
-            type="not_implemented_error",
+            400,
+            f"this model takes no images: {engine.model_id} is a text model; send text parts only",
             param="messages",
+            code="image_input_not_supported",
         )
+    decoded = [_decode_image(url) for url in images]
     try:
-        return engine.encode_chat(messages)
+        prompt = engine.encode_chat_with_images(messages, decoded)
     except PromptError as e:
         raise APIError(400, str(e), param="messages") from e
+    # numpy, not mx: MLX arrays are made on the scheduler thread, which owns MLX.
+    return prompt.ids, {k: np.asarray(v) for k, v in (prompt.vision or {}).items()}
 
 
 def _completion_prompt(engine: Engine, req: CompletionRequest) -> list[int]:
@@ -619,7 +669,7 @@ def create_app(
                 code="model_not_found",
             )
 
-    def submit(prompt_ids: list[int], params: SamplingParams):
+    def submit(prompt_ids: list[int], params: SamplingParams, vision: dict | None = None):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -627,21 +677,27 @@ def create_app(
             loop.call_soon_threadsafe(events.put_nowait, event)
 
         try:
-            handle = engine.scheduler.submit(prompt_ids, params, emit)
+            handle = engine.scheduler.submit(prompt_ids, params, emit, model_inputs=vision)
         except QueueFull as e:
             raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from e
         except SchedulerStopped as e:
             raise APIError(503, str(e), type="server_error") from e
         return handle, events
 
-    async def serve(request: Request, req: _Sampling, prompt_ids: list[int], reply: _Reply):
+    async def serve(
+        request: Request,
+        req: _Sampling,
+        prompt_ids: list[int],
+        reply: _Reply,
+        vision: dict | None = None,
+    ):
         """Queue the generation; answer JSON, or SSE when the request streams."""
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
         prompt_param = "messages" if reply.kind == "chat" else "prompt"
         max_tokens = _max_tokens(
             engine, len(prompt_ids), max_tokens, default_max_tokens, prompt_param
         )
-        handle, events = submit(prompt_ids, req.params(max_tokens))
+        handle, events = submit(prompt_ids, req.params(max_tokens), vision)
         if req.stream:
             return _SSEResponse(reply.stream(events, req.include_usage), handle)
         try:
@@ -671,7 +727,8 @@ def create_app(
             raise _validation_error(e) from None
         check_model(req.model)
         req.check_supported()
-        return await serve(request, req, _chat_prompt(engine, req), _Reply(engine, "chat"))
+        prompt_ids, vision = _chat_prompt(engine, req)
+        return await serve(request, req, prompt_ids, _Reply(engine, "chat"), vision)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

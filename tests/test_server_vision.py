@@ -1,0 +1,95 @@
+"""`mlxc serve` on every vision architecture: images as data URLs, the mlxcel #421 crash
+scenario with an image before the trims, parity with `mlxc generate --image`, bad images."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+from test_generate_images import ARCHS, IMAGE_SIZES, build
+from test_server import LONG, SHORT, Server, mlxc_generate
+
+BOUNDED = ["--max-kv-size", 64, "--prefill-chunk-size", 32]
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("serve-vision-logs")
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def served(request, tmp_path_factory, logs):
+    """(checkpoint, an image file, a server with a bounded cache) per VL architecture."""
+    import numpy as np
+    from PIL import Image
+
+    path = tmp_path_factory.mktemp(request.param.replace(":", "-"))
+    build(request.param, path)
+    image = path.parent / f"{path.name}.png"
+    h, w = IMAGE_SIZES[0]
+    Image.fromarray(np.random.default_rng(2).integers(0, 256, (h, w, 3), np.uint8)).save(image)
+    server = Server(["--model", path, *BOUNDED], logs)
+    yield path, image, server
+    server.close()
+
+
+def image_message(image_path, text: str, url: str | None = None) -> dict:
+    data = base64.b64encode(image_path.read_bytes()).decode()
+    part = {"type": "image_url", "image_url": {"url": url or f"data:image/png;base64,{data}"}}
+    return {"role": "user", "content": [part, {"type": "text", "text": text}]}
+
+
+def test_crash_scenario_421_with_an_image_before_the_trims(served):
+    path, image, server = served
+    with server.client() as c:
+        body = {"messages": [image_message(image, LONG)], "max_tokens": 24, "ignore_eos": True}
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] > 4 * 64 and usage["completion_tokens"] == 24
+        assert (
+            c.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": SHORT}], "max_tokens": 4},
+            ).status_code
+            == 200
+        )
+    h = server.wait_idle()
+    assert h["requests"]["failed"] == 0 and h["pool"]["bytes"] == 0
+
+
+def test_greedy_matches_mlxc_generate_with_an_image(served):
+    path, image, server = served
+    want, n = mlxc_generate(path, LONG, "--image", image, "--max-tokens", 12, *BOUNDED)
+    with server.client() as c:
+        r = c.post(
+            "/v1/chat/completions",
+            json={"messages": [image_message(image, LONG)], "max_tokens": 12},
+        )
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == want
+    assert r.json()["usage"]["completion_tokens"] == n
+
+
+@pytest.mark.parametrize(
+    "url, words",
+    [
+        ("https://example.com/cat.png", "not fetched"),
+        ("data:image/png;base64,###", "not valid base64"),
+        ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "cannot be used"),
+    ],
+)
+def test_bad_images_get_400_and_the_server_keeps_serving(served, url, words):
+    _, image, server = served
+    with server.client() as c:
+        r = c.post(
+            "/v1/chat/completions",
+            json={"messages": [image_message(image, "hi", url=url)], "max_tokens": 2},
+        )
+        assert r.status_code == 400, r.text
+        assert words in r.json()["error"]["message"]
+        good = c.post(
+            "/v1/chat/completions",
+            json={"messages": [image_message(image, SHORT)], "max_tokens": 2},
+        )
+        assert good.status_code == 200, good.text
