@@ -119,7 +119,7 @@ class Attention(nn.Module):
         keys = self.rope(keys, offset=cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
         # mask is live-window: cache.live_len, the keys present after trim_front
-        mask = masks.causal(L, cache.live_len)
+        mask = masks.causal(L, cache.live_len, cache.key_valid())
         out = attend(queries, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -199,15 +199,20 @@ class Model(nn.Module):
         self,
         input_ids: mx.array,
         cache: SequenceCache | None = None,
+        attention_mask: mx.array | None = None,
         pixel_values: mx.array | None = None,
         image_sizes: mx.array | None = None,
     ) -> mx.array:
         """Logits ``[B, L, vocab]`` for ``input_ids`` ``[B, L]``, appending to ``cache``.
 
-        Vision inputs come with the first chunk of a prompt; later chunks use their features.
+        ``attention_mask`` ``[B, L]`` (0 at left padding) comes with the first chunk of a
+        batch of prompts of different lengths; so do the vision inputs, whose features
+        later chunks use.
         """
         if cache is None:
             cache = self.make_cache()
+        if attention_mask is not None:
+            cache.set_left_padding(attention_mask)
         if pixel_values is not None:
             cache.images = self.model.image_features(pixel_values, image_sizes)
         h = self.model.language_model(input_ids, cache)

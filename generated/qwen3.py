@@ -107,7 +107,7 @@ class Attention(nn.Module):
         keys = self.rope(keys, offset=cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
         # mask is live-window: cache.live_len, the keys present after trim_front
-        mask = masks.causal(L, cache.live_len)
+        mask = masks.causal(L, cache.live_len, cache.key_valid())
         out = attend(queries, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -150,10 +150,21 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def __call__(self, input_ids: mx.array, cache: SequenceCache | None = None) -> mx.array:
-        """Logits ``[B, L, vocab]`` for ``input_ids`` ``[B, L]``, appending to ``cache``."""
+    def __call__(
+        self,
+        input_ids: mx.array,
+        cache: SequenceCache | None = None,
+        attention_mask: mx.array | None = None,
+    ) -> mx.array:
+        """Logits ``[B, L, vocab]`` for ``input_ids`` ``[B, L]``, appending to ``cache``.
+
+        ``attention_mask`` ``[B, L]`` (0 at left padding) comes with the first chunk of a
+        batch of prompts of different lengths.
+        """
         if cache is None:
             cache = self.make_cache()
+        if attention_mask is not None:
+            cache.set_left_padding(attention_mask)
         h = self.model(input_ids, cache)
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)

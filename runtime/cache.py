@@ -28,6 +28,8 @@ class KVCache:
         self.values: mx.array | None = None
         self.offset = 0
         self.live_start = 0
+        self.sink = 0  # the `keep` of the trims so far: these front tokens are never dropped
+        self.left_padding: mx.array | None = None  # [B] pad tokens at each row's front
 
     @property
     def live_len(self) -> int:
@@ -69,12 +71,26 @@ class KVCache:
         n = min(n, max(live - keep, 0))
         if n == 0:
             return 0
+        if self.live_start and keep != self.sink:
+            raise ValueError(f"trim_front keep={keep} differs from the earlier keep={self.sink}")
+        self.sink = keep
         if self.keys is not None:
             # Slide the survivors down; assignment reads the old buffer, so overlap is safe.
             self.keys[..., keep : live - n, :] = self.keys[..., keep + n : live, :]
             self.values[..., keep : live - n, :] = self.values[..., keep + n : live, :]
         self.live_start += n
         return n
+
+    def key_valid(self) -> mx.array | None:
+        """``[B, 1, 1, live_len]``: which live keys are real tokens, not left padding (None
+        without padding). A live key's absolute position is its index inside the sink, else
+        its index plus ``live_start``; the row's pads are its first ``left_padding`` positions.
+        """
+        if self.left_padding is None:
+            return None
+        index = mx.arange(self.live_len)
+        position = mx.where(index < self.sink, index, index + self.live_start)
+        return (position[None, :] >= self.left_padding[:, None])[:, None, None, :]
 
     @property
     def nbytes(self) -> int:

@@ -55,19 +55,29 @@ def check(mask: mx.array | str | None, n_queries: int, n_keys: int) -> None:
         audit.checked += 1
 
 
-def causal(n_queries: int, n_keys: int, window: int | None = None) -> mx.array | str | None:
+def causal(
+    n_queries: int,
+    n_keys: int,
+    key_valid: mx.array | None = None,
+    window: int | None = None,
+) -> mx.array | str | None:
     """Causal mask for ``n_queries`` new tokens against ``n_keys`` live keys (queries last).
 
-    Returns None when no masking is needed (one query, no window), ``"causal"`` where the
-    string form is exact, else a boolean ``[n_queries, n_keys]`` array (True = attend).
+    ``key_valid`` ``[B, 1, 1, n_keys]`` masks out left padding of a batch of prompts. Returns
+    None when no masking is needed (one query, no window, no padding), ``"causal"`` where the
+    string form is exact, else a boolean array ``[..., n_queries, n_keys]`` (True = attend).
     """
     if n_queries > n_keys:
         raise ValueError(f"{n_queries} queries but only {n_keys} live keys: mask sized wrong")
-    if window is None and _audit.get() is None:
+    if window is None and key_valid is None and _audit.get() is None:
         return None if n_queries == 1 else "causal"
     q_pos = mx.arange(n_keys - n_queries, n_keys)[:, None]
     k_pos = mx.arange(n_keys)[None, :]
     mask = k_pos <= q_pos
     if window is not None:
         mask = mask & (k_pos > q_pos - window)
+    if key_valid is not None:
+        # A pad query still sees itself: a row with nothing to attend to would be NaN, and a
+        # NaN value times a zero weight poisons real rows in later layers.
+        mask = (mask & key_valid) | (k_pos == q_pos)
     return mask

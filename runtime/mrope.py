@@ -192,6 +192,7 @@ class PromptPositions:
         self.grids: np.ndarray | None = None  # [n, 3] images whose tokens are still to come
         self.history: np.ndarray | None = None  # [B, T] tokens since the sequence start
         self.deltas: np.ndarray = np.zeros(1, np.int64)
+        self.left_padding: np.ndarray | None = None  # [B] pads at each row's front
 
     def add_images(self, image_grid_thw: Any) -> None:
         self.grids = np.asarray(image_grid_thw, np.int64).reshape(-1, 3)
@@ -201,7 +202,7 @@ class PromptPositions:
         ids = np.asarray(input_ids)
         B, L = ids.shape
         if self.grids is None:
-            return decode_positions(offset, self.deltas, B, L)
+            return decode_positions(offset, self.deltas, B, L, left_padding=self.left_padding)
         if self.history is None:  # text before the images ran at positions 0..offset-1
             self.history = np.full((B, offset), -1, ids.dtype)
         history = np.concatenate([self.history, ids], axis=1)
@@ -218,7 +219,12 @@ class PromptPositions:
         completed = history
         if missing:  # a chunk boundary inside an image: complete it to index the prefix
             completed = np.concatenate([history, np.full((1, missing), image_token)], axis=1)
-        pos, deltas = rope_index(completed, self.grids[:started], **self.index_kwargs)
+        mask = None
+        if self.left_padding is not None:
+            mask = np.arange(completed.shape[1])[None, :] >= self.left_padding[:, None]
+        pos, deltas = rope_index(
+            completed, self.grids[:started], attention_mask=mask, **self.index_kwargs
+        )
         if seen >= int(per_grid[-1]):  # every image seen: plain offsets from now on
             self.grids, self.history, self.deltas = None, None, deltas
         else:

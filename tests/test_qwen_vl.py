@@ -171,3 +171,55 @@ def test_trim_after_an_image_keeps_positions_monotonic(checkpoint):
     nxt = cache.rope_state(np.array([[1]]), cache.offset)
     assert np.array_equal(nxt, plain_cache.rope_state(np.array([[1]]), plain_cache.offset))
     assert int(nxt.max()) > max_kv
+
+
+def test_left_padded_batch_of_different_lengths_then_decode(checkpoint):
+    """Two prompts of different lengths, each with its own image, left-padded into one batch
+    with an attention_mask; then decode steps. Compared on the real tokens only."""
+    hf, path, _ = checkpoint
+    pv, grid = pixels([(50, 70), (90, 40)])
+    rng = np.random.default_rng(12)
+    a = prompt(grid[:1].tolist(), rng, n_text=(6, 9, 9))
+    b = prompt(grid[1:].tolist(), rng, n_text=(2, 3, 3))
+    n = max(a.shape[1], b.shape[1])
+    ids = np.zeros((2, n), np.int64)
+    mask = np.zeros((2, n), np.int64)
+    for row, p in enumerate((a, b)):
+        ids[row, n - p.shape[1] :] = p[0]
+        mask[row, n - p.shape[1] :] = 1
+    assert mask.sum(1).tolist()[0] != mask.sum(1).tolist()[1]
+    steps = rng.integers(0, 110, (2, 3))
+
+    kwargs = {
+        "pixel_values": torch.from_numpy(pv),
+        "image_grid_thw": torch.from_numpy(grid),
+        "mm_token_type_ids": torch.from_numpy((ids == IMAGE).astype(np.int64)),
+    }
+    full_ids = np.concatenate([ids, steps], axis=1)
+    full_mask = np.concatenate([mask, np.ones_like(steps)], axis=1)
+    kwargs["mm_token_type_ids"] = torch.from_numpy((full_ids == IMAGE).astype(np.int64))
+    with torch.no_grad():
+        want = hf(
+            input_ids=torch.from_numpy(full_ids),
+            attention_mask=torch.from_numpy(full_mask),
+            **kwargs,
+        ).logits.numpy()
+
+    model = mlxc.load_model(path)
+    cache = model.make_cache()
+    parts = [
+        np.array(
+            model(
+                mx.array(ids),
+                cache=cache,
+                attention_mask=mx.array(mask),
+                pixel_values=mx.array(pv),
+                image_grid_thw=mx.array(grid),
+            )
+        )
+    ]
+    for t in range(steps.shape[1]):
+        parts.append(np.array(model(mx.array(steps[:, t : t + 1]), cache=cache)))
+    got = np.concatenate(parts, axis=1)
+    real = full_mask.astype(bool)
+    np.testing.assert_allclose(got[real], want[real], atol=ATOL, rtol=0)

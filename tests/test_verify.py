@@ -31,7 +31,7 @@ def _spec(name):
 @pytest.mark.parametrize("name", ["llama", "nemotron_nas"])
 def test_verify_catches_mask_sized_from_offset(name):
     spec, source = _spec(name)
-    broken = source.replace("masks.causal(L, cache.live_len)", "masks.causal(L, cache.offset)")
+    broken = source.replace("masks.causal(L, cache.live_len,", "masks.causal(L, cache.offset,")
     assert broken != source
     with pytest.raises(MaskWidthError):
         verify_module(name, load_source(name + "_broken", broken), spec.tiny_config)
