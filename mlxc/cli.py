@@ -214,7 +214,6 @@ def generate(
         ImageInputError,
         load_image,
         load_processor,
-        suppress_tokens,
     )
     from mlxc.runtime.sample import make_sampler
     from mlxc.runtime.tokenizer import (
@@ -269,8 +268,6 @@ def generate(
         raise click.BadParameter("encodes to no tokens", param_hint="'--prompt'")
 
     sampler = make_sampler(temp=temp, top_p=top_p, top_k=top_k, seed=seed)
-    if processor is not None:  # image placeholders are prompt-only: never generate one
-        sampler = suppress_tokens(sampler, processor.image_slot_token_ids)
     tokens = generate_tokens(
         model,
         ids,
@@ -486,6 +483,81 @@ def serve(
 
 
 # --- end serve ------------------------------------------------------------------------------
+
+
+# --- convert (runtime) ----------------------------------------------------------------------
+
+
+@main.command(cls=_GenerateCommand)
+@click.option(
+    "--model",
+    "model_dir",
+    required=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="Checkpoint directory to convert (anything `mlxc generate` loads).",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="New directory to write (must not exist, or be empty); appears only when complete.",
+)
+@click.option("--quantize", is_flag=True, help="Quantise linears, embeddings and experts.")
+@click.option(
+    "--bits",
+    default=4,
+    show_default=True,
+    type=click.Choice(["2", "3", "4", "5", "6", "8"]),
+    help="Bits per weight with --quantize.",
+)
+@click.option(
+    "--group-size",
+    default=64,
+    show_default=True,
+    type=click.Choice(["32", "64", "128"]),
+    help="Weights sharing one scale and bias with --quantize; layers whose input width it "
+    "does not divide stay float.",
+)
+@click.option(
+    "--dtype",
+    default=None,
+    type=click.Choice(["bfloat16", "float16", "float32"]),
+    help="Float dtype of the written weights and scales  [default: the checkpoint's]",
+)
+def convert(model_dir, out_dir, quantize, bits, group_size, dtype):
+    """Write a checkpoint as an MLX checkpoint: another dtype, or quantised (--quantize)."""
+    from mlxc.runtime.convert import convert as run_convert
+    from mlxc.runtime.loading import CheckpointError
+
+    if not quantize and (bits != "4" or group_size != "64"):
+        click.echo("note: --bits/--group-size only apply with --quantize", err=True)
+    try:
+        summary = run_convert(
+            model_dir,
+            out_dir,
+            quantize=quantize,
+            bits=int(bits),
+            group_size=int(group_size),
+            dtype=dtype,
+        )
+    except CheckpointError as e:
+        raise _OneLineError(str(e), 1) from e
+    quant = summary["quantization"]
+    what = (
+        f"{quant['bits']}-bit, group size {quant['group_size']}, "
+        f"{summary['quantized_modules']} layers quantised"
+        if quant
+        else "not quantised"
+    )
+    click.echo(
+        f"wrote {summary['out']}: {summary['parameters'] / 1e6:.1f}M parameters, "
+        f"{summary['dtype']}, {what}, {summary['bytes'] / 2**20:.1f} MiB in "
+        f"{len(summary['files'])} file(s); copied {len(summary['copied'])} tokenizer/processor file(s)"
+    )
+
+
+# --- end convert ----------------------------------------------------------------------------
 
 
 if __name__ == "__main__":
