@@ -133,11 +133,11 @@ class ModelArgs:
 
 
 class LatentAttention(nn.Module):
-    """Multi-head latent attention (DeepSeek-V2 style), absorbed form.
+    """Multi-head latent attention (DeepSeek-V2 style).
 
-    The cache keeps the normed latent (plus the shared RoPE key) instead of per-head K/V; the
-    queries are mapped into the latent space by kv_b_proj's key half, and the attention output
-    out of it by its value half. The result equals expanding K/V per head.
+    The cache keeps the normed latent and the shared RoPE key, not per-head K/V. Prefill
+    expands per-head keys and values from the latents; decode absorbs kv_b_proj into the query
+    and the output instead, which reads far fewer bytes per token. Both equal the expanded form.
     """
 
     def __init__(self, args: ModelArgs) -> None:
@@ -185,19 +185,33 @@ class LatentAttention(nn.Module):
         # positions are monotonic-position: cache.offset, absolute, never moved by trim_front
         q_pe = self.rope(q_pe, offset=cache.offset)
         k_pe = self.rope(k_pe, offset=cache.offset)
-        # kv_b_proj's key half moves onto the queries: q . (W_k latent) == (q W_k) . latent
-        w_kv = self.kv_b_proj.weight.reshape(self.n_heads, -1, self.kv_lora_rank)
-        w_k, w_v = mx.split(w_kv, [self.qk_nope_head_dim], axis=1)
-        queries = mx.concatenate([q_nope @ w_k, q_pe], axis=-1)
+        queries = mx.concatenate([q_nope, q_pe], axis=-1)
         # attn_scale is monotonic-position: cache.offset, absolute, never moved by trim_front
         positions = mx.arange(cache.offset, cache.offset + L)
         scale = yarn.llama4_attn_scale(positions, self.llama4_beta, self.llama4_period)
         queries = queries * scale[:, None]
-        keys, values = cache.update_and_fetch(mx.concatenate([latent, k_pe], axis=-1), latent)
+        # The cache keeps one shared head: the latent and the rope key, no values.
+        cached, _ = cache.update_and_fetch(mx.concatenate([latent, k_pe], axis=-1))
         # mask is live-window: cache.live_len, the keys present after trim_front
         mask = masks.causal(L, cache.live_len, cache.key_valid())
-        out = attend(queries, keys, values, scale=self.scale, mask=mask)  # [B, H, L, kv_lora_rank]
-        out = out @ w_v.swapaxes(-1, -2)  # value half of kv_b_proj: [B, H, L, v_head_dim]
+        latents = cached[..., : self.kv_lora_rank]
+        w_kv = self.kv_b_proj.weight.reshape(self.n_heads, -1, self.kv_lora_rank)
+        w_k, w_v = mx.split(w_kv, [self.qk_nope_head_dim], axis=1)
+        if L == 1:
+            # Decode: kv_b_proj's key half moves onto the query, q . (W_k c) == (q W_k) . c, so
+            # attention runs over the latents themselves and only the output is expanded.
+            q_nope, q_pe = mx.split(queries, [self.qk_nope_head_dim], axis=-1)
+            queries = mx.concatenate([q_nope @ w_k, q_pe], axis=-1)
+            out = attend(queries, cached, latents, scale=self.scale, mask=mask)
+            out = out @ w_v.swapaxes(-1, -2)  # [B, H, 1, v_head_dim]
+        else:
+            # Prefill: expand per-head keys and values from the live latents.
+            k_nope = latents @ w_k.swapaxes(-1, -2)
+            values = latents @ w_v.swapaxes(-1, -2)
+            k_pe = cached[..., self.kv_lora_rank :]
+            k_pe = mx.broadcast_to(k_pe, (*k_nope.shape[:3], self.qk_rope_head_dim))
+            keys = mx.concatenate([k_nope, k_pe], axis=-1)
+            out = attend(queries, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 

@@ -174,7 +174,7 @@ class _GenerateCommand(click.Command):
     type=click.IntRange(min=0),
     help="Tokens kept at the front under --max-kv-size  [default: 4]",
 )
-@click.option("--prefill-chunk-size", default=512, show_default=True, type=click.IntRange(min=1))
+@click.option("--prefill-chunk-size", default=2048, show_default=True, type=click.IntRange(min=1))
 @click.option("--no-chat-template", is_flag=True, help="Encode the prompt as raw text.")
 @click.option(
     "--image",

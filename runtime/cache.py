@@ -35,29 +35,36 @@ class KVCache:
     def live_len(self) -> int:
         return self.offset - self.live_start
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append ``keys``/``values`` ``[B, H, L, D]``; return the live window after the append."""
+    def update_and_fetch(
+        self, keys: mx.array, values: mx.array | None = None
+    ) -> tuple[mx.array, mx.array | None]:
+        """Append ``keys``/``values`` ``[B, H, L, D]``; return the live window after the append.
+
+        ``values`` None keeps keys only (an MLA latent cache reads its values out of the keys).
+        """
         n_new = keys.shape[2]
         start = self.live_len
         end = start + n_new
         if self.keys is None or end > self.keys.shape[2]:
-            self._grow(keys, values, end)
+            self.keys = self._grown(self.keys, keys, end)
+            if values is not None:
+                self.values = self._grown(self.values, values, end)
         self.keys[..., start:end, :] = keys
-        self.values[..., start:end, :] = values
+        if values is not None:
+            self.values[..., start:end, :] = values
         self.offset += n_new
-        return self.keys[..., :end, :], self.values[..., :end, :]
+        live_values = None if values is None else self.values[..., :end, :]
+        return self.keys[..., :end, :], live_values
 
-    def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
+    def _grown(self, buffer: mx.array | None, new: mx.array, needed: int) -> mx.array:
+        """A buffer with room for ``needed`` tokens holding the live window of ``buffer``."""
         capacity = (needed + self.step - 1) // self.step * self.step
-        B, H, _, Dk = keys.shape
-        Dv = values.shape[3]
-        new_k = mx.zeros((B, H, capacity, Dk), keys.dtype)
-        new_v = mx.zeros((B, H, capacity, Dv), values.dtype)
-        if self.keys is not None:
+        B, H, _, D = new.shape
+        grown = mx.zeros((B, H, capacity, D), new.dtype)
+        if buffer is not None:
             n = self.live_len
-            new_k[..., :n, :] = self.keys[..., :n, :]
-            new_v[..., :n, :] = self.values[..., :n, :]
-        self.keys, self.values = new_k, new_v
+            grown[..., :n, :] = buffer[..., :n, :]
+        return grown
 
     def trim_front(self, n: int, keep: int = 0) -> int:
         """Drop the oldest ``n`` live tokens that follow the first ``keep`` (attention sinks).
@@ -74,10 +81,10 @@ class KVCache:
         if self.live_start and keep != self.sink:
             raise ValueError(f"trim_front keep={keep} differs from the earlier keep={self.sink}")
         self.sink = keep
-        if self.keys is not None:
-            # Slide the survivors down; assignment reads the old buffer, so overlap is safe.
-            self.keys[..., keep : live - n, :] = self.keys[..., keep + n : live, :]
-            self.values[..., keep : live - n, :] = self.values[..., keep + n : live, :]
+        # Slide the survivors down; assignment reads the old buffer, so overlap is safe.
+        for buffer in (self.keys, self.values):
+            if buffer is not None:
+                buffer[..., keep : live - n, :] = buffer[..., keep + n : live, :]
         self.live_start += n
         return n
 
@@ -97,8 +104,8 @@ class KVCache:
         """Bytes held by the live window (not the spare capacity)."""
         if self.keys is None:
             return 0
-        per_token = (self.keys.nbytes + self.values.nbytes) // self.keys.shape[2]
-        return per_token * self.live_len
+        held = self.keys.nbytes + (0 if self.values is None else self.values.nbytes)
+        return held // self.keys.shape[2] * self.live_len
 
 
 def enforce_max_kv(caches: list[KVCache], max_kv_size: int | None, keep: int = 0) -> int:

@@ -35,7 +35,7 @@ def generate_tokens(
     *,
     max_tokens: int,
     sampler: Sampler | None = None,
-    prefill_chunk_size: int = 512,
+    prefill_chunk_size: int = 2048,
     max_kv_size: int | None = None,
     kv_sink: int = DEFAULT_KV_SINK,
     eos_token_ids: Iterable[int] = (),
