@@ -1,0 +1,425 @@
+"""Deterministic random checkpoints for the benchmark, in Hugging Face layout, written with MLX.
+
+Each architecture is a config.json (the keys the hub checkpoints carry) plus bf16 safetensors
+with hub tensor names, so mlxc and the peer (mlx-lm) load the *same file*. Values are
+``N(0, 1/fan_in)`` from one MLX key per tensor (the tensor's name hashed into the seed), so a
+checkpoint is the same on every machine and in every run. No transformers or torch needed.
+
+Sizes:
+  medium (GPU): hidden 2048, 16 layers, realistic head dims, vocab and expert counts
+  small  (CPU): hidden 1024, 8 layers, vocab 32k, so a CPU run takes minutes
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlx.core as mx
+
+SIZES = ("small", "medium")
+
+# --- configs ---------------------------------------------------------------------------------
+
+
+def _llama(size: str) -> dict:
+    # Llama-3.2-1B shape at medium (hidden 2048, 16 layers, 32 x 64 heads, 8 kv heads, tied).
+    small = size == "small"
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 1024 if small else 2048,
+        "num_hidden_layers": 8 if small else 16,
+        "num_attention_heads": 16 if small else 32,
+        "num_key_value_heads": 4 if small else 8,
+        "head_dim": 64,
+        "intermediate_size": 4096 if small else 8192,
+        "vocab_size": 32000 if small else 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": True,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _qwen3(size: str) -> dict:
+    # Qwen3-1.7B shape at medium, 16 of its 28 layers (Qwen3-0.6B widths at small).
+    small = size == "small"
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 1024 if small else 2048,
+        "num_hidden_layers": 8 if small else 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 3072 if small else 6144,
+        "vocab_size": 32000 if small else 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": True,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _nemotron_block(attn: str, ffn_mult: float | None, group: int = 8) -> dict:
+    return {
+        "attention": {
+            "n_heads_in_group": group if attn == "gqa" else None,
+            "no_op": attn == "no_op",
+            "num_sink_tokens": None,
+            "replace_with_linear": False,
+            "sparsify": None,
+            "unshifted_sink": False,
+            "use_prefill_window_in_sink_attention": False,
+            "window_length": None,
+        },
+        "ffn": {
+            "ffn_mult": ffn_mult,
+            "no_op": ffn_mult is None,
+            "replace_with_linear": False,
+            "sparsify": None,
+        },
+    }
+
+
+def _nemotron_nas(size: str) -> dict:
+    # DeciLM / Llama-Nemotron-Super style: per-layer kv heads and FFN widths, some attention
+    # blocks removed (no_op). Linear replacements are left out: mlx-lm names them differently.
+    small = size == "small"
+    n = 8 if small else 16
+    pattern = [("gqa", 2.625, 8), ("gqa", 1.3125, 4), ("no_op", 2.625, 8), ("gqa", 5.25, 8)]
+    blocks = [_nemotron_block(a, f, g) for a, f, g in (pattern * n)[:n]]
+    return {
+        "architectures": ["DeciLMForCausalLM"],
+        "model_type": "nemotron-nas",
+        "hidden_size": 1024 if small else 2048,
+        "num_hidden_layers": n,
+        "num_attention_heads": 16,
+        "num_key_value_heads": None,
+        "intermediate_size": None,
+        "block_configs": blocks,
+        "vocab_size": 32000 if small else 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _mistral4(size: str) -> dict:
+    # Mistral-Small-4 text model, scaled down: MLA (q LoRA, latent KV), MoE with a shared
+    # expert and one dense first layer, yarn RoPE and the Llama-4 query scale.
+    small = size == "small"
+    return {
+        "architectures": ["Mistral4ForCausalLM"],
+        "model_type": "mistral4",
+        "hidden_size": 1024 if small else 2048,
+        "num_hidden_layers": 8 if small else 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "q_lora_rank": 384 if small else 768,
+        "kv_lora_rank": 256,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 64,
+        "qk_head_dim": 128,
+        "head_dim": 128,
+        "v_head_dim": 64 if small else 128,
+        "intermediate_size": 3072 if small else 6144,
+        "moe_intermediate_size": 512,
+        "n_routed_experts": 16 if small else 32,
+        "num_experts_per_tok": 4,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "vocab_size": 32768 if small else 131072,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rope_interleave": True,
+        "tie_word_embeddings": False,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.1,
+            "partial_rotary_factor": 0.5,
+        },
+        "dtype": "bfloat16",
+    }
+
+
+CONFIGS = {"llama": _llama, "qwen3": _qwen3, "nemotron_nas": _nemotron_nas, "mistral4": _mistral4}
+ARCHS = tuple(CONFIGS)
+
+
+def config(arch: str, size: str) -> dict:
+    if arch not in CONFIGS:
+        raise ValueError(f"unknown arch {arch!r}; known: {', '.join(ARCHS)}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; known: {', '.join(SIZES)}")
+    return CONFIGS[arch](size)
+
+
+# --- tensor names and shapes -----------------------------------------------------------------
+
+
+def _nemotron_ffn(mult: float, hidden: int) -> int:
+    n = int(2 * round(mult, 6) * hidden / 3)  # DeciLM / mlx-lm rounding: up to 256
+    return n if n % 256 == 0 else n + 256 - n % 256
+
+
+def shapes(cfg: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Hub tensor names and shapes of ``cfg`` (what the HF checkpoint would hold)."""
+    mt = cfg["model_type"]
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    yield "model.embed_tokens.weight", (v, h)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        if mt in ("llama", "qwen3"):
+            nh, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+            yield p + "input_layernorm.weight", (h,)
+            yield from _gqa(p, h, nh, kv, hd)
+            if mt == "qwen3":
+                yield p + "self_attn.q_norm.weight", (hd,)
+                yield p + "self_attn.k_norm.weight", (hd,)
+            yield p + "post_attention_layernorm.weight", (h,)
+            yield from _swiglu(p + "mlp.", h, cfg["intermediate_size"])
+        elif mt == "nemotron-nas":
+            blk = cfg["block_configs"][i]
+            nh = cfg["num_attention_heads"]
+            if not blk["attention"]["no_op"]:
+                yield p + "input_layernorm.weight", (h,)
+                kv = nh // blk["attention"]["n_heads_in_group"]
+                yield from _gqa(p, h, nh, kv, h // nh)
+            if not blk["ffn"]["no_op"]:
+                yield p + "post_attention_layernorm.weight", (h,)
+                yield from _swiglu(p + "mlp.", h, _nemotron_ffn(blk["ffn"]["ffn_mult"], h))
+        elif mt == "mistral4":
+            yield from _mistral4_layer(p, cfg, i)
+        else:
+            raise ValueError(mt)
+    yield "model.norm.weight", (h,)
+    if not cfg.get("tie_word_embeddings"):
+        yield "lm_head.weight", (v, h)
+
+
+def _gqa(p: str, h: int, nh: int, kv: int, hd: int):
+    yield p + "self_attn.q_proj.weight", (nh * hd, h)
+    yield p + "self_attn.k_proj.weight", (kv * hd, h)
+    yield p + "self_attn.v_proj.weight", (kv * hd, h)
+    yield p + "self_attn.o_proj.weight", (h, nh * hd)
+
+
+def _swiglu(p: str, h: int, inter: int):
+    yield p + "gate_proj.weight", (inter, h)
+    yield p + "up_proj.weight", (inter, h)
+    yield p + "down_proj.weight", (h, inter)
+
+
+def _mistral4_layer(p: str, cfg: dict, i: int):
+    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+    qr, kvr = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+    nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    yield p + "input_layernorm.weight", (h,)
+    yield p + "self_attn.q_a_proj.weight", (qr, h)
+    yield p + "self_attn.q_a_layernorm.weight", (qr,)
+    yield p + "self_attn.q_b_proj.weight", (nh * (nope + rope), qr)
+    yield p + "self_attn.kv_a_proj_with_mqa.weight", (kvr + rope, h)
+    yield p + "self_attn.kv_a_layernorm.weight", (kvr,)
+    yield p + "self_attn.kv_b_proj.weight", (nh * (nope + vd), kvr)
+    yield p + "self_attn.o_proj.weight", (h, nh * vd)
+    yield p + "post_attention_layernorm.weight", (h,)
+    if i < cfg["first_k_dense_replace"]:
+        yield from _swiglu(p + "mlp.", h, cfg["intermediate_size"])
+        return
+    e, mi = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    yield p + "mlp.gate.weight", (e, h)
+    yield p + "mlp.experts.gate_up_proj", (e, 2 * mi, h)  # fused, out-major (hub and tf5)
+    yield p + "mlp.experts.down_proj", (e, h, mi)
+    yield from _swiglu(p + "mlp.shared_experts.", h, mi * cfg["n_shared_experts"])
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+
+def _tensor(name: str, shape: tuple[int, ...], seed: int) -> mx.array:
+    key = mx.random.key((zlib.crc32(name.encode()) + 1_000_003 * seed) % (2**31))
+    if len(shape) == 1:  # norms: ~1
+        return (1.0 + 0.05 * mx.random.normal(shape, key=key)).astype(mx.bfloat16)
+    return (mx.random.normal(shape, key=key) * shape[-1] ** -0.5).astype(mx.bfloat16)
+
+
+def write_checkpoint(path: Path, arch: str, size: str, seed: int = 0) -> Path:
+    """Write the ``arch``/``size`` checkpoint to ``path`` (bf16, sharded at 2 GB); returns it."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = config(arch, size)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    shard: dict[str, mx.array] = {}
+    shard_bytes, files, weight_map = 0, [], {}
+
+    def flush():
+        nonlocal shard, shard_bytes
+        if shard:
+            name = f"model-{len(files) + 1:05d}.safetensors"
+            mx.save_safetensors(str(path / name), shard, metadata={"format": "pt"})
+            files.append(name)
+            weight_map.update(dict.fromkeys(shard, name))
+            shard, shard_bytes = {}, 0
+
+    for name, shape in shapes(cfg):
+        t = _tensor(name, shape, seed)
+        mx.eval(t)
+        shard[name] = t
+        shard_bytes += t.nbytes
+        if shard_bytes > 2 << 30:
+            flush()
+    flush()
+    index = {"metadata": {}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index) + "\n")
+    return path
+
+
+def parameter_count(arch: str, size: str) -> int:
+    total = 0
+    for _, shape in shapes(config(arch, size)):
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
+
+# --- a tokenizer, for serving ----------------------------------------------------------------
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>"
+    "{{ message['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer with exactly ``vocab_size`` tokens and a chat template.
+
+    Every id a random model can emit decodes to a visible word (a BPE trained on a small corpus
+    would leave most ids without text, and servers stream nothing for them), and prompts made
+    of ordinary English words encode to real ids. Enough for ``mlxc serve`` and
+    ``mlx_lm.server`` to run a random checkpoint; ``tokenizers`` only.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<s>", "</s>", "<pad>", "<unk>"]
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "a",
+        "lazy",
+        "dog",
+        "while",
+        "seven",
+        "bright",
+        "stars",
+        "shine",
+        "above",
+        "quiet",
+        "hills",
+        "and",
+        "rivers",
+        "run",
+        "toward",
+        "distant",
+        "blue",
+        "seas",
+        "under",
+        "soft",
+        "evening",
+        "light",
+        "request",
+    ]
+    vocab = {w: i for i, w in enumerate(specials + words)}
+    for i in range(len(vocab), vocab_size):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    path = Path(path)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "pad_token": "<pad>",
+                "unk_token": "<unk>",
+                "chat_template": CHAT_TEMPLATE,
+                "model_max_length": 131072,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m bench.models",
+        description="Write one benchmark checkpoint (with a tokenizer).",
+    )
+    p.add_argument("--arch", choices=ARCHS, default="llama")
+    p.add_argument("--size", choices=SIZES, default="small")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    out = write_checkpoint(Path(args.out), args.arch, args.size, args.seed)
+    write_tokenizer(out, config(args.arch, args.size)["vocab_size"])
+    print(f"wrote {out} ({parameter_count(args.arch, args.size) / 1e6:.0f}M parameters)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,387 @@
+"""Side-by-side benchmark: mlxc against the peer that serves each architecture today (mlx-lm).
+
+One command::
+
+    python -m bench.run --device cpu --size small  --out bench/results/cpu-small
+    python -m bench.run --device gpu --size medium --out bench/results/gpu-h200-medium
+
+writes ``OUT.json`` (every number, every repeat, the machine) and ``OUT.md`` (the tables).
+
+It writes deterministic random checkpoints (bench/models.py) for each architecture into a
+temporary directory, plus a 4-bit copy made by ``mlxc convert``, and loads the same files into
+mlxc (``mlxc.load_model``) and into mlx-lm (``mlx_lm.utils.load_model``; its 4-bit is mlx-lm's
+own ``quantize_model`` of the bf16 weights, as ``mlx_lm.convert -q`` does). Each measurement runs
+both in one process, interleaved, warmed up, repeated; the median is reported.
+
+On a CPU device the comparison is made twice, in two child processes, because a BLAS can only
+be chosen before MLX is imported (runtime/blas.py):
+
+* ``openblas``: mlxc as shipped (OpenBLAS preloaded, bf16 weights computed in float32) against
+  mlx-lm with the same BLAS and the same float32 weights: the kernel-level comparison.
+* ``reference``: ``MLXC_BLAS=off``; mlx-lm as users run it today (its bundled reference BLAS,
+  bf16 weights as loaded), and mlxc without an optimised BLAS. Reference-BLAS and bf16 CPU
+  matmuls run at a few GFLOP/s, so this pass uses only the shortest prefill and fewer decode
+  tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULTS = {
+    # size: prefill lengths, decode prompt, decode tokens, repeats
+    "small": {"prefill": [256, 1024], "decode_prompt": 128, "decode_tokens": 64, "repeats": 3},
+    "medium": {"prefill": [512, 2048], "decode_prompt": 512, "decode_tokens": 128, "repeats": 5},
+}
+QUANTS = ("bf16", "q4")
+GROUP_SIZE, BITS = 64, 4
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --- parent: checkpoints, children, report ---------------------------------------------------
+
+
+def prepare(archs: list[str], size: str, quants: list[str], work: Path) -> dict:
+    """Write each checkpoint (and its 4-bit conversion); {arch: {quant: dir}}."""
+    from bench import models
+    from mlxc.runtime.convert import convert
+
+    dirs: dict[str, dict[str, str]] = {}
+    for arch in archs:
+        t = time.perf_counter()
+        bf16 = work / f"{arch}-{size}-bf16"
+        if not (bf16 / "config.json").exists():
+            models.write_checkpoint(bf16, arch, size)
+        dirs[arch] = {"bf16": str(bf16)}
+        if "q4" in quants:
+            q4 = work / f"{arch}-{size}-q4"
+            if not (q4 / "config.json").exists():
+                convert(bf16, q4, quantize=True, bits=BITS, group_size=GROUP_SIZE)
+            dirs[arch]["q4"] = str(q4)
+        n = models.parameter_count(arch, size)
+        _log(f"checkpoint {arch} ({size}, {n / 1e6:.0f}M params): {time.perf_counter() - t:.1f} s")
+    return dirs
+
+
+def machine(device: str) -> dict:
+    import mlx.core as mx
+
+    info = {
+        "device": device,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "mlx": mx.__version__,
+    }
+    try:
+        from importlib.metadata import version
+
+        info["mlx_lm"] = version("mlx-lm")
+        info["mlxc"] = version("mlxc")
+    except Exception as e:  # noqa: BLE001 - metadata is informative only
+        info["versions_error"] = repr(e)
+    try:
+        info["device_info"] = {k: str(v) for k, v in mx.device_info().items()}
+    except Exception as e:  # noqa: BLE001 - informative only
+        info["device_info_error"] = repr(e)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        import inspect
+
+        from mlxc.runtime.generate import generate_tokens
+
+        default = inspect.signature(generate_tokens).parameters["prefill_chunk_size"].default
+        info["mlxc_prefill_chunk"] = default
+    except (ImportError, KeyError, ValueError) as e:
+        info["mlxc_prefill_chunk_error"] = repr(e)
+    if os.environ.get("MLXC_BENCH_COMMIT"):
+        info["commit"] = os.environ["MLXC_BENCH_COMMIT"]
+        return info
+    try:
+        info["commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+    except OSError:
+        pass
+    return info
+
+
+def spawn(mode: str, args, dirs: dict, out_json: Path) -> dict:
+    if args.resume and out_json.exists():
+        _log(f"== {mode} pass: reusing {out_json} (--resume) ==")
+        return json.loads(out_json.read_text())
+    env = dict(os.environ)
+    if mode == "reference":
+        env["MLXC_BLAS"] = "off"
+    else:
+        env.pop("MLXC_BLAS", None)
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.run",
+        "--child",
+        mode,
+        "--device",
+        args.device,
+        "--size",
+        args.size,
+        "--dirs",
+        json.dumps(dirs),
+        "--child-out",
+        str(out_json),
+        "--repeats",
+        str(args.repeats),
+        "--budget",
+        str(args.budget),
+        "--prefill",
+        ",".join(map(str, args.prefill)),
+        "--decode-prompt",
+        str(args.decode_prompt),
+        "--decode-tokens",
+        str(args.decode_tokens),
+    ]
+    _log(f"== {mode} pass ==")
+    r = subprocess.run(cmd, env=env, check=False, cwd=Path(__file__).resolve().parent.parent)
+    if r.returncode != 0:
+        raise SystemExit(f"the {mode} pass failed (exit {r.returncode})")
+    return json.loads(out_json.read_text())
+
+
+# --- child: measure --------------------------------------------------------------------------
+
+
+def _load_sides(mode: str, device: str, arch_dirs: dict, quant: str) -> list:
+    """The sides to compare in this pass, for one architecture and quantisation."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model as peer_load
+
+    import mlxc
+    from bench.harness import Side
+
+    ours = mlxc.load_model(arch_dirs[quant])
+    ours_dtype = _dtype_of(ours)
+    sides = [Side("mlxc", "ours", ours, ours_dtype)]
+
+    peer, config = peer_load(Path(arch_dirs["bf16"]))
+    if quant == "q4":
+        import contextlib
+        import io
+
+        from mlx_lm.utils import quantize_model
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            peer, _ = quantize_model(peer, config, group_size=GROUP_SIZE, bits=BITS)
+    mx.eval(peer.parameters())
+    if mode == "openblas":
+        # Same BLAS and the same float32 compute as mlxc: the kernel-level comparison.
+        peer.set_dtype(mx.float32)
+        mx.eval(peer.parameters())
+        sides.append(Side("mlx-lm f32", "peer", peer, _dtype_of(peer)))
+    else:
+        sides.append(Side("mlx-lm", "peer", peer, _dtype_of(peer)))
+    return sides
+
+
+def _dtype_of(model) -> str:
+    from mlx.utils import tree_flatten
+
+    dtypes = {str(v.dtype).replace("mlx.core.", "") for _, v in tree_flatten(model.parameters())}
+    quant = "q4/" if "uint32" in dtypes else ""
+    floats = sorted(d for d in dtypes if d.startswith(("float", "bfloat")))
+    return quant + "+".join(floats)
+
+
+def plan(args, quant: str) -> tuple[list[int], int, int, int]:
+    """(prefill lengths, decode prompt, decode tokens, repeats) of one pass and quantisation.
+
+    On the CPU, MLX's quantised matmul runs at ~1/30 of float32 OpenBLAS (4-bit prefill: ~10
+    tokens/s here), so 4-bit is measured for decode only, after a short prompt; and the
+    reference pass (reference BLAS, bf16 at a few GFLOP/s) uses the shortest prefill, half the
+    decode tokens and one repeat.
+    """
+    prefill, decode_prompt, tokens, repeats = (
+        list(args.prefill),
+        args.decode_prompt,
+        args.decode_tokens,
+        args.repeats,
+    )
+    if args.device == "cpu":
+        if quant == "q4":
+            prefill, decode_prompt, tokens = [], 32, min(tokens, 32)
+        if args.child == "reference":
+            prefill, tokens, repeats = prefill[:1], max(tokens // 2, 16), 1
+    return prefill, decode_prompt, tokens, repeats
+
+
+def child(args) -> None:
+    # A BLAS must be chosen before the first `import mlx.core` (runtime/blas.py).
+    from mlxc.runtime import blas
+
+    st = blas.preload(args.device)
+    import mlx.core as mx
+
+    from bench.harness import Cell, measure, prompt, run_once
+
+    if args.device == "gpu":
+        mx.set_default_device(mx.gpu)
+    else:
+        mx.set_default_device(mx.cpu)
+    dirs = json.loads(args.dirs)
+    gpu = args.device == "gpu"
+    results = {"mode": args.child, "blas": st.as_dict(), "cells": []}
+    _log(f"[{args.child}] {st.reason}")
+    for arch, arch_dirs in dirs.items():
+        vocab = json.loads((Path(arch_dirs["bf16"]) / "config.json").read_text())["vocab_size"]
+        for quant in [q for q in QUANTS if q in arch_dirs]:
+            _log(f"  {arch} {quant}")
+            sides = _load_sides(args.child, args.device, arch_dirs, quant)
+            failed = {}
+            for s in list(sides):  # a short run first on every side (allocations, kernel set-up)
+                try:
+                    run_once(s, prompt(16, vocab, 9), 3)
+                except (RuntimeError, ValueError) as e:  # e.g. an op the device lacks
+                    _log(f"    {s.name} cannot run {arch} {quant} here: {e}")
+                    failed[s.name] = {"error": str(e), "dtype": s.dtype}
+                    sides.remove(s)
+            prefill, decode_prompt, decode_tokens, repeats = plan(args, quant)
+            cells = [Cell(f"prefill {n}", prompt(n, vocab, n), 1) for n in prefill]
+            cells.append(
+                Cell(f"decode@{decode_prompt}", prompt(decode_prompt, vocab, 1), decode_tokens + 1)
+            )
+            for cell in cells:
+                res = measure(
+                    sides,
+                    cell,
+                    repeats=repeats,
+                    budget_s=args.budget,
+                    warmup=gpu,  # the GPU compiles kernels per shape; the CPU has nothing to warm
+                    log=_log,
+                )
+                results["cells"].append(
+                    {
+                        "arch": arch,
+                        "quant": quant,
+                        "cell": cell.label,
+                        "kind": "decode" if cell.max_tokens > 1 else "prefill",
+                        "prompt_tokens": len(cell.ids),
+                        "new_tokens": cell.max_tokens,
+                        "sides": {
+                            **{
+                                name: dict(r, dtype=next(s.dtype for s in sides if s.name == name))
+                                for name, r in res.items()
+                            },
+                            **failed,
+                        },
+                    }
+                )
+            del sides
+            mx.clear_cache()
+    Path(args.child_out).write_text(json.dumps(results, indent=1))
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    p.add_argument("--size", choices=["small", "medium"], default=None)
+    p.add_argument("--out", default=None, help="results path without suffix (.json/.md added)")
+    p.add_argument("--archs", default="llama,qwen3,nemotron_nas,mistral4")
+    p.add_argument("--quants", default="bf16,q4")
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--budget", type=float, default=60.0, help="seconds per cell before stopping")
+    p.add_argument("--prefill", default=None, help="comma-separated prompt lengths")
+    p.add_argument("--decode-prompt", type=int, default=None)
+    p.add_argument("--decode-tokens", type=int, default=None)
+    p.add_argument("--work-dir", default=None, help="keep checkpoints here (default: temp)")
+    p.add_argument("--modes", default=None, help="CPU passes: openblas,reference")
+    p.add_argument(
+        "--resume", action="store_true", help="reuse finished passes found in --work-dir"
+    )
+    # internal: one measuring pass in a child process
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--dirs", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    size = args.size or ("medium" if args.device == "gpu" else "small")
+    args.size = size
+    d = DEFAULTS[size]
+    args.prefill = [int(x) for x in (args.prefill or ",".join(map(str, d["prefill"]))).split(",")]
+    args.decode_prompt = args.decode_prompt or d["decode_prompt"]
+    args.decode_tokens = args.decode_tokens or d["decode_tokens"]
+    args.repeats = args.repeats or d["repeats"]
+
+    if args.child:
+        child(args)
+        return
+
+    # The parent writes checkpoints; imports of MLX here do not affect the children.
+    from mlxc.runtime import blas
+
+    blas.preload(args.device)
+    from bench import models, report
+
+    out = Path(args.out or f"bench/results/{args.device}-{size}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    archs = args.archs.split(",")
+    quants = [q for q in args.quants.split(",") if q]
+    modes = ["gpu"] if args.device == "gpu" else (args.modes or "openblas,reference").split(",")
+    if args.device == "cpu" and "openblas" in modes and not blas._candidates():
+        _log(f"no optimised BLAS installed: skipping the openblas pass ({blas.INSTALL_HINT})")
+        modes = [m for m in modes if m != "openblas"]
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="mlxc-bench-") as tmp:
+        work = Path(args.work_dir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        dirs = prepare(archs, size, quants, work)
+        passes = {}
+        for mode in modes:
+            passes[mode] = spawn(mode, args, dirs, work / f"pass-{mode}.json")
+    result = {
+        "command": "python -m bench.run " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": machine(args.device),
+        "size": size,
+        "settings": {
+            "prefill": args.prefill,
+            "decode_prompt": args.decode_prompt,
+            "decode_tokens": args.decode_tokens,
+            "repeats": args.repeats,
+            "budget_s": args.budget,
+            "quantization": {"bits": BITS, "group_size": GROUP_SIZE},
+        },
+        "params": {a: models.parameter_count(a, size) for a in archs},
+        "passes": passes,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    Path(f"{out}.json").write_text(json.dumps(result, indent=1) + "\n")
+    Path(f"{out}.md").write_text(report.markdown(result))
+    _log(f"wrote {out}.json and {out}.md ({result['wall_s']} s)")
+    print(report.markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+"""Load generator for an OpenAI-compatible server on this machine (``mlxc serve``, ``mlx_lm.server``).
+
+Runs a bounded number of streaming requests at each concurrency level (default 1, 4, 16) and
+reports aggregate completion tokens/s, request latency p50/p90, time to first token p50/p90 and
+per-stream decode tokens/s::
+
+    mlxc serve --model DIR --port 8000 &
+    python -m bench.serve_load --url http://127.0.0.1:8000 --out bench/results/serve-mlxc
+    mlx_lm.server --model DIR --port 8001 &
+    python -m bench.serve_load --url http://127.0.0.1:8001 --out bench/results/serve-mlx-lm
+
+Bounded: ``--requests`` per level (default 2 x concurrency, at least 8) and ``--duration``
+seconds per level (no new request starts after it), ``--timeout`` per request. Loopback only:
+the URL's host must resolve to 127.0.0.0/8 or ::1, anything else is refused. Standard library
+only. Every prompt starts differently, so no server can answer from a cached prefix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import ipaddress
+import json
+import socket
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "bright",
+    "stars",
+    "shine",
+    "above",
+    "quiet",
+    "hills",
+    "and",
+    "rivers",
+    "run",
+    "toward",
+    "distant",
+    "blue",
+    "seas",
+    "under",
+    "the",
+    "soft",
+    "evening",
+    "light",
+]
+
+
+class NotLoopback(ValueError):
+    """The server URL does not point at this machine."""
+
+
+def check_loopback(url: str) -> tuple[str, int, str]:
+    """(host, port, base path) of an http URL whose host resolves only to loopback addresses."""
+    parts = urlsplit(url)
+    if parts.scheme != "http":
+        raise NotLoopback(f"only http://127.0.0.1:PORT style URLs are supported, got {url!r}")
+    host, port = parts.hostname or "", parts.port or 80
+    try:
+        infos = socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)
+    except socket.gaierror as e:
+        raise NotLoopback(f"cannot resolve {host!r}: {e}") from e
+    addrs = {info[4][0] for info in infos}
+    if not addrs or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        raise NotLoopback(f"{host} resolves to {sorted(addrs)}: this tool only loads loopback")
+    base = parts.path.rstrip("/")
+    base = base.removesuffix("/v1")
+    return host, port, base
+
+
+@dataclass
+class Result:
+    ok: bool
+    start: float
+    end: float
+    first: float | None  # time of the first content chunk
+    tokens: int
+    error: str = ""
+
+    @property
+    def latency(self) -> float:
+        return self.end - self.start
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first is None else self.first - self.start
+
+
+def prompt_text(i: int, words: int) -> str:
+    """A distinct first word per request (no shared prefix to reuse), then ordinary words."""
+    body = " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(words))
+    return f"w{1000 + i % 30000} {body}"
+
+
+def one_request(target, model: str | None, i: int, args) -> Result:
+    host, port, base = target
+    if args.endpoint == "chat":
+        path = f"{base}/v1/chat/completions"
+        body = {"messages": [{"role": "user", "content": prompt_text(i, args.prompt_words)}]}
+    else:
+        path = f"{base}/v1/completions"
+        body = {"prompt": prompt_text(i, args.prompt_words)}
+    if model is not None:
+        body["model"] = model
+    body.update(
+        max_tokens=args.max_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    start = time.perf_counter()
+    first, chunks, usage = None, 0, None
+    conn = http.client.HTTPConnection(host, port, timeout=args.timeout)
+    try:
+        conn.request(
+            "POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        if resp.status != 200:
+            detail = resp.read(300).decode(errors="replace")
+            return Result(False, start, time.perf_counter(), None, 0, f"{resp.status} {detail}")
+        for raw in resp:
+            line = raw.decode(errors="replace").strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices") or []:
+                text = choice.get("text")
+                if text is None:
+                    text = (choice.get("delta") or {}).get("content")
+                if text:
+                    chunks += 1
+                    if first is None:
+                        first = time.perf_counter()
+        tokens = (usage or {}).get("completion_tokens") or chunks
+        return Result(True, start, time.perf_counter(), first, int(tokens))
+    except (OSError, http.client.HTTPException, json.JSONDecodeError) as e:
+        return Result(False, start, time.perf_counter(), first, chunks, repr(e))
+    finally:
+        conn.close()
+
+
+def run_level(target, model: str | None, concurrency: int, args) -> dict:
+    n_requests = args.requests or max(8, 2 * concurrency)
+    lock = threading.Lock()
+    next_id = [0]
+    results: list[Result] = []
+    t0 = time.perf_counter()
+    deadline = t0 + args.duration
+
+    def worker():
+        while True:
+            with lock:
+                i = next_id[0]
+                if i >= n_requests or time.perf_counter() > deadline:
+                    return
+                next_id[0] += 1
+            r = one_request(target, model, concurrency * 100_000 + i, args)
+            with lock:
+                results.append(r)
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(args.duration + args.timeout + 5)
+    wall = (max((r.end for r in results), default=t0) - t0) or 1e-9
+    ok = [r for r in results if r.ok]
+    lat = sorted(r.latency for r in ok)
+    ttft = sorted(r.ttft for r in ok if r.ttft is not None)
+    per_stream = [
+        (r.tokens - 1) / (r.end - r.first)
+        for r in ok
+        if r.first and r.tokens > 1 and r.end > r.first
+    ]
+    total = sum(r.tokens for r in ok)
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "first_errors": [r.error for r in results if not r.ok][:3],
+        "completion_tokens": total,
+        "wall_s": round(wall, 3),
+        "aggregate_tps": total / wall,
+        "latency_p50_s": _pct(lat, 50),
+        "latency_p90_s": _pct(lat, 90),
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p90_s": _pct(ttft, 90),
+        "stream_tps_median": statistics.median(per_stream) if per_stream else None,
+        "results": [asdict(r) for r in results],
+    }
+
+
+def _pct(sorted_values: list[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    k = (len(sorted_values) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+
+
+def first_model(target, timeout: float) -> str:
+    host, port, base = target
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", f"{base}/v1/models")
+        resp = conn.getresponse()
+        data = json.loads(resp.read())
+        return data["data"][0]["id"]
+    finally:
+        conn.close()
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        (
+            f"**{report['label']}** — {report['url']}, model `{report['model']}`, "
+            f"{report['settings']['endpoint']}, {report['settings']['max_tokens']} max tokens, "
+            f"~{report['settings']['prompt_words']}-word prompts"
+        ),
+        "",
+        (
+            "| streams | requests | errors | aggregate tok/s | latency p50 / p90 s | "
+            "TTFT p50 / p90 s | per-stream tok/s |"
+        ),
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def f(x, d=2):
+        return "—" if x is None else f"{x:.{d}f}"
+
+    for lv in report["levels"]:
+        lines.append(
+            f"| {lv['concurrency']} | {lv['requests']} | {lv['errors']} | "
+            f"{f(lv['aggregate_tps'], 1)} | {f(lv['latency_p50_s'])} / {f(lv['latency_p90_s'])} | "
+            f"{f(lv['ttft_p50_s'])} / {f(lv['ttft_p90_s'])} | {f(lv['stream_tps_median'], 1)} |"
+        )
+    levels = {lv["concurrency"]: lv for lv in report["levels"]}
+    if 1 in levels and levels[1]["aggregate_tps"]:
+        top = max(levels)
+        lines += [
+            "",
+            (
+                f"Scaling: {top} streams give "
+                f"{levels[top]['aggregate_tps'] / levels[1]['aggregate_tps']:.2f}x the aggregate "
+                "tokens/s of 1 stream."
+            ),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.serve_load", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (loopback)")
+    p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
+    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--requests", type=int, default=None, help="per level (default 2 x streams)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-words", type=int, default=64)
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--duration", type=float, default=120.0, help="seconds per level, at most")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--label", default=None)
+    p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    args = p.parse_args(argv)
+
+    try:
+        target = check_loopback(args.url)
+    except NotLoopback as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    model = args.model
+    if model is None:
+        try:
+            model = first_model(target, args.timeout)
+        except (OSError, http.client.HTTPException, KeyError, IndexError, ValueError) as e:
+            # mlx_lm.server's /v1/models scans the Hugging Face cache and fails for a local
+            # directory; requests without "model" get its --model.
+            print(f"note: no model id from /v1/models ({e!r}); sending none", file=sys.stderr)
+    levels = []
+    for c in [int(x) for x in args.concurrency.split(",")]:
+        lv = run_level(target, model, c, args)
+        print(
+            f"{c:>3} streams: {lv['requests']} requests, {lv['errors']} errors, "
+            f"{lv['aggregate_tps']:.1f} tok/s aggregate, latency p50 {lv['latency_p50_s']}",
+            file=sys.stderr,
+        )
+        levels.append(lv)
+    report = {
+        "label": args.label or args.url,
+        "url": args.url,
+        "model": model,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
+        "levels": levels,
+    }
+    text = markdown(report)
+    print(text)
+    if args.out:
+        Path(f"{args.out}.json").write_text(json.dumps(report, indent=1) + "\n")
+        Path(f"{args.out}.md").write_text(text)
+    return 0 if all(lv["errors"] == 0 for lv in levels) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""An optimised BLAS for MLX's Linux CPU backend, loaded before MLX binds its own.
+
+MLX's Linux CPU wheel (``mlx-cpu``) ships the netlib *reference* BLAS (``mlx_cpu.libs/libblas-*``):
+float32 matmul runs at a few GFLOP/s. ``libmlx.so`` imports ``cblas_sgemm`` by name, and CPython
+loads extension modules with ``RTLD_NOW``, so the symbol is bound once, when ``mlx.core`` is
+imported: to the first ``cblas_sgemm`` in the process's *global* scope, else to the bundled
+reference library. Loading OpenBLAS (or MKL, BLIS) with ``RTLD_GLOBAL`` *before* that import
+therefore makes every MLX CPU matmul use it; loading it afterwards changes nothing (measured:
+``LD_DEBUG=bindings`` shows the binding made at import, and a 1024^3 float32 matmul stays at the
+reference speed). Hence the contract:
+
+* :func:`preload` must run before the first ``import mlx.core`` in the process. It imports
+  nothing heavy (no MLX, no numpy), is idempotent and never raises; ``mlxc/__init__.py`` calls it
+  first thing, so every way into mlxc (the ``mlxc`` command, ``import mlxc``,
+  ``from mlxc.runtime import ...``) gets it as long as MLX itself was not imported earlier.
+* :func:`status` / :func:`log_status` say afterwards which BLAS MLX uses, or how to get one.
+
+Only a CPU device needs it: on macOS MLX uses Accelerate, and with a CUDA (or Metal) backend
+installed the matmuls run on the GPU, so both are left alone. ``MLXC_BLAS=off`` disables the
+preload; ``MLXC_BLAS=/path/libfoo.so`` picks the library. ``LD_PRELOAD=/path/libopenblas.so.0``
+works too, for processes that import MLX before mlxc.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Kept light: mlxc/__init__.py imports this module, so no logging/dataclasses/ctypes at the top.
+
+INSTALL_HINT = (
+    "install one for 10-50x faster float32 matmuls on the CPU: "
+    "`apt-get install libopenblas0-pthread` (Debian/Ubuntu), "
+    "`dnf install openblas-threads` (Fedora), `pacman -S openblas` (Arch)"
+)
+
+
+def _candidates() -> list[str]:
+    """Optimised BLAS libraries with a CBLAS interface, best first (only existing files)."""
+    import platform
+
+    arch = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}.get(
+        platform.machine().lower(), platform.machine().lower()
+    )
+    multiarch = f"/usr/lib/{arch}-linux-gnu"
+    paths = [
+        # Debian / Ubuntu: libopenblas0-pthread, libopenblas0-openmp, libopenblas0 (serial)
+        f"{multiarch}/openblas-pthread/libopenblas.so.0",
+        f"{multiarch}/openblas-openmp/libopenblas.so.0",
+        f"{multiarch}/libopenblas.so.0",
+        # Fedora / RHEL (openblas-threads, openblas-openmp), Arch, Alpine, conda-like prefixes
+        "/usr/lib64/libopenblasp.so.0",
+        "/usr/lib64/libopenblaso.so.0",
+        "/usr/lib64/libopenblas.so.0",
+        "/usr/lib/libopenblas.so.0",
+        "/usr/local/lib/libopenblas.so.0",
+        os.path.join(sys.prefix, "lib", "libopenblas.so.0"),
+        # Intel oneAPI MKL (single dynamic library with CBLAS)
+        "/opt/intel/oneapi/mkl/latest/lib/libmkl_rt.so.2",
+        "/opt/intel/oneapi/mkl/latest/lib/intel64/libmkl_rt.so.2",
+        # BLIS (Debian libblis4-pthread provides CBLAS)
+        f"{multiarch}/blis-pthread/libblis.so.4",
+        f"{multiarch}/blis-openmp/libblis.so.4",
+    ]
+    seen, out = set(), []
+    for p in paths:
+        if p not in seen and os.path.isfile(p):
+            seen.add(p)
+            out.append(p)
+    return out
+
+
+class BlasStatus:
+    """What :func:`preload` did. ``active``: MLX's CPU matmuls use ``library``.
+
+    ``library``: path of the optimised BLAS loaded globally (None: none). ``name``: e.g.
+    ``"OpenBLAS 0.3.21 ... Haswell MAX_THREADS=64, 2 threads"``, ``"reference BLAS"``, or
+    ``"not needed"`` (GPU backend). ``reason``: one line for the log.
+    """
+
+    __slots__ = ("active", "library", "name", "reason")
+
+    def __init__(self, active: bool, library: str | None, name: str, reason: str) -> None:
+        self.active, self.library, self.name, self.reason = active, library, name, reason
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+    def __repr__(self) -> str:
+        return f"BlasStatus({', '.join(f'{k}={getattr(self, k)!r}' for k in self.__slots__)})"
+
+
+_status: BlasStatus | None = None
+_logged = False
+
+
+def _backend_is_cpu_only() -> bool | None:
+    """True when the installed MLX can only run on the CPU, judged without importing MLX.
+
+    macOS: Metal (or Accelerate) -> False. Linux: an ``mlx_cuda*`` distribution next to the
+    ``mlx`` package -> False; otherwise True. None when MLX is not installed.
+    """
+    if sys.platform == "darwin":
+        return False
+    if not sys.platform.startswith("linux"):
+        return False
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("mlx")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        site = os.path.dirname(os.path.abspath(loc))
+        try:
+            names = os.listdir(site)
+        except OSError:
+            continue
+        if any(n.lower().startswith(("mlx_cuda", "mlx-cuda")) for n in names):
+            return False
+    return True
+
+
+def _describe(lib) -> str:
+    """Human name of a loaded BLAS (OpenBLAS reports its build; MKL its version)."""
+    import ctypes
+
+    try:
+        get_config = lib.openblas_get_config
+        get_config.restype = ctypes.c_char_p
+        name = get_config().decode(errors="replace").strip()
+        try:
+            threads = lib.openblas_get_num_threads()
+            name += f", {threads} threads"
+        except AttributeError:
+            pass
+        return name
+    except AttributeError:
+        pass
+    try:
+        buf = ctypes.create_string_buffer(256)
+        lib.MKL_Get_Version_String(buf, len(buf))
+        return buf.value.decode(errors="replace").strip()
+    except AttributeError:
+        pass
+    return os.path.basename(getattr(lib, "_name", "BLAS"))
+
+
+def _load_global(path: str) -> str | None:
+    """Load ``path`` globally if it exports ``cblas_sgemm``; its name, or None (never raises)."""
+    import ctypes
+
+    try:
+        # Check locally first: a library without CBLAS must not enter the global scope.
+        local = ctypes.CDLL(path, mode=os.RTLD_LOCAL | os.RTLD_NOW)
+        if not hasattr(local, "cblas_sgemm"):
+            return None
+        lib = ctypes.CDLL(path, mode=os.RTLD_GLOBAL | os.RTLD_NOW)  # promotes it to global
+        return _describe(lib)
+    except OSError:
+        return None
+
+
+def preload(device: str | None = None) -> BlasStatus:
+    """Load an optimised BLAS globally for MLX's CPU backend; call before ``import mlx.core``.
+
+    ``device``: ``"cpu"`` or ``"gpu"``; None infers it from the installed MLX without importing
+    it (CPU only on Linux without a CUDA backend). A no-op on a GPU device, on macOS, when
+    ``MLXC_BLAS=off``, and on every call after the first. Never raises; returns the status.
+    """
+    global _status
+    if _status is not None:
+        return _status
+    try:
+        _status = _preload(device)
+    except Exception as e:  # noqa: BLE001 - never let start-up fail over an optimisation
+        _status = BlasStatus(False, None, "reference BLAS", f"BLAS preload failed: {e!r}")
+    return _status
+
+
+def _preload(device: str | None) -> BlasStatus:
+    setting = os.environ.get("MLXC_BLAS", "").strip()
+    if setting.lower() in ("0", "off", "no", "none", "false"):
+        return BlasStatus(False, None, "reference BLAS", "BLAS preload disabled (MLXC_BLAS=off)")
+    if device is None:
+        cpu_only = _backend_is_cpu_only()
+        if cpu_only is False:
+            return BlasStatus(
+                False, None, "not needed", "BLAS preload skipped: MLX has a GPU backend here"
+            )
+    elif "cpu" not in str(device).lower():  # "cpu", "gpu", mx.Device(cpu, 0), ...
+        return BlasStatus(False, None, "not needed", f"BLAS preload skipped: device {device}")
+    if _preloaded_by_env():
+        lib = os.environ.get("LD_PRELOAD", "")
+        return BlasStatus(True, lib, lib, f"CPU matmuls use the BLAS in LD_PRELOAD ({lib})")
+    paths = [setting] if setting else _candidates()
+    if "mlx.core" in sys.modules:
+        # Too late: MLX bound cblas_sgemm at import. Loading a library now would only cost
+        # threads and memory, so say how to fix it instead.
+        if not paths:
+            return BlasStatus(False, None, "reference BLAS", f"no optimised BLAS: {INSTALL_HINT}")
+        return BlasStatus(
+            False,
+            None,
+            "reference BLAS",
+            f"mlx.core was imported before mlxc, so MLX kept its reference BLAS although "
+            f"{paths[0]} is installed: import mlxc before mlx, or run with LD_PRELOAD={paths[0]}",
+        )
+    for path in paths:
+        name = _load_global(path)
+        if name is not None:
+            return BlasStatus(True, path, name, f"CPU matmuls use {name} ({path})")
+    if setting:
+        return BlasStatus(
+            False, None, "reference BLAS", f"MLXC_BLAS={setting} is not a BLAS with cblas_sgemm"
+        )
+    return BlasStatus(
+        False,
+        None,
+        "reference BLAS",
+        f"no optimised BLAS found: MLX uses its bundled reference BLAS; {INSTALL_HINT}",
+    )
+
+
+def _preloaded_by_env() -> bool:
+    return any("blas" in p or "mkl" in p for p in os.environ.get("LD_PRELOAD", "").split(":"))
+
+
+def status() -> BlasStatus:
+    """The preload's outcome (running :func:`preload` now if it never ran)."""
+    return _status if _status is not None else preload()
+
+
+def log_status(logger=None, *, force: bool = False) -> BlasStatus:
+    """Log once which BLAS MLX's CPU backend uses (info), or how to install one (warning)."""
+    import logging
+
+    global _logged
+    st = status()
+    if _logged and not force:
+        return st
+    _logged = True
+    if st.name == "not needed":
+        return st
+    (logger or logging.getLogger("mlxc.blas")).log(
+        logging.INFO if st.active else logging.WARNING, st.reason
+    )
+    return st
+
+
+class _PreloadOnMlxImport:
+    """``sys.meta_path`` entry that runs :func:`preload` just before ``mlx.core`` is imported.
+
+    It finds nothing itself (returns None, so the normal import proceeds) and removes itself
+    on first use: importing mlxc costs nothing more, and only processes that use MLX load a BLAS.
+    """
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "mlx.core":
+            remove_import_hook()
+            preload()
+
+
+_hook = _PreloadOnMlxImport()
+
+
+def install_import_hook() -> None:
+    """Make the first ``import mlx.core`` after this call run :func:`preload` first.
+
+    For ``mlxc/__init__.py``: costs a list insert, imports nothing. When MLX is already
+    imported it is too late for a BLAS; :func:`status` then says so.
+    """
+    if _status is None and "mlx.core" not in sys.modules and _hook not in sys.meta_path:
+        sys.meta_path.insert(0, _hook)
+
+
+def remove_import_hook() -> None:
+    while _hook in sys.meta_path:
+        sys.meta_path.remove(_hook)
+
+
+def _reset_for_tests() -> None:
+    global _status, _logged
+    _status, _logged = None, False

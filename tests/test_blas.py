@@ -1,0 +1,176 @@
+"""runtime/blas.py: an optimised BLAS is found and bound before MLX, and nothing ever breaks.
+
+A BLAS only takes effect when loaded before ``import mlx.core`` (the binding of ``cblas_sgemm``
+is made at import), and this test process has MLX imported already, so the effect is checked in
+subprocesses, through the dynamic linker's own account (``LD_DEBUG=bindings``): a check, not a
+timing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from mlxc.runtime import blas
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    monkeypatch.delenv("MLXC_BLAS", raising=False)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    blas._reset_for_tests()
+    yield
+    blas._reset_for_tests()
+    blas.remove_import_hook()
+
+
+def _child(code: str, **env) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if k not in ("MLXC_BLAS", "LD_PRELOAD")}
+    full.update(env)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=full,
+        timeout=120,
+    )
+
+
+installed = pytest.mark.skipif(
+    not blas._candidates(),
+    reason="no optimised BLAS installed (apt-get install libopenblas0-pthread)",
+)
+
+_PRELOAD_THEN_MATMUL = """
+import json
+from mlxc.runtime import blas
+st = blas.preload({device!r})
+import mlx.core as mx
+a = mx.ones((64, 64))
+mx.eval(a @ a)
+print("STATUS" + json.dumps(st.as_dict()))
+"""
+
+
+def _status_of(out: str) -> dict:
+    line = next(ln for ln in out.splitlines() if ln.startswith("STATUS"))
+    return json.loads(line[len("STATUS") :])
+
+
+def _sgemm_binding(stderr: str) -> str:
+    """The library libmlx.so bound ``cblas_sgemm`` to, from LD_DEBUG=bindings output."""
+    for line in stderr.splitlines():
+        if "libmlx" in line and "`cblas_sgemm'" in line:
+            return line.split(" to ")[1]
+    raise AssertionError("no cblas_sgemm binding for libmlx in the LD_DEBUG output")
+
+
+@installed
+def test_preload_finds_the_installed_blas_and_mlx_binds_to_it():
+    r = _child(_PRELOAD_THEN_MATMUL.format(device="cpu"), LD_DEBUG="bindings")
+    assert r.returncode == 0, r.stderr[-2000:]
+    st = _status_of(r.stdout)
+    assert st["active"] and os.path.isfile(st["library"])
+    assert "reference" not in st["name"]
+    bound = _sgemm_binding(r.stderr)
+    assert os.path.basename(st["library"]).split(".so")[0] in bound, bound
+
+
+def test_without_preload_mlx_keeps_its_bundled_reference_blas():
+    r = _child("import mlx.core as mx; a = mx.ones((8, 8)); mx.eval(a @ a)", LD_DEBUG="bindings")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "mlx_cpu.libs" in _sgemm_binding(r.stderr) or "libblas" in _sgemm_binding(r.stderr)
+
+
+@installed
+def test_import_hook_preloads_on_the_first_mlx_import():
+    code = (
+        "import json, sys\n"
+        "from mlxc.runtime import blas\n"
+        "blas.install_import_hook()\n"
+        "assert blas._status is None  # nothing loaded until MLX is imported\n"
+        "import mlx.core\n"
+        "assert blas._hook not in sys.meta_path\n"
+        "print('STATUS' + json.dumps(blas.status().as_dict()))\n"
+    )
+    r = _child(code)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert _status_of(r.stdout)["active"]
+
+
+def test_gpu_device_is_a_no_op():
+    r = _child(
+        "import json\nfrom mlxc.runtime import blas\nst = blas.preload('gpu')\n"
+        "maps = open('/proc/self/maps').read()\n"
+        "print('STATUS' + json.dumps(dict(st.as_dict(), mapped='openblas' in maps)))\n"
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    st = _status_of(r.stdout)
+    assert not st["active"] and st["library"] is None and st["name"] == "not needed"
+    assert not st["mapped"]
+
+
+def test_a_cuda_backend_next_to_mlx_means_no_preload(tmp_path, monkeypatch):
+    (tmp_path / "mlx").mkdir()
+    (tmp_path / "mlx_cuda_13-0.32.4.dist-info").mkdir()
+    spec = types.SimpleNamespace(submodule_search_locations=[str(tmp_path / "mlx")])
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: spec)
+    monkeypatch.setattr(sys, "platform", "linux")
+    assert blas._backend_is_cpu_only() is False
+    st = blas.preload()
+    assert not st.active and st.name == "not needed"
+
+
+def test_no_blas_installed_never_raises_and_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(blas, "_candidates", list)
+    monkeypatch.delitem(sys.modules, "mlx.core", raising=False)  # as if before MLX
+    st = blas.preload("cpu")
+    assert not st.active and st.library is None
+    assert "apt-get install libopenblas0-pthread" in st.reason
+
+
+def test_too_late_says_so_and_loads_nothing(monkeypatch):
+    import mlx.core  # noqa: F401 - this test is about a process that imported MLX first
+
+    monkeypatch.setattr(blas, "_candidates", lambda: ["/some/libopenblas.so.0"])
+    st = blas.preload("cpu")
+    assert not st.active and st.library is None
+    assert "LD_PRELOAD=/some/libopenblas.so.0" in st.reason
+
+
+@pytest.mark.parametrize("setting", ["/nonexistent/libopenblas.so.0", "libm.so.6"])
+def test_a_bad_mlxc_blas_setting_never_raises(monkeypatch, setting):
+    monkeypatch.setenv("MLXC_BLAS", setting)
+    monkeypatch.delitem(sys.modules, "mlx.core", raising=False)
+    st = blas.preload("cpu")  # libm has no cblas_sgemm: checked before any global load
+    assert not st.active and setting in st.reason
+
+
+def test_mlxc_blas_off_disables(monkeypatch):
+    monkeypatch.setenv("MLXC_BLAS", "off")
+    st = blas.preload("cpu")
+    assert not st.active and "disabled" in st.reason
+
+
+def test_an_internal_error_becomes_a_status(monkeypatch):
+    def boom(device):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(blas, "_preload", boom)
+    st = blas.preload("cpu")
+    assert not st.active and "boom" in st.reason
+
+
+def test_log_status_logs_once(caplog, monkeypatch):
+    monkeypatch.setattr(blas, "_candidates", list)
+    monkeypatch.delitem(sys.modules, "mlx.core", raising=False)
+    with caplog.at_level("INFO", logger="mlxc.blas"):
+        blas.log_status()
+        blas.log_status()
+    assert len(caplog.records) == 1 and caplog.records[0].levelname == "WARNING"
