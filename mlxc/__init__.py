@@ -4,6 +4,12 @@
 ``mlxc lint`` never import MLX.
 """
 
+from mlxc.runtime import blas as _blas
+
+# MLX binds its CPU BLAS when mlx.core is first imported: an optimised one (OpenBLAS) must be
+# loaded before that. The hook runs the preload just before that import, and only then.
+_blas.install_import_hook()
+
 __all__ = ["load", "load_model"]
 
 

@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten
 
-from mlxc.runtime import fp8
+from mlxc.runtime import blas, fp8
 
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_LISTED = 10  # tensor names listed per kind of mismatch; the rest are counted
@@ -258,6 +258,7 @@ def load_model(path: str | Path, dtype: mx.Dtype | str | None = None) -> nn.Modu
     casts every floating weight to it. Raises :class:`CheckpointError` on any problem.
     """
     path = Path(path)
+    blas.log_status()  # once per process: which CPU BLAS MLX uses, or how to get a fast one
     target = _target_dtype(dtype)
     config = read_config(path)
     try:
