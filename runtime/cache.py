@@ -108,6 +108,14 @@ class KVCache:
         return held // self.keys.shape[2] * self.live_len
 
 
+def check_kv_limits(max_kv_size: int | None, kv_sink: int) -> None:
+    """ValueError unless ``kv_sink >= 0`` and ``max_kv_size`` (when set) leaves room past it."""
+    if kv_sink < 0:
+        raise ValueError(f"kv_sink must be >= 0, got {kv_sink}")
+    if max_kv_size is not None and max_kv_size <= kv_sink:
+        raise ValueError(f"max_kv_size ({max_kv_size}) must be larger than kv_sink ({kv_sink})")
+
+
 def enforce_max_kv(caches: list[KVCache], max_kv_size: int | None, keep: int = 0) -> int:
     """Trim every cache whose live length passed ``max_kv_size``; return the most dropped.
 
@@ -116,8 +124,7 @@ def enforce_max_kv(caches: list[KVCache], max_kv_size: int | None, keep: int = 0
     """
     if max_kv_size is None:
         return 0
-    if keep >= max_kv_size:
-        raise ValueError(f"kv sink ({keep}) must be smaller than max-kv-size ({max_kv_size})")
+    check_kv_limits(max_kv_size, keep)
     dropped = 0
     for cache in caches:
         excess = cache.live_len - max_kv_size

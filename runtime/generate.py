@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 import mlx.core as mx
 from mlx import nn
 
-from mlxc.runtime.cache import enforce_max_kv
+from mlxc.runtime.cache import check_kv_limits, enforce_max_kv
 from mlxc.runtime.sample import Sampler, make_sampler
 
 # StreamingLLM (Xiao et al., 2023) found that a few initial tokens soak up attention mass
@@ -66,10 +66,7 @@ def generate_tokens(
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
     if prefill_chunk_size < 1:
         raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
-    if kv_sink < 0:
-        raise ValueError(f"kv_sink must be >= 0, got {kv_sink}")
-    if max_kv_size is not None and max_kv_size <= kv_sink:
-        raise ValueError(f"max_kv_size ({max_kv_size}) must be larger than kv_sink ({kv_sink})")
+    check_kv_limits(max_kv_size, kv_sink)
     if max_tokens == 0:
         return
     sampler = sampler or make_sampler()

@@ -41,7 +41,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from mlxc.runtime.cache import enforce_max_kv
+from mlxc.runtime.cache import check_kv_limits, enforce_max_kv
 from mlxc.runtime.generate import DEFAULT_KV_SINK
 from mlxc.runtime.sample import make_sampler
 from mlxc.runtime.tokenizer import StreamingDetokenizer
@@ -273,10 +273,7 @@ class Scheduler:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
-        if kv_sink < 0:
-            raise ValueError(f"kv_sink must be >= 0, got {kv_sink}")
-        if max_kv_size is not None and max_kv_size <= kv_sink:
-            raise ValueError(f"max_kv_size ({max_kv_size}) must be larger than kv_sink ({kv_sink})")
+        check_kv_limits(max_kv_size, kv_sink)
         if (model is None) == (load is None):
             raise ValueError("pass either a model or a load function")
         self.model = model
