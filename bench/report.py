@@ -112,8 +112,8 @@ def markdown(result: dict) -> str:
             "(mlxc: `mlxc convert`; mlx-lm: its `quantize_model`). `prefill N`: N-token prompt, "
             "tokens/s to the first token; `decode@P`: greedy tokens/s after a P-token prompt "
             f"(up to {s['decode_tokens']} tokens). Median of up to {s['repeats']} interleaved "
-            "repeats. Peak memory: own weights + the run's extra peak. mlxc chunks prefill by 512, "
-            "mlx-lm by 2048 (each one's default)."
+            "repeats. Peak memory: own weights + the run's extra peak. Prefill chunks: each side's "
+            f"default (mlxc {m.get('mlxc_prefill_chunk', '?')}, mlx-lm 2048)."
         ),
         "",
     ]
@@ -156,3 +156,19 @@ def markdown(result: dict) -> str:
                 _table(result, ("reference", "mlxc"), peer, "no optimised BLAS on either side")
             )
     return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m bench.report RESULT.json``: rewrite RESULT.md from the JSON."""
+    import json
+    import sys
+    from pathlib import Path
+
+    for path in argv if argv is not None else sys.argv[1:]:
+        text = markdown(json.loads(Path(path).read_text()))
+        Path(path).with_suffix(".md").write_text(text)
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
