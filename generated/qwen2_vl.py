@@ -226,6 +226,7 @@ class Model(nn.Module):
         input_ids: mx.array,
         cache: SequenceCache | None = None,
         attention_mask: mx.array | None = None,
+        last_only: bool = False,
         pixel_values: mx.array | None = None,
         image_grid_thw: mx.array | None = None,
     ) -> mx.array:
@@ -234,6 +235,8 @@ class Model(nn.Module):
         ``attention_mask`` ``[B, L]`` (0 at left padding) comes with the first chunk of a
         batch of prompts of different lengths; so do the vision inputs, whose features
         later chunks use.
+        ``last_only``: logits of the last position only, ``[B, 1, vocab]``: generation reads
+        nothing else, and the vocabulary projection is the costliest matmul of a prefill.
         """
         if cache is None:
             cache = self.make_cache()
@@ -243,6 +246,8 @@ class Model(nn.Module):
             cache.images = self.model.image_features(pixel_values, image_grid_thw)
             cache.rope_state.add_images(image_grid_thw)
         h = self.model.language_model(input_ids, cache)
+        if last_only:
+            h = h[:, -1:, :]
         if self.args.tie_word_embeddings:
             return self.model.language_model.embed_tokens.as_linear(h)
         return self.lm_head(h)

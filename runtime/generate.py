@@ -75,15 +75,15 @@ def generate_tokens(
     trimmable = _trimmable(cache)
     first_chunk_inputs = dict(vision_inputs or {})
 
-    def forward(ids: mx.array) -> mx.array:
+    def forward(ids: mx.array, **kwargs) -> mx.array:
         nonlocal first_chunk_inputs
         extra, first_chunk_inputs = first_chunk_inputs, {}
-        logits = model(ids, cache=cache, **extra)
+        logits = model(ids, cache=cache, **extra, **kwargs)
         enforce_max_kv(trimmable, max_kv_size, kv_sink)
         return logits
 
     def step(ids: mx.array) -> mx.array:
-        return sampler(forward(ids)[:, -1, :])
+        return sampler(forward(ids, last_only=True)[:, -1, :])
 
     # Prefill every chunk but the last; evaluating the caches bounds the graph and memory.
     prompt = mx.array(prompt_ids, dtype=mx.int32)[None]

@@ -491,10 +491,10 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - ends this request only
                 self._fail(seq, e)
 
-    def _forward(self, seq: _Sequence, ids: list[int]) -> mx.array:
-        inputs = {}
+    def _forward(self, seq: _Sequence, ids: list[int], **kwargs) -> mx.array:
+        inputs = dict(kwargs)
         if seq.prefilled == 0:  # numpy inputs become MLX arrays here, on the owning thread
-            inputs = {
+            inputs |= {
                 k: mx.array(v) if isinstance(v, np.ndarray) else v
                 for k, v in seq.request.model_inputs.items()
             }
@@ -516,7 +516,7 @@ class Scheduler:
                 self._forward(seq, prompt[start : start + chunk])
                 seq.prefilled += chunk
                 return _cache_arrays(seq.caches), None
-            logits = self._forward(seq, prompt[start:])
+            logits = self._forward(seq, prompt[start:], last_only=True)
             seq.prefilled = len(prompt)
         else:
             logits = self._forward(seq, [seq.last_token])

@@ -110,12 +110,16 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def __call__(self, input_ids: mx.array, cache: list | None = None) -> mx.array:
+    def __call__(
+        self, input_ids: mx.array, cache: list | None = None, last_only: bool = False
+    ) -> mx.array:
         cache = cache or self.make_cache()
         x = self.model.embed_tokens(input_ids)
         for layer, c in zip(self.model.layers, cache):
             x = layer(x, c)
         x = self.model.norm(x)
+        if last_only:
+            x = x[:, -1:, :]
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(x)
         return self.lm_head(x)

@@ -71,9 +71,9 @@ class Recorder:
     def __init__(self, model):
         self.model, self.seen = model, []
 
-    def __call__(self, ids, cache=None):
+    def __call__(self, ids, cache=None, **kwargs):
         self.seen.append(max(c.live_len for c in cache))
-        return self.model(ids, cache=cache)
+        return self.model(ids, cache=cache, **kwargs)
 
     def make_cache(self):
         return self.model.make_cache()

@@ -152,9 +152,9 @@ def test_vision_inputs_go_with_the_first_chunk_only():
     calls = []
 
     class Recorder:
-        def __call__(self, ids, cache=None, **kwargs):
+        def __call__(self, ids, cache=None, last_only=False, **kwargs):
             calls.append((ids.shape[1], sorted(kwargs)))
-            return mx.zeros((1, ids.shape[1], 8))
+            return mx.zeros((1, 1 if last_only else ids.shape[1], 8))
 
         def make_cache(self):
             return []

@@ -79,3 +79,13 @@ def test_attention_mask_must_pad_on_the_left_and_come_first(tmp_path):
     model(ids, cache=cache)
     with pytest.raises(ValueError, match="first chunk"):
         model(ids, cache=cache, attention_mask=mx.array([[1, 1, 1], [0, 1, 1]]))
+
+
+def test_last_only_projects_just_the_last_position(tmp_path):
+    make_qwen3(tmp_path, tokenizer=False)
+    model = mlxc.load_model(tmp_path)
+    ids = mx.array(np.random.default_rng(3).integers(3, 300, (2, 11)))
+    full = model(ids)
+    last = model(ids, last_only=True)
+    assert last.shape == (2, 1, full.shape[-1])
+    np.testing.assert_allclose(np.array(last), np.array(full[:, -1:]), atol=1e-5, rtol=0)

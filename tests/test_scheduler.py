@@ -177,9 +177,9 @@ class Recorder:
     def __init__(self, model):
         self.model, self.calls = model, []
 
-    def __call__(self, ids, cache=None):
+    def __call__(self, ids, cache=None, **kwargs):
         self.calls.append((id(cache), ids.shape[1]))
-        return self.model(ids, cache=cache)
+        return self.model(ids, cache=cache, **kwargs)
 
     def make_cache(self):
         return self.model.make_cache()
@@ -241,10 +241,10 @@ class FaultyModel:
     def __init__(self, model):
         self.model = model
 
-    def __call__(self, ids, cache=None):
+    def __call__(self, ids, cache=None, **kwargs):
         if POISON in ids.tolist()[0]:
             return mx.zeros((1, 4, 8)) + mx.zeros((1, 6, 8))  # ValueError: broadcast_shapes
-        return self.model(ids, cache=cache)
+        return self.model(ids, cache=cache, **kwargs)
 
     def make_cache(self):
         return self.model.make_cache()
@@ -375,9 +375,9 @@ class KwargsRecorder:
     def __init__(self, model):
         self.model, self.calls = model, []
 
-    def __call__(self, ids, cache=None, **inputs):
+    def __call__(self, ids, cache=None, last_only=False, **inputs):
         self.calls.append((ids.shape[1], inputs))
-        return self.model(ids, cache=cache)
+        return self.model(ids, cache=cache, last_only=last_only)
 
     def make_cache(self):
         return self.model.make_cache()
