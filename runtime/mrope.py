@@ -199,10 +199,10 @@ class PromptPositions:
 
     def __call__(self, input_ids: Any, offset: int) -> np.ndarray:
         """Positions ``[3, B, L]`` of the chunk ``input_ids [B, L]`` starting at ``offset``."""
-        ids = np.asarray(input_ids)
-        B, L = ids.shape
-        if self.grids is None:
+        B, L = input_ids.shape
+        if self.grids is None:  # from the shape alone: no host read of a lazy decode token
             return decode_positions(offset, self.deltas, B, L, left_padding=self.left_padding)
+        ids = np.asarray(input_ids)
         if self.history is None:  # text before the images ran at positions 0..offset-1
             self.history = np.full((B, offset), -1, ids.dtype)
         history = np.concatenate([self.history, ids], axis=1)

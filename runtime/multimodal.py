@@ -61,9 +61,11 @@ class ImageFeatures:
         Once every row is used, a placeholder token is plain text (a model may generate one;
         transformers embeds it as text too).
         """
+        if self.consumed == self.embeds.shape[0]:
+            return None  # checked first: reading input_ids would stall the decode pipeline
         is_image = np.asarray(input_ids) == image_token_id
         n = int(is_image.sum())
-        if n == 0 or self.consumed == self.embeds.shape[0]:
+        if n == 0:
             return None
         if self.consumed + n > self.embeds.shape[0]:
             raise ValueError(
