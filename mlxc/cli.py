@@ -553,7 +553,8 @@ def convert(model_dir, out_dir, quantize, bits, group_size, dtype):
     click.echo(
         f"wrote {summary['out']}: {summary['parameters'] / 1e6:.1f}M parameters, "
         f"{summary['dtype']}, {what}, {summary['bytes'] / 2**20:.1f} MiB in "
-        f"{len(summary['files'])} file(s); copied {len(summary['copied'])} tokenizer/processor file(s)"
+        f"{len(summary['files'])} file(s); copied {len(summary['copied'])} "
+        "tokenizer/processor file(s)"
     )
 
 

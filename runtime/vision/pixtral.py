@@ -1,8 +1,8 @@
 """Pixtral vision tower and the Mistral-3 multimodal projector (Mistral-Small 3.x / 4).
 
-Mirrors transformers 5 ``PixtralVisionModel`` and ``Mistral3MultiModalProjector``; parameter names
-are the checkpoint names below the prefixes (``model.vision_tower.`` / ``model.multi_modal_projector.``
-in transformers-5 saves, ``vision_tower.`` / ``multi_modal_projector.`` in hub checkpoints), so a
+Mirrors transformers 5 ``PixtralVisionModel`` and ``Mistral3MultiModalProjector``; parameter
+names are the checkpoint names below the prefixes (``model.vision_tower.`` /
+``model.multi_modal_projector.`` in transformers-5 saves, ``vision_tower.`` / ``multi_modal_projector.`` in hub checkpoints), so a
 model that holds them as ``vision_tower`` / ``multi_modal_projector`` loads strictly.
 
 Flow (``image_features``): per image, crop the padded pixels to ``image_sizes``, patch conv ->
@@ -58,7 +58,7 @@ class PixtralVisionArgs:
 
     @classmethod
     def from_config(cls, vision_config: dict) -> PixtralVisionArgs:
-        """From ``config.json["vision_config"]`` (transformers 4 ``rope_theta`` or 5 ``rope_parameters``)."""
+        """From ``config.json["vision_config"]`` (``rope_theta`` or ``rope_parameters``)."""
         c = vision_config
         rope = c.get("rope_parameters") or {}
         return cls(

@@ -1,4 +1,4 @@
-"""Qwen VL vision towers: qwen2_vl, qwen2_5_vl, qwen3_vl (and qwen3_vl_moe, which reuses qwen3_vl's).
+"""Qwen VL vision towers: qwen2_vl, qwen2_5_vl, qwen3_vl (qwen3_vl_moe reuses qwen3_vl's).
 
 Each mirrors transformers 5's tower (``Qwen2VisionTransformerPretrainedModel``,
 ``Qwen2_5_VisionTransformerPretrainedModel``, ``Qwen3VLVisionModel``). Parameter names are the
@@ -253,7 +253,7 @@ class Qwen3MLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    """Pre-norm block: x + attn(norm1(x)), then x + mlp(norm2(x)). LayerNorm or RMSNorm, eps 1e-6."""
+    """Pre-norm block: x + attn(norm1(x)), then x + mlp(norm2(x)); LayerNorm or RMSNorm, 1e-6."""
 
     def __init__(self, dim: int, heads: int, mlp: nn.Module, rms_norm: bool = False) -> None:
         super().__init__()
@@ -268,7 +268,7 @@ class VisionBlock(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    """qwen2 / qwen2.5 merger: ln_q per patch, concatenate merge**2 patches, mlp.0 -> GELU -> mlp.2."""
+    """qwen2 / qwen2.5 merger: ln_q per patch, concat merge**2 patches, mlp.0 -> GELU -> mlp.2."""
 
     def __init__(self, dim: int, out: int, merge: int, rms_norm: bool = False) -> None:
         super().__init__()
