@@ -2,8 +2,9 @@
 
 Mirrors transformers 5 ``PixtralVisionModel`` and ``Mistral3MultiModalProjector``; parameter
 names are the checkpoint names below the prefixes (``model.vision_tower.`` /
-``model.multi_modal_projector.`` in transformers-5 saves, ``vision_tower.`` / ``multi_modal_projector.`` in hub checkpoints), so a
-model that holds them as ``vision_tower`` / ``multi_modal_projector`` loads strictly.
+``model.multi_modal_projector.`` in transformers-5 saves, ``vision_tower.`` /
+``multi_modal_projector.`` in hub checkpoints), so a model that holds them as ``vision_tower`` /
+``multi_modal_projector`` loads strictly.
 
 Flow (``image_features``): per image, crop the padded pixels to ``image_sizes``, patch conv ->
 concatenate all images' patches into one sequence -> ln_pre -> blocks (2-D RoPE over the patch
