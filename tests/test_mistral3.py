@@ -165,19 +165,22 @@ def test_logits_match_transformers(checkpoint, case):
     np.testing.assert_allclose(got, hf_logits(hf, ids, pv, sizes), atol=ATOL, rtol=0)
 
 
-def test_chunked_prefill_with_boundary_inside_an_image_equals_full(checkpoint):
-    _, path = checkpoint
+def test_chunked_prefill_inside_an_image_and_decode_equal_transformers(checkpoint):
+    hf, path = checkpoint
     rng = np.random.default_rng(9)
     ids, pv, sizes = prompt(rng, [random_image(rng, 30, 30), random_image(rng, 20, 36)])
+    decode = rng.integers(13, 96, size=(1, 3))
+    want = hf_logits(hf, np.concatenate([ids, decode], axis=1), pv, sizes)
     model = mlxc.load_model(path)
-    full = np.array(model(mx.array(ids), pixel_values=mx.array(pv), image_sizes=mx.array(sizes)))
     first_image = int(np.argmax(ids[0] == IMG))
     cuts = [0, first_image + 3, first_image + 9, ids.shape[1] - 2, ids.shape[1]]
     cache, parts = model.make_cache(), []
     for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
         kwargs = {"pixel_values": mx.array(pv), "image_sizes": mx.array(sizes)} if i == 0 else {}
         parts.append(np.array(model(mx.array(ids[:, a:b]), cache=cache, **kwargs)))
-    np.testing.assert_allclose(np.concatenate(parts, axis=1), full, atol=ATOL, rtol=0)
+    for t in range(decode.shape[1]):
+        parts.append(np.array(model(mx.array(decode[:, t : t + 1]), cache=cache)))
+    np.testing.assert_allclose(np.concatenate(parts, axis=1), want, atol=ATOL, rtol=0)
 
 
 def test_both_weight_layouts_load_to_the_same_model(checkpoint, tmp_path):
