@@ -47,6 +47,15 @@ class _Reporter:
 # --- schema errors ------------------------------------------------------------------------
 
 
+# Every block `kind`: pydantic puts the discriminator tag into error locations.
+_BLOCK_KINDS = {
+    kind
+    for union in (schema.AttentionBlock, schema.MLPBlock)
+    for model in typing.get_args(typing.get_args(union)[0])
+    for kind in typing.get_args(model.model_fields["kind"].annotation)
+}
+
+
 def _resolve(data, loc) -> tuple[tuple, bool]:
     """Map a pydantic error location onto a path in ``data``, skipping union branch labels.
 
@@ -72,7 +81,7 @@ def _resolve(data, loc) -> tuple[tuple, bool]:
             pass  # scalar branch of a union
         elif isinstance(part, str) and part[:1].isupper() and isinstance(node, list):
             return tuple(path), False  # model branch tried on a list
-        elif isinstance(part, str) and part in {"gqa", "mla", "linear", "none", "swiglu", "moe"}:
+        elif isinstance(part, str) and part in _BLOCK_KINDS:
             pass  # discriminator tag
         else:
             path.append(part)  # a missing field: keep the name for the message
