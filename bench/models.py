@@ -347,38 +347,11 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+    from bench.serve_load import WORDS
+
     specials = ["<s>", "</s>", "<pad>", "<unk>"]
-    words = [
-        "the",
-        "quick",
-        "brown",
-        "fox",
-        "jumps",
-        "over",
-        "a",
-        "lazy",
-        "dog",
-        "while",
-        "seven",
-        "bright",
-        "stars",
-        "shine",
-        "above",
-        "quiet",
-        "hills",
-        "and",
-        "rivers",
-        "run",
-        "toward",
-        "distant",
-        "blue",
-        "seas",
-        "under",
-        "soft",
-        "evening",
-        "light",
-        "request",
-    ]
+    # The words bench.serve_load writes its prompts with, so they encode to real ids.
+    words = [*dict.fromkeys(WORDS), "request"]
     vocab = {w: i for i, w in enumerate(specials + words)}
     for i in range(len(vocab), vocab_size):
         vocab[f"w{i}"] = i
