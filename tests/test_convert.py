@@ -69,37 +69,7 @@ def _make(kind: str, path: Path) -> tuple[Path, int]:
 def _make_mistral4(path: Path) -> None:
     """test_mistral4's checkpoint with widths that divide by GROUP, so that every expert
     projection is quantised and kv_b_proj (kv_lora_rank 32) could be."""
-    import torch
-    from transformers import Mistral4Config, Mistral4ForCausalLM
-
-    torch.manual_seed(0)
-    config = Mistral4Config(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=128,
-        q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=8,
-        v_head_dim=12,
-        head_dim=16,
-        n_routed_experts=6,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        norm_topk_prob=True,
-        routed_scaling_factor=1.5,
-        max_position_embeddings=64,
-        rope_parameters=dict(m4.ROPE),
-        tie_word_embeddings=False,
-    )
-    model = Mistral4ForCausalLM(config).eval()
-    m4.rerandomise(model, 0)
-    model.save_pretrained(path)
+    m4.make_checkpoint(path, kv_lora_rank=32, moe_intermediate_size=32)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "mistral4"])

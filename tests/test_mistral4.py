@@ -39,10 +39,12 @@ def rerandomise(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 1.2 / p.shape[-1] ** 0.5)
 
 
-def make_checkpoint(path, *, q_lora_rank, rope=ROPE, seed=0):
+def make_checkpoint(path, *, q_lora_rank=32, rope=ROPE, seed=0, **overrides):
+    """A tiny re-randomised Mistral4ForCausalLM saved to ``path``; ``overrides`` are
+    Mistral4Config fields (other tests reuse this with their own widths and token ids)."""
     from transformers import Mistral4Config, Mistral4ForCausalLM
 
-    config = Mistral4Config(
+    fields = dict(
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=3,
@@ -66,7 +68,7 @@ def make_checkpoint(path, *, q_lora_rank, rope=ROPE, seed=0):
         rope_parameters=dict(rope),
         tie_word_embeddings=False,
     )
-    model = Mistral4ForCausalLM(config).eval()
+    model = Mistral4ForCausalLM(Mistral4Config(**(fields | overrides))).eval()
     rerandomise(model, seed)
     model.save_pretrained(path)
     return model

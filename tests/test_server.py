@@ -33,58 +33,20 @@ from mlxc.cli import main
 
 
 def make_mistral4(path: Path, seed: int = 0) -> Path:
-    """mistral4 (MLA with a latent cache, MoE, yarn, Llama-4 query scale), re-randomised as in
-    test_mistral4, with the factory tokenizer (its vocab and special ids)."""
-    import torch
-    from transformers import Mistral4Config, Mistral4ForCausalLM
+    """mistral4 (MLA with a latent cache, MoE, yarn, Llama-4 query scale) from test_mistral4,
+    with the factory tokenizer (its vocab and special ids)."""
+    from test_mistral4 import ROPE, make_checkpoint
 
-    rope = {
-        "rope_type": "yarn",
-        "rope_theta": 10000.0,
-        "factor": 8.0,
-        "original_max_position_embeddings": 64,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-        "llama_4_scaling_beta": 0.1,
-    }
-    config = Mistral4Config(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+    make_checkpoint(
+        str(path),
+        seed=seed,
+        rope=dict(ROPE, factor=8.0, original_max_position_embeddings=64),
         vocab_size=ckpt.VOCAB_SIZE,
-        q_lora_rank=32,
-        kv_lora_rank=24,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=8,
-        v_head_dim=12,
-        head_dim=16,
-        n_routed_experts=6,
-        num_experts_per_tok=2,
-        moe_intermediate_size=24,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        norm_topk_prob=True,
-        routed_scaling_factor=1.5,
         max_position_embeddings=512,
-        rope_parameters=rope,
-        tie_word_embeddings=False,
         bos_token_id=ckpt.BOS_ID,
         eos_token_id=ckpt.EOS_ID,
         pad_token_id=ckpt.PAD_ID,
     )
-    model = Mistral4ForCausalLM(config).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                p.copy_((1.0 if "norm" in name else 0.0) + 0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * 1.2 / p.shape[-1] ** 0.5)
-    model.save_pretrained(str(path))
     ckpt.write_tokenizer(path)
     return path
 
