@@ -21,7 +21,6 @@ import binascii
 import json
 import logging
 import secrets
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -158,12 +157,6 @@ class Engine:
         )
         engine.start()  # loads the model; raises CheckpointError here, not at the first request
         return engine
-
-    @property
-    def vision_tower(self) -> str | None:
-        """The generated module's VISION_TOWER (None: a text model)."""
-        module = sys.modules.get(type(self.scheduler.model).__module__)
-        return getattr(module, "VISION_TOWER", None)
 
     def encode_chat_with_images(self, messages: list[dict], images: list) -> Prompt:
         """Prompt ids with the image placeholders expanded, and the vision inputs."""
