@@ -6,7 +6,9 @@ max-kv-size (without and with sink tokens): chunked prefill, a multi-token conti
 steps, ``enforce_max_kv`` after each. It fails on any exception, on an array mask whose width is
 not the live key count (every mask is materialised and checked), on any difference from the
 untrimmed run before the first trim, and when the untrimmed chunked run disagrees with one full
-forward pass or with the fast ``"causal"`` mask path.
+forward pass or with the fast ``"causal"`` mask path. Last, the server's batched decode: rows of
+different lengths (one with the image), trimmed, joining and leaving a ``BatchCache``, must give
+each row the logits it gets decoding alone.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxc.compiler import build
 from mlxc.runtime import masks
+from mlxc.runtime.batch import BatchCache
 from mlxc.runtime.cache import enforce_max_kv
 
 PREFILL_CHUNK = 8
@@ -171,11 +174,66 @@ def verify_module(
     fast_err = max(mx.abs(a - b).max().item() for a, b in zip(fast, reference))
     if fast_err > ATOL:
         raise VerifyError(f'"causal" fast path differs from array masks by {fast_err:.2e}')
+    batch_err = _batched_decode_error(model, rng, vocab, vision, image)
+    if batch_err > ATOL:
+        raise VerifyError(f"batched decode differs from decoding alone by {batch_err:.2e}")
     detail = (
         f"{len(chunks)} chunks x {1 + len(SINKS)} runs, {audit.checked} masks checked, "
-        f"chunked vs full {err:.1e}, {'; '.join(notes)}"
+        f"chunked vs full {err:.1e}, batched vs alone {batch_err:.1e}, {'; '.join(notes)}"
     )
     return Report(name, True, detail, audit.checked, notes)
+
+
+BATCH_PROMPTS = (44, 9, 23)  # prompt lengths of the batch's rows; the first has the image
+BATCH_STEPS = 6  # decode steps; row 2 joins after 2 of them, row 0 leaves after 4
+
+
+def _batched_decode_error(model, rng, vocab, vision, image) -> float:
+    """Largest logit difference between rows decoded in one ``BatchCache`` and alone.
+
+    Each row is prefilled twice on its own (chunked, trimmed to ``MAX_KV`` with sinks): one
+    copy decodes alone, the other joins the batch. Rows differ in length, so the batch has
+    padding; the first is trimmed before it joins and every row is trimmed while decoding.
+    """
+    keep = SINKS[-1]
+    rows = []
+    for r, n in enumerate(BATCH_PROMPTS):
+        tokens = rng.integers(0, vocab, size=n + BATCH_STEPS)
+        has_image = r == 0 and image is not None
+        if image is not None:
+            token, count = image
+            tokens[tokens == token] = (token + 1) % vocab
+            if has_image:
+                tokens[IMAGE_AT : IMAGE_AT + count] = token
+        pair = []
+        for _ in range(2):
+            cache = model.make_cache()
+            for i in range(0, n, PREFILL_CHUNK):
+                extra = vision if (has_image and i == 0) else {}
+                model(mx.array(tokens[None, i : min(i + PREFILL_CHUNK, n)]), cache=cache, **extra)
+                enforce_max_kv(cache, MAX_KV, keep)
+            mx.eval([c.keys for c in cache])
+            pair.append(cache)
+        rows.append((tokens[n:], *pair))
+    batch = BatchCache(len(rows[0][1]), mrope=getattr(rows[0][1], "rope_state", None) is not None)
+    members = [0, 1]
+    batch.extend([rows[r][2] for r in members])
+    err = 0.0
+    for step in range(BATCH_STEPS):
+        if step == 2:
+            members.append(2)
+            batch.extend([rows[2][2]])
+        if step == 4:
+            batch.keep_rows([1, 2])
+            members.remove(0)
+        ids = mx.array([[int(rows[r][0][step])] for r in members])
+        batched = model(ids, cache=batch)
+        enforce_max_kv(batch, MAX_KV, keep)
+        for b, r in enumerate(members):
+            alone = model(ids[b : b + 1], cache=rows[r][1])
+            enforce_max_kv(rows[r][1], MAX_KV, keep)
+            err = max(err, mx.abs(batched[b] - alone[0]).max().item())
+    return err
 
 
 def verify(paths: list[str]) -> list[Report]:

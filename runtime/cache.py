@@ -11,6 +11,7 @@ Two quantities that a bounded cache separates, and that generated code reads by 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 
 class KVCache:
@@ -34,6 +35,11 @@ class KVCache:
     @property
     def live_len(self) -> int:
         return self.offset - self.live_start
+
+    @property
+    def row_live_len(self) -> int:
+        """Tokens present in each row (rows move in lockstep here; see ``BatchKVCache``)."""
+        return self.live_len
 
     def update_and_fetch(
         self, keys: mx.array, values: mx.array | None = None
@@ -72,6 +78,7 @@ class KVCache:
         ``offset`` is unchanged; ``live_len`` shrinks by the number dropped, which is returned
         (``n`` clamped to what is there to drop).
         """
+        n = int(n)
         if n < 0 or keep < 0:
             raise ValueError(f"trim_front needs n >= 0 and keep >= 0, got n={n}, keep={keep}")
         live = self.live_len
@@ -127,7 +134,8 @@ def enforce_max_kv(caches: list[KVCache], max_kv_size: int | None, keep: int = 0
     check_kv_limits(max_kv_size, keep)
     dropped = 0
     for cache in caches:
-        excess = cache.live_len - max_kv_size
-        if excess > 0:
-            dropped = max(dropped, cache.trim_front(excess, keep=keep))
+        # Per row: the rows of a decode batch (runtime.batch) have different lengths.
+        excess = np.maximum(np.asarray(cache.row_live_len) - max_kv_size, 0)
+        if excess.any():
+            dropped = max(dropped, int(np.max(cache.trim_front(excess, keep=keep))))
     return dropped

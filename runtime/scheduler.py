@@ -11,19 +11,21 @@ Each tick of the loop:
 1. admits waiting requests while fewer than ``max_concurrency`` run (continuous batching: new
    sequences join between steps, never mid-step);
 2. drops cancelled sequences, which returns their caches to the pool;
-3. advances every decoding sequence by one token and ONE prefilling sequence (round-robin) by
-   one chunk of at most ``prefill_chunk_size`` tokens, so a long prompt costs the others one
-   chunk per token instead of its whole prefill;
+3. advances every decoding sequence by one token, all in ONE forward (a decode batch), and ONE
+   prefilling sequence (round-robin) by one chunk of at most ``prefill_chunk_size`` tokens, so
+   a long prompt costs the others one chunk per token instead of its whole prefill;
 4. evaluates all of that in one ``mx.eval`` and hands each sampled token to its request.
 
-After every prefill chunk and every decode step the pool calls ``enforce_max_kv`` on that
-sequence's caches (never on ``model-owned`` ones). A failure in one sequence (an MLX exception
-in its forward included) ends that request with a :class:`Failed` event and frees its caches;
-the others carry on.
+A decode step reads every weight once whatever the batch size, which is what makes serving
+many streams cheaper than serving them one by one. Prefill runs per sequence in its own
+``KVCache``; when its prompt is done, a sequence's caches move into the pool's ``BatchCache``
+(``runtime.batch``), which keeps each row's offset, trims and sinks apart. Caches that cannot
+join (model-owned state) decode one forward per sequence.
 
-Decode steps are built per sequence: ``KVCache`` holds one sequence with one offset, so one
-batched forward over sequences of different lengths needs a batched cache. ``_advance`` is
-where a batched decode forward drops in; the tick already evaluates every sequence together.
+After every prefill chunk and every decode step the pool calls ``enforce_max_kv`` on the caches
+that ran (never on ``model-owned`` ones); in the decode batch each row is trimmed on its own. A
+failure in one sequence's forward ends that request with a :class:`Failed` event and frees its
+caches; the others carry on. A failure of the batched decode forward ends the requests in it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
+from mlxc.runtime.batch import BatchCache
 from mlxc.runtime.cache import check_kv_limits, enforce_max_kv
 from mlxc.runtime.generate import DEFAULT_KV_SINK
 from mlxc.runtime.sample import make_sampler
@@ -186,10 +189,12 @@ def _cache_arrays(caches: list) -> list[mx.array]:
 
 
 class CachePool:
-    """Each running sequence's cache list, its memory, and the bounded-cache rule.
+    """Each running sequence's caches, the decode batch, their memory, and the bounded-cache rule.
 
-    Used from the scheduler thread only. ``enforce`` is the one call site of ``enforce_max_kv``
-    in the server; model-owned caches (``CACHE_POLICY = "model-owned"``) are never trimmed.
+    Used from the scheduler thread only. A sequence's caches are its own while it prefills;
+    ``join`` moves them into ``batch`` (row ``b`` belongs to ``batch_keys[b]``). ``enforce`` is
+    the one call site of ``enforce_max_kv`` in the server; model-owned caches
+    (``CACHE_POLICY = "model-owned"``) are never trimmed and never batched.
     """
 
     def __init__(self, model: nn.Module | None, max_kv_size: int | None, kv_sink: int) -> None:
@@ -197,6 +202,8 @@ class CachePool:
         self.max_kv_size = max_kv_size
         self.kv_sink = kv_sink
         self._caches: dict[str, list] = {}
+        self.batch: BatchCache | None = None
+        self.batch_keys: list[str] = []
         self.peak_bytes = 0
 
     @property
@@ -210,21 +217,44 @@ class CachePool:
         self._caches[key] = caches
         return caches
 
+    def batchable(self, key: str) -> bool:
+        caches = self._caches.get(key)
+        owned = cache_policy(self.model) == "model-owned"
+        return caches is not None and not owned and BatchCache.accepts(caches)
+
+    def join(self, keys: list[str]) -> None:
+        """Move these sequences' caches into the decode batch (see ``batchable``)."""
+        caches = [self._caches.pop(k) for k in keys]
+        if self.batch is None:
+            mrope = getattr(caches[0], "rope_state", None) is not None
+            self.batch = BatchCache(len(caches[0]), mrope=mrope)
+        self.batch.extend(caches)
+        self.batch_keys += keys
+
     def release(self, key: str) -> None:
         self._caches.pop(key, None)
+        if key in self.batch_keys:
+            row = self.batch_keys.index(key)
+            del self.batch_keys[row]
+            if self.batch_keys:
+                self.batch.keep_rows([b for b in range(len(self.batch_keys) + 1) if b != row])
+            else:
+                self.batch = None
 
     def enforce(self, caches: list) -> int:
-        """Trim ``caches`` back to ``max_kv_size`` live tokens; the number dropped."""
+        """Trim ``caches`` back to ``max_kv_size`` live tokens (per row); the most dropped."""
         if not self.trims:
             return 0
         trimmable = [c for c in caches if hasattr(c, "trim_front")]
         return enforce_max_kv(trimmable, self.max_kv_size, self.kv_sink)
 
     def __len__(self) -> int:
-        return len(self._caches)
+        return len(self._caches) + len(self.batch_keys)
 
     def nbytes(self) -> int:
         total = sum(_cache_nbytes(c) for caches in self._caches.values() for c in caches)
+        if self.batch is not None:
+            total += self.batch.nbytes
         self.peak_bytes = max(self.peak_bytes, total)
         return total
 
@@ -241,6 +271,7 @@ class _Sequence:
         self.caches = caches
         self.sampler = make_sampler(temp=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
         self.prefilled = 0  # prompt tokens already forwarded
+        self.batched = False  # its caches are a row of the pool's decode batch
         self.last_token: int | None = None  # input of the next decode step
         self.generated = 0
         self.detok = StreamingDetokenizer(tokenizer)
@@ -455,41 +486,68 @@ class Scheduler:
             self._release(seq)
             self._count("cancelled")
 
-        work = [s for s in self._running if not s.prefilling]
+        # A sequence whose prompt is done decodes in the batch from now on.
+        joining = [s for s in self._running if not (s.prefilling or s.batched)]
+        joining = [s for s in joining if self.pool.batchable(s.request.id)]
+        if joining:
+            self.pool.join([s.request.id for s in joining])
+            for seq in joining:
+                seq.batched, seq.caches = True, []
+
+        work = [s for s in self._running if not (s.prefilling or s.batched)]
         if self._prefill_queue:
             work.append(self._prefill_queue.popleft())
 
-        built: list[tuple[_Sequence, list[mx.array], mx.array | None]] = []
+        # (sequences, arrays to evaluate, their sampled tokens [n] or None)
+        built: list[tuple[list[_Sequence], list[mx.array], mx.array | None]] = []
+        if self.pool.batch_keys:
+            by_key = {s.request.id: s for s in self._running}
+            rows = [by_key[k] for k in self.pool.batch_keys]
+            try:
+                tokens = self._decode_batch(rows)
+                built.append((rows, [tokens], tokens))
+            except Exception as e:  # noqa: BLE001 - ends the batched requests only
+                for seq in rows:
+                    self._fail(seq, e)
         for seq in work:
             try:
                 arrays, token = self._advance(seq)
             except Exception as e:  # noqa: BLE001 - MLX errors in a forward end that request only
                 self._fail(seq, e)
                 continue
-            built.append((seq, arrays, token))
+            built.append(([seq], arrays, token))
             if seq.prefilling:
                 self._prefill_queue.append(seq)  # back of the round-robin for its next chunk
 
         try:
             mx.eval([a for _, arrays, _ in built for a in arrays])
         except Exception:  # noqa: BLE001 - retried one by one just below
-            # Find the sequence(s) whose graph fails; the others' results stand.
+            # Find the forward(s) whose graph fails; the others' results stand.
             ok = []
             for item in built:
                 try:
                     mx.eval(item[1])
                     ok.append(item)
-                except Exception as e:  # noqa: BLE001 - this sequence's graph fails
-                    self._fail(item[0], e)
+                except Exception as e:  # noqa: BLE001 - this forward's graph fails
+                    for seq in item[0]:
+                        self._fail(seq, e)
             built = ok
 
-        for seq, _, token in built:
-            if token is None:
+        for seqs, _, tokens in built:
+            if tokens is None:
                 continue
-            try:
-                self._accept(seq, int(token.item()))
-            except Exception as e:  # noqa: BLE001 - ends this request only
-                self._fail(seq, e)
+            for seq, token in zip(seqs, tokens.tolist()):  # one host read per forward
+                try:
+                    self._accept(seq, token)
+                except Exception as e:  # noqa: BLE001 - ends this request only
+                    self._fail(seq, e)
+
+    def _decode_batch(self, rows: list[_Sequence]) -> mx.array:
+        """Build (lazily) one decode step of every batched sequence: their tokens ``[B]``."""
+        ids = mx.array([[seq.last_token] for seq in rows], dtype=mx.int32)
+        logits = self.model(ids, cache=self.pool.batch)
+        self.pool.enforce(self.pool.batch)
+        return mx.concatenate([seq.sampler(logits[b : b + 1, -1, :]) for b, seq in enumerate(rows)])
 
     def _forward(self, seq: _Sequence, ids: list[int], **kwargs) -> mx.array:
         inputs = dict(kwargs)

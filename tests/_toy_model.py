@@ -75,7 +75,7 @@ class Attention(nn.Module):
             k, self.head_dim, traditional=False, base=10000.0, scale=1.0, offset=cache.offset
         )
         k, v = cache.update_and_fetch(k, v)
-        mask = masks.causal(L, cache.live_len)
+        mask = masks.causal(L, cache.live_len, cache.key_valid())
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 

@@ -185,6 +185,29 @@ class Recorder:
         return self.model.make_cache()
 
 
+class BatchRecorder(Recorder):
+    """Records the batch size of every forward."""
+
+    def __call__(self, ids, cache=None, **kwargs):
+        self.calls.append(ids.shape[0])
+        return self.model(ids, cache=cache, **kwargs)
+
+
+def test_scheduler_decodes_its_sequences_in_one_forward(model, make_scheduler):
+    jobs = [(prompt(n, start=n), k) for n, k in [(5, 30), (40, 25), (17, 20), (9, 28)]]
+    wants = [expected(model, ids, k, prefill_chunk_size=8, max_kv_size=24) for ids, k in jobs]
+    rec = BatchRecorder(model)
+    s = make_scheduler(rec, prefill_chunk_size=8, max_kv_size=24, max_concurrency=4)
+    outs = [Collector() for _ in jobs]
+    for (ids, k), out in zip(jobs, outs):
+        s.submit(ids, SamplingParams(max_tokens=k, ignore_eos=True), out)
+    for want, out in zip(wants, outs):
+        assert out.result()[0] == want
+    assert max(rec.calls) == len(jobs)  # all four decoded together
+    decode_tokens = sum(k for _, k in jobs) - len(jobs)  # the first token comes from prefill
+    assert sum(b for b in rec.calls if b > 1) >= decode_tokens // 2
+
+
 def test_long_prefill_interleaves_with_decode(model, make_scheduler):
     rec = Recorder(model)
     s = make_scheduler(rec, prefill_chunk_size=10)

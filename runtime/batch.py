@@ -1,0 +1,271 @@
+"""Batched decode: the decoding sequences of the server advance in one forward.
+
+A decode step reads every weight once whatever the batch size, so one forward over all
+decoding sequences costs about what one sequence costs. The sequences have different lengths
+and are trimmed at different times, so their caches cannot simply be stacked. ``BatchKVCache``
+holds them in one buffer per layer, rows right-aligned on a shared column index: a new token
+of every row is written into the same column. Per row:
+
+- ``offset`` (``monotonic-position``) is an ``mx.array [B]``: the tokens each row has ever
+  written. RoPE (``mx.fast.rope`` takes an array offset), MRoPE and the Llama-4 scale read it.
+- ``live_len`` (``live-window``) is the buffer's width: the keys returned to attention and the
+  mask are that wide. ``key_valid()`` says which of those columns each row may attend to.
+
+Row ``b`` of the buffer, left to right: ``pad[b]`` empty columns (the row is shorter than the
+batch's longest), its ``sink[b]`` attention-sink tokens, ``gap[b]`` columns of tokens trimmed
+away, then its most recent tokens. A trim widens the gap instead of moving keys; once more than
+``step`` columns are dead in every row, the rows are compacted (one gather), so resident memory
+stays bounded by ``max_kv_size + 2 * step`` columns per row.
+
+Prefill stays per sequence (``KVCache``); a sequence joins the batch when its prompt is done
+(``BatchCache.extend``) and leaves it when it finishes (``BatchCache.remove``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlxc.runtime.cache import KVCache
+from mlxc.runtime.multimodal import SequenceCache
+
+
+class _Memo:
+    """Arrays derived from the row layout (offsets, key masks), shared by a batch's layers.
+
+    Every layer sees the same layout at the same point of a forward, so each array is built
+    once per step instead of once per layer. Keyed by the layout; only the newest are kept.
+    """
+
+    def __init__(self) -> None:
+        self._arrays: dict[tuple, mx.array] = {}
+
+    def get(self, key: tuple, build) -> mx.array:
+        if key not in self._arrays:
+            if len(self._arrays) >= 8:
+                self._arrays.clear()
+            self._arrays[key] = build()
+        return self._arrays[key]
+
+
+class BatchKVCache:
+    """One layer's keys (and values) of several sequences; see the module docstring."""
+
+    step = KVCache.step
+
+    def __init__(self, memo: _Memo | None = None) -> None:
+        self.memo = memo or _Memo()
+        self.keys: mx.array | None = None  # [B, H, capacity, D]
+        self.values: mx.array | None = None
+        self.width = 0  # columns in use, the same for every row
+        self.offsets = np.zeros(0, np.int64)  # [B] tokens ever written, per row
+        self.pad = np.zeros(0, np.int64)  # [B] empty columns at the front
+        self.sink = np.zeros(0, np.int64)  # [B] sink tokens after the pad
+        self.gap = np.zeros(0, np.int64)  # [B] trimmed columns after the sink
+        self.trimmed = np.zeros(0, bool)  # [B] whether the row's sink is fixed by a trim
+
+    # --- the KVCache contract, per row ---------------------------------------------------------
+
+    @property
+    def offset(self) -> mx.array:
+        offsets = self.offsets
+        return self.memo.get(("offset", offsets.tobytes()), lambda: mx.array(offsets, mx.int32))
+
+    @property
+    def live_len(self) -> int:
+        return self.width
+
+    @property
+    def row_live_len(self) -> np.ndarray:
+        """``[B]`` tokens present per row (what ``max_kv_size`` bounds)."""
+        return self.width - self.pad - self.gap
+
+    def update_and_fetch(
+        self, keys: mx.array, values: mx.array | None = None
+    ) -> tuple[mx.array, mx.array | None]:
+        """Append ``keys``/``values`` ``[B, H, L, D]`` to every row; return all ``width`` columns."""
+        n_new = keys.shape[2]
+        end = self.width + n_new
+        if end > self.keys.shape[2]:
+            self.keys = _with_capacity(self.keys, self.width, end)
+            if values is not None:
+                self.values = _with_capacity(self.values, self.width, end)
+        self.keys[..., self.width : end, :] = keys
+        if values is not None:
+            self.values[..., self.width : end, :] = values
+        self.width = end
+        self.offsets = self.offsets + n_new
+        live_values = None if values is None else self.values[..., :end, :]
+        return self.keys[..., :end, :], live_values
+
+    def key_valid(self) -> mx.array:
+        """``[B, 1, 1, width]``: the columns each row attends to (its sink and recent tokens)."""
+        layout = (self.width, self.pad.tobytes(), self.sink.tobytes(), self.gap.tobytes())
+        return self.memo.get(("valid", *layout), lambda: mx.array(self._valid())[:, None, None, :])
+
+    def _valid(self) -> np.ndarray:
+        column = np.arange(self.width)[None, :]
+        sink_end = (self.pad + self.sink)[:, None]
+        dropped = (column >= sink_end) & (column < sink_end + self.gap[:, None])
+        return (column >= self.pad[:, None]) & ~dropped
+
+    def trim_front(self, n: np.ndarray, keep: int = 0) -> np.ndarray:
+        """Drop each row's oldest ``n[b]`` tokens after its first ``keep``; KVCache's rule per
+        row. Returns the number dropped per row."""
+        n = np.minimum(np.asarray(n, np.int64), np.maximum(self.row_live_len - keep, 0))
+        if (n < 0).any() or keep < 0:
+            raise ValueError(f"trim_front needs n >= 0 and keep >= 0, got n={n}, keep={keep}")
+        trimming = n > 0
+        if (trimming & self.trimmed & (self.sink != keep)).any():
+            raise ValueError(f"trim_front keep={keep} differs from a row's earlier keep")
+        self.sink = np.where(trimming, keep, self.sink)
+        self.trimmed |= trimming
+        self.gap = self.gap + n
+        if len(self.pad) and (self.pad + self.gap).min() >= self.step:
+            self._compact()
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows' live tokens (the buffer holds up to ``2 * step`` more columns)."""
+        if self.keys is None:
+            return 0
+        per_column = (self.keys.nbytes + (0 if self.values is None else self.values.nbytes)) // (
+            self.keys.shape[0] * self.keys.shape[2]
+        )
+        return int(self.row_live_len.sum()) * per_column
+
+    # --- rows joining and leaving -------------------------------------------------------------
+
+    def extend(self, caches: list[KVCache]) -> None:
+        """Add one row per cache (single-sequence caches, each ``[1, H, live_len, D]``)."""
+        for cache in caches:
+            if cache.keys is None or cache.keys.shape[0] != 1 or cache.left_padding is not None:
+                raise ValueError("only a single sequence's filled cache joins a decode batch")
+        lives = np.array([c.live_len for c in caches], np.int64)
+        width = max(self.width, int(lives.max()))
+        capacity = _capacity(width + 1)
+        rows = [] if self.keys is None else [self._rows(self.keys, width, capacity)]
+        rows += [_right_aligned(c.keys, c.live_len, width, capacity) for c in caches]
+        self.keys = mx.concatenate(rows)
+        if caches[0].values is not None:
+            rows = [] if self.values is None else [self._rows(self.values, width, capacity)]
+            rows += [_right_aligned(c.values, c.live_len, width, capacity) for c in caches]
+            self.values = mx.concatenate(rows)
+        self.pad = np.concatenate([self.pad + (width - self.width), width - lives])
+        self.width = width
+        self.offsets = np.concatenate([self.offsets, [c.offset for c in caches]])
+        self.sink = np.concatenate([self.sink, [c.sink for c in caches]])
+        self.gap = np.concatenate([self.gap, np.zeros(len(caches), np.int64)])
+        self.trimmed = np.concatenate([self.trimmed, [c.live_start > 0 for c in caches]])
+
+    def _rows(self, buffer: mx.array, width: int, capacity: int) -> mx.array:
+        # The existing rows, shifted right by the growth of the width, in a new capacity.
+        return _right_aligned(buffer, self.width, width, capacity)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (in that order), then compact if every row wastes ``step``."""
+        if not rows:
+            self.__init__(self.memo)
+            return
+        index = mx.array(rows)
+        self.keys = self.keys[index]
+        if self.values is not None:
+            self.values = self.values[index]
+        for name in ("offsets", "pad", "sink", "gap", "trimmed"):
+            setattr(self, name, getattr(self, name)[rows])
+        if (self.pad + self.gap).min() >= self.step:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Gather each row's live columns, right-aligned, into a buffer as wide as the longest."""
+        lives = self.row_live_len
+        width = int(lives.max())
+        valid = self._valid()
+        index = np.zeros((len(lives), width), np.int32)
+        for b, live in enumerate(lives):
+            index[b, width - live :] = np.flatnonzero(valid[b])
+        index = mx.array(index)[:, None, :, None]
+        capacity = _capacity(width + 1)
+        for name in ("keys", "values"):
+            buffer = getattr(self, name)
+            if buffer is not None:
+                live = mx.take_along_axis(buffer[..., : self.width, :], index, axis=2)
+                setattr(self, name, _right_aligned(live, width, width, capacity))
+        self.width = width
+        self.pad = width - lives
+        self.gap = np.zeros_like(self.gap)
+
+
+def _capacity(columns: int) -> int:
+    return (columns + KVCache.step - 1) // KVCache.step * KVCache.step
+
+
+def _right_aligned(buffer: mx.array, used: int, width: int, capacity: int) -> mx.array:
+    """``buffer[..., :used, :]`` placed to end at column ``width`` of ``capacity`` columns."""
+    B, H, _, D = buffer.shape
+    parts = [buffer[..., :used, :]]
+    if width > used:
+        parts.insert(0, mx.zeros((B, H, width - used, D), buffer.dtype))
+    if capacity > width:
+        parts.append(mx.zeros((B, H, capacity - width, D), buffer.dtype))
+    return mx.concatenate(parts, axis=2)
+
+
+def _with_capacity(buffer: mx.array, used: int, needed: int) -> mx.array:
+    return _right_aligned(buffer, used, used, _capacity(needed))
+
+
+class BatchPositions:
+    """MRoPE positions of decoding rows: ``offset + i + rope_deltas`` on all three axes."""
+
+    def __init__(self) -> None:
+        self.deltas = np.zeros(0, np.int64)
+
+    def __call__(self, input_ids: Any, offset: mx.array) -> mx.array:
+        L = input_ids.shape[1]
+        pos = offset[:, None] + mx.arange(L)[None, :] + mx.array(self.deltas, mx.int32)[:, None]
+        return mx.broadcast_to(pos, (3, *pos.shape))
+
+
+class BatchCache(SequenceCache):
+    """The caches of every decoding sequence: one ``BatchKVCache`` per layer, row ``b`` being
+    the ``b``-th sequence added. It goes where a model takes a ``SequenceCache``."""
+
+    def __init__(self, n_layers: int, mrope: bool) -> None:
+        memo = _Memo()
+        super().__init__([BatchKVCache(memo) for _ in range(n_layers)])
+        self.rope_state = BatchPositions() if mrope else None
+
+    @staticmethod
+    def accepts(caches: list) -> bool:
+        """Whether a sequence's caches can join a batch: plain KV caches of one unpadded row,
+        and positions that continue as plain offsets (every image token already seen)."""
+        if not caches or not all(type(c) is KVCache and c.left_padding is None for c in caches):
+            return False
+        state = getattr(caches, "rope_state", None)
+        return state is None or (state.grids is None and state.left_padding is None)
+
+    @property
+    def rows(self) -> int:
+        return len(self[0].offsets)
+
+    def extend(self, sequences: list[list[KVCache]]) -> None:
+        """Add each sequence's caches as a new row (see ``accepts``)."""
+        for layer, batch in enumerate(self):
+            batch.extend([caches[layer] for caches in sequences])
+        if self.rope_state is not None:
+            deltas = [int(np.asarray(s.rope_state.deltas).reshape(-1)[0]) for s in sequences]
+            self.rope_state.deltas = np.concatenate([self.rope_state.deltas, deltas])
+
+    def keep_rows(self, rows: list[int]) -> None:
+        for batch in self:
+            batch.keep_rows(rows)
+        if self.rope_state is not None:
+            self.rope_state.deltas = self.rope_state.deltas[rows]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self)

@@ -1,0 +1,82 @@
+"""The decode batch (runtime.batch): every row keeps exactly its own sequence's live keys, in
+order, through joins, leaves, per-row trims with sinks and compaction. (`mlxc verify` checks
+batched logits against decoding alone for every spec; test_scheduler that the server batches.)"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxc.runtime.batch import BatchKVCache
+from mlxc.runtime.cache import KVCache, enforce_max_kv
+
+H, D = 2, 3
+
+
+def chunks(rng, n: int) -> list[np.ndarray]:
+    return [rng.standard_normal((1, H, min(5, n - i), D)) for i in range(0, n, 5)]
+
+
+def filled(parts: list[np.ndarray], max_kv: int | None, keep: int) -> KVCache:
+    """A one-row cache that took ``parts`` (keys; values are twice the keys), trimmed after
+    each part as generation trims."""
+    cache = KVCache()
+    for part in parts:
+        cache.update_and_fetch(mx.array(part), mx.array(2 * part))
+        enforce_max_kv([cache], max_kv, keep)
+    return cache
+
+
+def live(cache: KVCache) -> np.ndarray:
+    return np.array(cache.keys[0, :, : cache.live_len, :])
+
+
+def batch_rows(batch: BatchKVCache) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each row's valid keys and values, in column order."""
+    keys = np.array(batch.keys[..., : batch.live_len, :])
+    values = np.array(batch.values[..., : batch.live_len, :])
+    valid = np.array(batch.key_valid())[:, 0, 0, :]
+    return [(keys[b][:, valid[b], :], values[b][:, valid[b], :]) for b in range(len(keys))]
+
+
+@pytest.mark.parametrize("max_kv, keep", [(None, 0), (12, 0), (12, 4), (30, 2)])
+def test_rows_hold_exactly_their_sequences_live_keys(monkeypatch, rng, max_kv, keep):
+    # A small step makes growth and compaction happen within a short schedule.
+    monkeypatch.setattr(KVCache, "step", 8)
+    monkeypatch.setattr(BatchKVCache, "step", 8)
+    prompts = [chunks(rng, n) for n in (23, 4, 40)]
+    alone = [filled(p, max_kv, keep) for p in prompts]
+    batch = BatchKVCache()
+    members = [0, 1]
+    batch.extend([filled(prompts[r], max_kv, keep) for r in members])
+    compacted = False
+    for step in range(60):
+        if step == 7:
+            members.append(2)
+            batch.extend([filled(prompts[2], max_kv, keep)])
+        if step == 30:
+            batch.keep_rows([1, 2])  # the first row leaves
+            members.remove(0)
+        new = [rng.standard_normal((1, H, 1, D)) for _ in members]
+        width = batch.live_len
+        batch.update_and_fetch(mx.array(np.concatenate(new)), mx.array(2 * np.concatenate(new)))
+        enforce_max_kv([batch], max_kv, keep)
+        compacted |= batch.live_len <= width
+        for r, k in zip(members, new):
+            alone[r].update_and_fetch(mx.array(k), mx.array(2 * k))
+            enforce_max_kv([alone[r]], max_kv, keep)
+        for b, (keys, values) in enumerate(batch_rows(batch)):
+            r = members[b]
+            np.testing.assert_array_equal(keys, live(alone[r]))
+            np.testing.assert_array_equal(values, 2 * live(alone[r]))
+            assert int(batch.offset[b]) == alone[r].offset  # monotonic, trims included
+            assert batch.row_live_len[b] == alone[r].live_len
+        if max_kv is not None:
+            assert batch.live_len <= max_kv + 2 * BatchKVCache.step  # resident width bounded
+    assert compacted == (max_kv is not None)
+
+
+def test_a_batch_takes_only_filled_single_rows():
+    with pytest.raises(ValueError, match="single sequence"):
+        BatchKVCache().extend([KVCache()])
