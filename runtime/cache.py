@@ -10,6 +10,9 @@ Two quantities that a bounded cache separates, and that generated code reads by 
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import mlx.core as mx
 import numpy as np
 
@@ -121,6 +124,20 @@ def check_kv_limits(max_kv_size: int | None, kv_sink: int) -> None:
         raise ValueError(f"kv_sink must be >= 0, got {kv_sink}")
     if max_kv_size is not None and max_kv_size <= kv_sink:
         raise ValueError(f"max_kv_size ({max_kv_size}) must be larger than kv_sink ({kv_sink})")
+
+
+def cache_policy(model: Any) -> str:
+    """The generated module's ``CACHE_POLICY`` ("pooled-kv" when it declares none)."""
+    module = sys.modules.get(type(model).__module__)
+    return getattr(module, "CACHE_POLICY", "pooled-kv")
+
+
+def trimmable(model: Any, caches: list) -> list:
+    """The caches the runtime may trim: none of a model that owns its state (``CACHE_POLICY``
+    "model-owned"), else every cache that has ``trim_front``."""
+    if cache_policy(model) == "model-owned":
+        return []
+    return [c for c in caches if hasattr(c, "trim_front")]
 
 
 def enforce_max_kv(caches: list[KVCache], max_kv_size: int | None, keep: int = 0) -> int:

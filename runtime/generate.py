@@ -13,16 +13,12 @@ import mlx.core as mx
 from mlx import nn
 
 from mlxc.runtime.cache import check_kv_limits, enforce_max_kv
+from mlxc.runtime.cache import trimmable as caches_to_trim
 from mlxc.runtime.sample import Sampler, make_sampler
 
 # StreamingLLM (Xiao et al., 2023) found that a few initial tokens soak up attention mass
 # ("attention sinks"); evicting them degrades a sliding window sharply, keeping 4 restores it.
 DEFAULT_KV_SINK = 4
-
-
-def _trimmable(cache: list) -> list:
-    # Model-owned state (no trim_front) is never trimmed by the runtime.
-    return [c for c in cache if hasattr(c, "trim_front")]
 
 
 def _cache_arrays(cache: list) -> list[mx.array]:
@@ -72,7 +68,7 @@ def generate_tokens(
     sampler = sampler or make_sampler()
     eos = set(eos_token_ids)
     cache = model.make_cache() if cache is None else cache
-    trimmable = _trimmable(cache)
+    trimmable = caches_to_trim(model, cache)
     first_chunk_inputs = dict(vision_inputs or {})
 
     def forward(ids: mx.array, **kwargs) -> mx.array:

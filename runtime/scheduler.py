@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -44,7 +43,7 @@ import numpy as np
 from mlx import nn
 
 from mlxc.runtime.batch import BatchCache
-from mlxc.runtime.cache import check_kv_limits, enforce_max_kv
+from mlxc.runtime.cache import cache_policy, check_kv_limits, enforce_max_kv, trimmable
 from mlxc.runtime.generate import DEFAULT_KV_SINK
 from mlxc.runtime.sample import make_sampler
 from mlxc.runtime.tokenizer import StreamingDetokenizer
@@ -171,12 +170,6 @@ class StopMatcher:
 # --- cache pool --------------------------------------------------------------------------------
 
 
-def cache_policy(model: nn.Module) -> str:
-    """The generated module's ``CACHE_POLICY`` ("pooled-kv" when it declares none)."""
-    module = sys.modules.get(type(model).__module__)
-    return getattr(module, "CACHE_POLICY", "pooled-kv")
-
-
 def _cache_nbytes(cache: Any) -> int:
     if hasattr(cache, "nbytes"):
         return int(cache.nbytes)
@@ -243,10 +236,9 @@ class CachePool:
 
     def enforce(self, caches: list) -> int:
         """Trim ``caches`` back to ``max_kv_size`` live tokens (per row); the most dropped."""
-        if not self.trims:
+        if self.max_kv_size is None:
             return 0
-        trimmable = [c for c in caches if hasattr(c, "trim_front")]
-        return enforce_max_kv(trimmable, self.max_kv_size, self.kv_sink)
+        return enforce_max_kv(trimmable(self.model, caches), self.max_kv_size, self.kv_sink)
 
     def __len__(self) -> int:
         return len(self._caches) + len(self.batch_keys)

@@ -5,10 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
+import torch
 from test_qwen_vision import CONFIGS, build
 
 from mlxc.runtime import mrope

@@ -10,9 +10,7 @@ import types
 import mlx.core as mx
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch
 from PIL import Image
 from transformers.models.pixtral.image_processing_pil_pixtral import (
     PixtralImageProcessorPil,

@@ -11,9 +11,8 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch
+import transformers
 
 from mlxc.runtime.vision import qwen
 

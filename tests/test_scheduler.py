@@ -16,6 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # the toy model lives beside the tests
 import _toy_model as toy
 
+from mlxc.runtime.cache import cache_policy
 from mlxc.runtime.generate import generate_tokens
 from mlxc.runtime.sample import make_sampler
 from mlxc.runtime.scheduler import (
@@ -26,7 +27,6 @@ from mlxc.runtime.scheduler import (
     SamplingParams,
     Scheduler,
     StopMatcher,
-    cache_policy,
 )
 from mlxc.runtime.tokenizer import StreamingDetokenizer, load_tokenizer
 
