@@ -563,5 +563,3 @@ def test_extreme_aspect_ratio_is_an_image_error(qwen_dirs):
     )
     with pytest.raises(proc.ImageInputError, match="aspect ratio"):
         processor.encode_text_and_images("hi", images((1, 300)))
-
-
