@@ -1,0 +1,190 @@
+"""Server throughput, mlxc against mlx-lm, in one run: ``mlxc serve`` and ``mlx_lm.server`` on
+the same checkpoint, one after the other on this machine, each loaded by ``bench.serve_load``
+at the same concurrency levels; one table with both and the ratios::
+
+    python -m bench.serve_compare --arch llama --size small --out bench/results/serve-cpu-small
+
+Without ``--model`` a random checkpoint is written with ``bench.models`` (deterministic, with a
+word-level tokenizer). Each server runs with its defaults except mlxc's ``--max-concurrency``,
+set to the largest level so every stream is admitted at once (mlx-lm's server batches up to its
+``--decode-concurrency``, default 32). The servers listen on loopback only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from bench import serve_load
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            # mlx_lm.server has no /health; both answer a completion of one token.
+            body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+            req = urllib.request.Request(
+                url + "/v1/completions", body, {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(req, timeout=60) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"server at {url} not ready after {timeout} s")
+
+
+def measure(name: str, command: list[str], port: int, args, log_dir: Path) -> dict:
+    """Start one server, load it at every level, stop it; the serve_load report."""
+    url = f"http://127.0.0.1:{port}"
+    log = log_dir / f"{name}.log"
+    print(f"[{name}] {' '.join(command)}  (log: {log})", file=sys.stderr, flush=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_ready(url, proc, args.startup_timeout)
+        levels = []
+        load_args = argparse.Namespace(
+            requests=None,
+            max_tokens=args.max_tokens,
+            prompt_words=args.prompt_words,
+            endpoint="completions",
+            duration=args.duration,
+            timeout=args.timeout,
+        )
+        target = serve_load.check_loopback(url)
+        for streams in args.levels:
+            level = serve_load.run_level(target, None, streams, load_args)
+            print(
+                f"[{name}] {streams:>3} streams: {level['aggregate_tps']:.1f} tok/s, "
+                f"{level['errors']} errors",
+                file=sys.stderr,
+                flush=True,
+            )
+            levels.append(level)
+        return {"label": name, "command": command, "levels": levels}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def markdown(report: dict) -> str:
+    ours, peer = report["mlxc"], report["mlx-lm"]
+    lines = [
+        f"### Server throughput: mlxc serve vs mlx_lm.server ({_machine(report['machine'])})",
+        "",
+        (
+            f"`{report['command']}`. Checkpoint: {report['checkpoint']}; completions, streaming, "
+            f"{report['max_tokens']} tokens per request, ~{report['prompt_words']}-word prompts, "
+            "every prompt different. Aggregate = completion tokens / wall time of the level."
+        ),
+        "",
+        (
+            "| streams | mlxc tok/s | mlx-lm tok/s | ratio | mlxc TTFT p50 s | mlx-lm TTFT p50 s "
+            "| errors mlxc / mlx-lm |"
+        ),
+        "|---|---|---|---|---|---|---|",
+    ]
+    for a, b in zip(ours["levels"], peer["levels"]):
+        ratio = a["aggregate_tps"] / b["aggregate_tps"] if b["aggregate_tps"] else float("nan")
+        lines.append(
+            f"| {a['concurrency']} | {a['aggregate_tps']:.1f} | {b['aggregate_tps']:.1f} | "
+            f"**{ratio:.2f}x** | {_num(a['ttft_p50_s'])} | {_num(b['ttft_p50_s'])} | "
+            f"{a['errors']} / {b['errors']} |"
+        )
+    lines.append("")
+    for side in (ours, peer):
+        first, last = side["levels"][0], side["levels"][-1]
+        if first["aggregate_tps"]:
+            lines.append(
+                f"- {side['label']}: {last['concurrency']} streams give "
+                f"{last['aggregate_tps'] / first['aggregate_tps']:.2f}x the aggregate of "
+                f"{first['concurrency']}."
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _machine(m: dict) -> str:
+    where = m.get("device_info", {}).get("device_name") or m.get("cpu", "?")
+    return f"{where}, {m.get('cpus')} CPUs, mlx {m.get('mlx')}, mlx-lm {m.get('mlx_lm')}"
+
+
+def _num(x) -> str:
+    return "—" if x is None else f"{x:.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.serve_compare", description=__doc__)
+    p.add_argument("--model", help="checkpoint directory (default: write one with bench.models)")
+    p.add_argument("--arch", default="llama")
+    p.add_argument("--size", default="small", choices=["small", "medium"])
+    p.add_argument("--levels", default="1,4,16", help="concurrent streams, comma-separated")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-words", type=int, default=64)
+    p.add_argument("--duration", type=float, default=120.0, help="seconds per level, at most")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--port", type=int, default=18300)
+    p.add_argument("--gpu", action="store_true", help="record the run as a GPU run")
+    p.add_argument("--out", required=True, help="write OUT.json and OUT.md")
+    args = p.parse_args(argv)
+    args.levels = [int(x) for x in args.levels.split(",")]
+
+    from bench import models, run
+
+    with tempfile.TemporaryDirectory(prefix="mlxc-serve-bench-") as tmp:
+        model = args.model
+        if model is None:
+            model = str(Path(tmp) / f"{args.arch}-{args.size}")
+            models.write_checkpoint(Path(model), args.arch, args.size)
+            models.write_tokenizer(Path(model), models.config(args.arch, args.size)["vocab_size"])
+        log_dir = Path(args.out).parent
+        log_dir.mkdir(parents=True, exist_ok=True)
+        py = sys.executable
+        ours = measure(
+            "mlxc",
+            [py, "-m", "mlxc.cli", "serve", "--model", model, "--port", str(args.port)]
+            + ["--max-concurrency", str(max(args.levels))],
+            args.port,
+            args,
+            log_dir,
+        )
+        peer = measure(
+            "mlx-lm",
+            [py, "-m", "mlx_lm.server", "--model", model, "--port", str(args.port + 1)],
+            args.port + 1,
+            args,
+            log_dir,
+        )
+    report = {
+        "command": "python -m bench.serve_compare " + " ".join(argv or sys.argv[1:]),
+        "machine": run.machine("gpu" if args.gpu else "cpu"),
+        "checkpoint": args.model or f"bench.models {args.arch} {args.size} (random, bf16)",
+        "max_tokens": args.max_tokens,
+        "prompt_words": args.prompt_words,
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
+        "mlxc": ours,
+        "mlx-lm": peer,
+    }
+    text = markdown(report)
+    print(text)
+    Path(f"{args.out}.json").write_text(json.dumps(report, indent=1) + "\n")
+    Path(f"{args.out}.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
