@@ -73,7 +73,9 @@ def test_rows_hold_exactly_their_sequences_live_keys(monkeypatch, rng, max_kv, k
             assert int(batch.offset[b]) == alone[r].offset  # monotonic, trims included
             assert batch.row_live_len[b] == alone[r].live_len
         if max_kv is not None:
-            assert batch.live_len <= max_kv + 2 * BatchKVCache.step  # resident width bounded
+            # Resident memory bounded: the width, and the buffer's capacity past it.
+            assert batch.live_len <= max_kv + 2 * BatchKVCache.step
+            assert batch.keys.shape[2] <= max_kv + 3 * BatchKVCache.step
     assert compacted == (max_kv is not None)
 
 

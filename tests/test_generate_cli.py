@@ -16,6 +16,7 @@ import _toy_model as toy
 
 from mlxc.cli import main
 from mlxc.runtime import loading
+from mlxc.runtime.cache import KVCache
 from mlxc.runtime.generate import generate_tokens
 from mlxc.runtime.loading import CheckpointError, load_model
 from mlxc.runtime.sample import make_sampler
@@ -92,6 +93,20 @@ def test_kv_limit_enforced_after_every_chunk_and_step(model):
     assert rec.seen[0] == 0 and max(rec.seen) == 12
     assert all(c.live_len <= 12 for c in cache)
     assert cache[0].offset == len(PROMPT) + 19  # positions keep counting past the trims
+
+
+def test_resident_kv_stays_flat_ten_times_past_the_limit(model):
+    """A generation 10x past max_kv_size: once the window is full, the buffers neither grow
+    nor are reallocated (same capacity), and the live bytes stay at the limit."""
+    cache = model.make_cache()
+    capacities, live_bytes = [], []
+    for _ in generate_tokens(model, PROMPT, max_tokens=300, max_kv_size=24, cache=cache):
+        capacities.append(max(c.keys.shape[2] for c in cache))
+        live_bytes.append(sum(c.nbytes for c in cache))
+    full = live_bytes.index(max(live_bytes))
+    assert len(capacities) == 300 and cache[0].offset > 10 * 24
+    assert set(capacities[full:]) == {KVCache.step}  # one allocation, never grown
+    assert set(live_bytes[full:]) == {live_bytes[full]}  # 24 tokens (+0 between steps)
 
 
 def test_eos_and_max_tokens(model):
