@@ -170,32 +170,68 @@ class LatentAttention(nn.Module):
         k_pe = self.rope(k_pe, offset=cache.offset)
         queries = mx.concatenate([q_nope, q_pe], axis=-1)
         # attn_scale is monotonic-position: cache.offset, absolute, never moved by trim_front
-        positions = mx.arange(cache.offset, cache.offset + L)
-        scale = yarn.llama4_attn_scale(positions, self.llama4_beta, self.llama4_period)
-        queries = queries * scale[:, None]
+        scale = yarn.llama4_attn_scale(cache.offset, L, self.llama4_beta, self.llama4_period)
+        if scale is not None:
+            queries = queries * scale.astype(queries.dtype)  # float32 would promote bf16 queries
         # The cache keeps one shared head: the latent and the rope key, no values.
         cached, _ = cache.update_and_fetch(mx.concatenate([latent, k_pe], axis=-1))
         # mask is live-window: cache.live_len, the keys present after trim_front
         mask = masks.causal(L, cache.live_len, cache.key_valid())
         latents = cached[..., : self.kv_lora_rank]
-        w_kv = self.kv_b_proj.weight.reshape(self.n_heads, -1, self.kv_lora_rank)
-        w_k, w_v = mx.split(w_kv, [self.qk_nope_head_dim], axis=1)
         if L == 1:
+            w_k, w_v_t = self.kv_b_halves()
             # Decode: kv_b_proj's key half moves onto the query, q . (W_k c) == (q W_k) . c, so
             # attention runs over the latents themselves and only the output is expanded.
             q_nope, q_pe = mx.split(queries, [self.qk_nope_head_dim], axis=-1)
             queries = mx.concatenate([q_nope @ w_k, q_pe], axis=-1)
-            out = attend(queries, cached, latents, scale=self.scale, mask=mask)
-            out = out @ w_v.swapaxes(-1, -2)  # [B, H, 1, v_head_dim]
+            # All heads share the one cached head, so the H queries attend as H rows of one
+            # head [B, 1, H, D]: one matmul against the latents, not H matmuls against keys
+            # broadcast per head. For one query the mask is None or an array [..., 1, live_len]
+            # (never the string "causal"); its row serves every head.
+            if isinstance(mask, mx.array):
+                mask = mx.broadcast_to(mask, (*mask.shape[:-2], self.n_heads, mask.shape[-1]))
+            out = attend(queries.swapaxes(1, 2), cached, latents, scale=self.scale, mask=mask)
+            out = out.swapaxes(1, 2) @ w_v_t  # [B, H, 1, v_head_dim]
         else:
-            # Prefill: expand per-head keys and values from the live latents.
-            k_nope = latents @ w_k.swapaxes(-1, -2)
-            values = latents @ w_v.swapaxes(-1, -2)
+            # Prefill: expand per-head keys and values from the live latents, all heads in one
+            # kv_b_proj matmul (per-head matmuls would broadcast the latents H times).
+            kv = self.kv_b_proj(latents[:, 0]).reshape(
+                B, -1, self.n_heads, self.qk_nope_head_dim + self.v_head_dim
+            )
+            k_nope, values = mx.split(kv.transpose(0, 2, 1, 3), [self.qk_nope_head_dim], axis=-1)
             k_pe = cached[..., self.kv_lora_rank :]
             k_pe = mx.broadcast_to(k_pe, (*k_nope.shape[:3], self.qk_rope_head_dim))
             keys = mx.concatenate([k_nope, k_pe], axis=-1)
             out = attend(queries, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def kv_b_halves(self) -> tuple[mx.array, mx.array]:
+        """kv_b_proj per head, split once: ``w_k [H, nope, kv_lora_rank]`` and the transposed
+        value half ``w_v_t [H, kv_lora_rank, v_head_dim]``, both contiguous.
+
+        Kept outside the parameter tree (``__dict__``) and keyed on the weight array itself, so
+        a later ``load_weights`` or quantisation, which installs a new array, is never served
+        a stale split. A quantised kv_b_proj is dequantised here, once.
+        """
+        proj = self.kv_b_proj
+        halves = self.__dict__.get("_kv_b_halves")
+        if halves is None or halves[0] is not proj.weight:
+            if isinstance(proj, nn.QuantizedLinear):
+                weight = mx.dequantize(
+                    proj.weight,
+                    proj.scales,
+                    proj.get("biases"),
+                    group_size=proj.group_size,
+                    bits=proj.bits,
+                    mode=proj.mode,
+                )
+            else:
+                weight = proj.weight
+            w_kv = weight.reshape(self.n_heads, -1, self.kv_lora_rank)
+            w_k, w_v = mx.split(w_kv, [self.qk_nope_head_dim], axis=1)
+            halves = (proj.weight, mx.contiguous(w_k), mx.contiguous(w_v.swapaxes(-1, -2)))
+            self.__dict__["_kv_b_halves"] = halves
+        return halves[1], halves[2]
 
 
 class DecoderLayer(nn.Module):

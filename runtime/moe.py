@@ -67,9 +67,17 @@ class ExpertLinear(nn.Module):
         self.weight = mx.random.uniform(-scale, scale, (num_experts, output_dims, input_dims))
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        return mx.gather_mm(
-            x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices
-        )
+        w = self.weight.swapaxes(-1, -2)
+        if x.dtype != mx.float32 and mx.default_device() == mx.cpu:
+            # MLX's CPU gather_mm takes float32 only: widen for the product, hand back x's dtype.
+            y = mx.gather_mm(
+                x.astype(mx.float32),
+                w.astype(mx.float32),
+                rhs_indices=indices,
+                sorted_indices=sorted_indices,
+            )
+            return y.astype(x.dtype)
+        return mx.gather_mm(x, w, rhs_indices=indices, sorted_indices=sorted_indices)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine"):
         # nn.quantize calls this for every module that has it (runtime/loading.py predicate).

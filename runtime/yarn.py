@@ -11,7 +11,8 @@ Three separate multipliers, all as transformers 5 computes them:
   (``yarn_apply_mscale`` in the deepseek_v2 / mistral4 modeling files).
 * ``llama4_attn_scale``: mistral4's per-position query multiplier
   ``1 + beta * log(1 + floor(pos / original_max_position_embeddings))`` from ABSOLUTE positions
-  (``monotonic-position``: ``cache.offset + arange(L)``), so it keeps growing after a trim.
+  (``monotonic-position``: ``cache.offset + arange(L)``), so it keeps growing after a trim;
+  ``cache.offset`` may be an int or a per-row ``[B]`` array.
 
 Positions for RoPE are absolute too: ``YarnRoPE(x, offset=cache.offset)``.
 """
@@ -172,14 +173,23 @@ def mla_softmax_scale(qk_head_dim: int, cfg: RopeConfig) -> float:
 
 
 def llama4_attn_scale(
-    positions: mx.array, beta: float | None, original_max_position_embeddings: int
-) -> mx.array:
-    """Per-position query multiplier (float32, shaped like ``positions``).
+    offset: int | mx.array, L: int, beta: float | None, original_max_position_embeddings: int
+) -> mx.array | None:
+    """Query multiplier for the ``L`` positions after ``offset``, or None when ``beta`` is
+    None or 0 (no scaling: the caller skips the multiply).
 
-    ``positions`` must be ABSOLUTE (``cache.offset + mx.arange(L)``). For queries
-    ``[B, H, L, D]`` use ``q * scale[:, None]``. ``beta`` None or 0 gives ones.
+    ``offset`` is the ABSOLUTE position of the first query (``cache.offset``): an int, or an
+    ``mx.array`` ``[B]`` of per-row offsets (batched decode). The result broadcasts against
+    queries ``[B, H, L, D]``: shape ``[1, 1, L, 1]`` for an int offset, ``[B, 1, L, 1]`` for an
+    array. It is float32; cast it to the queries' dtype before multiplying, so that a bf16
+    attention stays bf16.
     """
-    positions = positions.astype(mx.float32)
     if not beta:
-        return mx.ones_like(positions)
-    return 1 + beta * mx.log(1 + mx.floor(positions / original_max_position_embeddings))
+        return None
+    positions = mx.arange(L, dtype=mx.float32)
+    if isinstance(offset, mx.array):
+        positions = offset.astype(mx.float32).reshape(-1, 1) + positions  # [B, L]
+    else:
+        positions = (positions + offset)[None]  # [1, L]
+    scale = 1 + beta * mx.log(1 + mx.floor(positions / original_max_position_embeddings))
+    return scale[:, None, :, None]

@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from mlx.utils import tree_flatten
 
 import mlxc
 
@@ -125,3 +126,56 @@ def test_latent_cache_holds_the_latent_not_per_head_kv(checkpoint):
     assert values is None  # the values are the latents, read out of the keys
     # Per token and layer: 32 floats, where per-head K/V would be 4 * (16 + 12) = 112.
     assert cache[0].nbytes == 5 * 32 * 4
+
+
+def decode_logits(model, ids: np.ndarray) -> np.ndarray:
+    """Prefill all but the last token, then decode the last one (the absorbed path)."""
+    cache = model.make_cache()
+    model(mx.array(ids[:, :-1]), cache=cache)
+    return np.array(model(mx.array(ids[:, -1:]), cache=cache).astype(mx.float32)), cache
+
+
+def test_decode_split_of_kv_b_proj_follows_reloaded_weights(checkpoint, tmp_path):
+    """The per-head kv_b_proj split is cached; new weights must not meet a stale split."""
+    hf, path = checkpoint
+    other = make_checkpoint(tmp_path, q_lora_rank=hf.config.q_lora_rank, seed=7)
+    ids = np.random.default_rng(5).integers(0, 128, size=(1, 20))
+    model = mlxc.load_model(path)
+    first, _ = decode_logits(model, ids)  # computes and keeps the split
+    np.testing.assert_allclose(first, reference(hf, ids)[:, -1:], atol=ATOL, rtol=0)
+    model.load_weights(tree_flatten(mlxc.load_model(tmp_path).parameters()), strict=True)
+    again, _ = decode_logits(model, ids)
+    np.testing.assert_allclose(again, reference(other, ids)[:, -1:], atol=ATOL, rtol=0)
+
+
+def test_bf16_stays_bf16(checkpoint):
+    """No float32 promotion (the Llama-4 scale once made every layer after the first run, and
+    cache, in float32): the latent cache holds bf16 in every layer."""
+    _, path = checkpoint
+    model = mlxc.load_model(path, dtype="bfloat16")
+    ids = np.random.default_rng(6).integers(0, 128, size=(1, 20))  # past position 16: scale != 1
+    logits, cache = decode_logits(model, ids)
+    assert all(c.keys.dtype == mx.bfloat16 for c in cache)
+    assert all(c.nbytes == 20 * (24 + 8) * 2 for c in cache)
+    assert model(mx.array(ids[:, :4]), cache=model.make_cache()).dtype == mx.bfloat16
+    assert np.isfinite(logits).all()
+
+
+def test_quantised_kv_b_proj_decodes(tmp_path):
+    """A quantised kv_b_proj is dequantised once for the absorbed split: decode equals the
+    float model holding the dequantised weights."""
+    from mlx import nn
+
+    make_checkpoint(tmp_path, kv_lora_rank=32)
+    ids = np.random.default_rng(7).integers(0, 128, size=(1, 20))
+    model = mlxc.load_model(tmp_path)
+    nn.quantize(model, group_size=32, bits=8, class_predicate=lambda p, m: "kv_b_proj" in p)
+    got, _ = decode_logits(model, ids)
+    for layer in model.model.layers:
+        q = layer.self_attn.kv_b_proj
+        assert isinstance(q, nn.QuantizedLinear)
+        w = mx.dequantize(q.weight, q.scales, q.biases, group_size=32, bits=8)
+        layer.self_attn.kv_b_proj = nn.Linear(w.shape[1], w.shape[0], bias=False)
+        layer.self_attn.kv_b_proj.weight = w
+    want, _ = decode_logits(model, ids)
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)

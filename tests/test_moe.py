@@ -271,6 +271,20 @@ def test_sorted_and_unsorted_gather_agree():
     )
 
 
+def test_half_precision_experts_keep_their_dtype():
+    """bf16 experts run (MLX's CPU gather_mm is float32-only: widened there) and stay bf16."""
+    x = mx.random.normal((2, 40, H), key=mx.random.key(3))
+    moe = _random_moe(4)
+    want = moe(x)
+    moe.set_dtype(mx.bfloat16)
+    for threshold in (10**9, 0):  # unsorted and sorted gathers
+        moe.experts.sort_threshold = threshold
+        got = moe(x.astype(mx.bfloat16))
+        assert got.dtype == mx.bfloat16
+        err = np.abs(np.array(got.astype(mx.float32)) - np.array(want)).max()
+        assert err < 0.02 * np.abs(np.array(want)).max()  # bf16 rounding, not a wrong expert
+
+
 def test_every_layout_converts_to_the_same_tensors():
     rng = np.random.default_rng(9)
     gate_up = rng.standard_normal((E, 2 * I, H)).astype(np.float32)

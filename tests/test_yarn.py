@@ -184,10 +184,33 @@ def test_softmax_scale_matches_attention_scaling(case):
 def test_llama4_attn_scale_matches_transformers():
     pos = np.array([0, 1, 7, 8, 9, 15, 16, 23, 24, 100, 1000, 123457])
     want = m4.get_llama_4_attn_scale(torch.from_numpy(pos)[None], 0.1, 8)[0, 0, :, 0].numpy()
-    got = np.array(llama4_attn_scale(mx.array(pos), 0.1, 8))
+    got = np.concatenate([np.array(llama4_attn_scale(int(p), 1, 0.1, 8)).reshape(-1) for p in pos])
     np.testing.assert_allclose(got, want, rtol=1e-6)
     assert got[0] == 1.0 and got[3] > 1.0 and np.all(np.diff(got) >= 0)
-    np.testing.assert_array_equal(np.array(llama4_attn_scale(mx.array(pos), None, 8)), 1.0)
+    # a run of L positions from one offset: shape [1, 1, L, 1], broadcast over [B, H, L, D]
+    run = llama4_attn_scale(5, 20, 0.1, 8)
+    assert run.shape == (1, 1, 20, 1) and run.dtype == mx.float32
+    want = m4.get_llama_4_attn_scale(torch.arange(5, 25)[None], 0.1, 8)[0, 0, :, 0].numpy()
+    np.testing.assert_allclose(np.array(run).reshape(-1), want, rtol=1e-6)
+    # no beta: no multiply at all
+    assert llama4_attn_scale(3, 4, None, 8) is None
+    assert llama4_attn_scale(mx.array([3, 9]), 4, 0.0, 8) is None
+
+
+def test_llama4_attn_scale_per_row_offsets():
+    """Batched decode: ``cache.offset`` is ``[B]``; each row gets its own int-offset scale."""
+    offsets = [0, 7, 8, 31, 1000]
+    for L in (1, 3):
+        got = llama4_attn_scale(mx.array(offsets), L, 0.1, 8)
+        assert got.shape == (len(offsets), 1, L, 1)
+        for b, off in enumerate(offsets):
+            np.testing.assert_array_equal(
+                np.array(got[b : b + 1]), np.array(llama4_attn_scale(off, L, 0.1, 8))
+            )
+    # bf16 queries stay bf16 once the scale is cast, as the generated code does
+    q = mx.ones((len(offsets), 2, 1, 4), mx.bfloat16)
+    scale = llama4_attn_scale(mx.array(offsets), 1, 0.1, 8)
+    assert (q * scale.astype(q.dtype)).dtype == mx.bfloat16
 
 
 # --- the MLA recipe handed to the compiler, checked end to end ------------------------------
@@ -245,8 +268,7 @@ class RefMLA(nn.Module):
         k_nope, v = kv[..., :NOPE], kv[..., NOPE:]
         k = mx.concatenate([k_nope, mx.broadcast_to(k_pe, (B, HEADS, S, ROPE))], axis=-1)
         q = mx.concatenate([q_nope, q_pe], axis=-1)
-        pos = offset + mx.arange(L)
-        q = q * llama4_attn_scale(pos, self.beta, self.orig)[:, None].astype(q.dtype)
+        q = q * llama4_attn_scale(offset, L, self.beta, self.orig).astype(q.dtype)
         mask = masks.causal(L, cache.live_len)  # live-window
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
