@@ -44,13 +44,15 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"server at {url} not ready after {timeout} s")
 
 
-def measure(name: str, command: list[str], port: int, args, log_dir: Path) -> dict:
-    """Start one server, load it at every level, stop it; the serve_load report."""
+def measure(name: str, command: list[str], port: int, args, log_dir: Path, cwd: str) -> dict:
+    """Start one server, load it at every level, stop it; the serve_load report.
+
+    ``cwd``: away from a source checkout, whose ``mlxc/`` would shadow the installed package."""
     url = f"http://127.0.0.1:{port}"
     log = log_dir / f"{name}.log"
     print(f"[{name}] {' '.join(command)}  (log: {log})", file=sys.stderr, flush=True)
     with open(log, "wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
     try:
         _wait_ready(url, proc, args.startup_timeout)
         levels = []
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench import models, run
 
     with tempfile.TemporaryDirectory(prefix="mlxc-serve-bench-") as tmp:
-        model = args.model
+        model = args.model and str(Path(args.model).resolve())
         if model is None:
             model = str(Path(tmp) / f"{args.arch}-{args.size}")
             models.write_checkpoint(Path(model), args.arch, args.size)
@@ -161,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             args.port,
             args,
             log_dir,
+            tmp,
         )
         peer = measure(
             "mlx-lm",
@@ -168,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             args.port + 1,
             args,
             log_dir,
+            tmp,
         )
     report = {
         "command": "python -m bench.serve_compare " + " ".join(argv or sys.argv[1:]),
