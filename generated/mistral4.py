@@ -170,9 +170,11 @@ class LatentAttention(nn.Module):
         k_pe = self.rope(k_pe, offset=cache.offset)
         queries = mx.concatenate([q_nope, q_pe], axis=-1)
         # attn_scale is monotonic-position: cache.offset, absolute, never moved by trim_front
-        scale = yarn.llama4_attn_scale(cache.offset, L, self.llama4_beta, self.llama4_period)
+        scale = yarn.llama4_attn_scale(
+            cache.offset, L, self.llama4_beta, self.llama4_period, queries.dtype
+        )
         if scale is not None:
-            queries = queries * scale.astype(queries.dtype)  # float32 would promote bf16 queries
+            queries = queries * scale
         # The cache keeps one shared head: the latent and the rope key, no values.
         cached, _ = cache.update_and_fetch(mx.concatenate([latent, k_pe], axis=-1))
         # mask is live-window: cache.live_len, the keys present after trim_front
