@@ -37,10 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="write OUT.json and OUT.md")
     args = p.parse_args(argv)
 
-    import mlx.core as mx
+    from mlxc import load_model  # first: on a Linux CPU it loads an optimised BLAS before MLX
+
+    import mlx.core as mx  # noqa: I001
 
     from bench import models
-    from mlxc import load_model
     from mlxc.runtime.generate import generate_tokens
 
     n = args.max_kv_size

@@ -49,7 +49,7 @@ def measure(name: str, command: list[str], port: int, args, log_dir: Path, cwd: 
 
     ``cwd``: away from a source checkout, whose ``mlxc/`` would shadow the installed package."""
     url = f"http://127.0.0.1:{port}"
-    log = log_dir / f"{name}.log"
+    log = log_dir / f"{Path(args.out).name}.{name}.log"
     print(f"[{name}] {' '.join(command)}  (log: {log})", file=sys.stderr, flush=True)
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=cwd)

@@ -350,10 +350,11 @@ def generate(
 )
 @click.option(
     "--max-concurrency",
-    default=8,
+    default=16,
     show_default=True,
     type=click.IntRange(min=1),
-    help="Sequences generating at once; more requests wait in the queue.",
+    help="Sequences generating at once (their decode steps run as one batched forward); "
+    "more requests wait in the queue.",
 )
 @click.option(
     "--max-queue",
