@@ -14,7 +14,8 @@ Each tick of the loop:
 3. advances every decoding sequence by one token, all in ONE forward (a decode batch), and ONE
    prefilling sequence (round-robin) by one chunk of at most ``prefill_chunk_size`` tokens, so
    a long prompt costs the others one chunk per token instead of its whole prefill;
-4. evaluates all of that in one ``mx.eval`` and hands each sampled token to its request.
+4. hands each sampled token to its request. The batched step is read one tick later, after the
+   next one is queued, so the device works while the host handles tokens.
 
 A decode step reads every weight once whatever the batch size, which is what makes serving
 many streams cheaper than serving them one by one. Prefill runs per sequence in its own
@@ -317,6 +318,8 @@ class Scheduler:
         self._slots_taken = 0  # guarded by _cond: admitted requests not yet released
         self._running: list[_Sequence] = []  # scheduler thread only
         self._prefill_queue: deque[_Sequence] = deque()  # round-robin order of prefills
+        # The batched decode step queued but not read yet: (its rows, their tokens [B]).
+        self._inflight: tuple[list[_Sequence], mx.array] | None = None
         self._ids = itertools.count(1)
         self._counts = dict.fromkeys(("completed", "failed", "cancelled", "rejected"), 0)
         self._snapshot = {"running": 0, "pool_sequences": 0, "pool_bytes": 0}
@@ -490,56 +493,88 @@ class Scheduler:
         if self._prefill_queue:
             work.append(self._prefill_queue.popleft())
 
-        # (sequences, arrays to evaluate, their sampled tokens [n] or None)
-        built: list[tuple[list[_Sequence], list[mx.array], mx.array | None]] = []
+        # The batched decode step is queued first and read one tick later: its inputs are the
+        # tokens of the step still in flight, so the device never waits for the host (as in
+        # generate_tokens). A row that turns out finished when its token is read has had one
+        # step too many; that step's token is dropped with its row.
+        previous, self._inflight = self._inflight, None
         if self.pool.batch_keys:
             by_key = {s.request.id: s for s in self._running}
             rows = [by_key[k] for k in self.pool.batch_keys]
             try:
-                tokens = self._decode_batch(rows)
-                built.append((rows, [tokens], tokens))
+                tokens = self._decode_batch(rows, previous)
+                mx.async_eval(tokens)
+                self._inflight = (rows, tokens)
             except Exception as e:  # noqa: BLE001 - ends the batched requests only
                 for seq in rows:
                     self._fail(seq, e)
+        if previous is not None:
+            self._read_tokens(*previous)
+
+        # (sequence, arrays to evaluate, its sampled token [1] or None)
+        built: list[tuple[_Sequence, list[mx.array], mx.array | None]] = []
         for seq in work:
             try:
                 arrays, token = self._advance(seq)
             except Exception as e:  # noqa: BLE001 - MLX errors in a forward end that request only
                 self._fail(seq, e)
                 continue
-            built.append(([seq], arrays, token))
+            built.append((seq, arrays, token))
             if seq.prefilling:
                 self._prefill_queue.append(seq)  # back of the round-robin for its next chunk
 
         try:
             mx.eval([a for _, arrays, _ in built for a in arrays])
         except Exception:  # noqa: BLE001 - retried one by one just below
-            # Find the forward(s) whose graph fails; the others' results stand.
+            # Find the sequence(s) whose graph fails; the others' results stand.
             ok = []
             for item in built:
                 try:
                     mx.eval(item[1])
                     ok.append(item)
-                except Exception as e:  # noqa: BLE001 - this forward's graph fails
-                    for seq in item[0]:
-                        self._fail(seq, e)
+                except Exception as e:  # noqa: BLE001 - this sequence's graph fails
+                    self._fail(item[0], e)
             built = ok
+        for seq, _, token in built:
+            if token is not None:
+                self._read_tokens([seq], token)
 
-        for seqs, _, tokens in built:
-            if tokens is None:
-                continue
-            for seq, token in zip(seqs, tokens.tolist()):  # one host read per forward
-                try:
-                    self._accept(seq, token)
-                except Exception as e:  # noqa: BLE001 - ends this request only
-                    self._fail(seq, e)
+    def _decode_batch(
+        self, rows: list[_Sequence], previous: tuple[list[_Sequence], mx.array] | None
+    ) -> mx.array:
+        """Build (lazily) one decode step of every batched sequence: their tokens ``[B]``.
 
-    def _decode_batch(self, rows: list[_Sequence]) -> mx.array:
-        """Build (lazily) one decode step of every batched sequence: their tokens ``[B]``."""
-        ids = mx.array([[seq.last_token] for seq in rows], dtype=mx.int32)
+        A row's input is its token in ``previous`` (the step in flight, not read yet) or, for a
+        row that joined since, its first token, read when its prefill ended.
+        """
+        carried = {} if previous is None else {id(s): i for i, s in enumerate(previous[0])}
+        joined = [seq for seq in rows if id(seq) not in carried]
+        first = mx.array([seq.last_token for seq in joined], dtype=mx.int32)
+        pool = first if previous is None else mx.concatenate([previous[1], first])
+        start = len(carried)
+        index = [carried.get(id(seq)) for seq in rows]
+        index = [start + joined.index(seq) if i is None else i for i, seq in zip(index, rows)]
+        ids = pool[mx.array(index)][:, None]
         logits = self.model(ids, cache=self.pool.batch)
         self.pool.enforce(self.pool.batch)
         return mx.concatenate([seq.sampler(logits[b : b + 1, -1, :]) for b, seq in enumerate(rows)])
+
+    def _read_tokens(self, seqs: list[_Sequence], tokens: mx.array) -> None:
+        """Hand each sequence its sampled token (one host read); skips ones already ended."""
+        try:
+            values = tokens.tolist()
+        except Exception as e:  # noqa: BLE001 - the forward's graph failed: its requests end
+            for seq in seqs:
+                if seq in self._running:
+                    self._fail(seq, e)
+            return
+        for seq, token in zip(seqs, values):
+            if seq not in self._running:
+                continue  # finished, cancelled or failed while this step was in flight
+            try:
+                self._accept(seq, token)
+            except Exception as e:  # noqa: BLE001 - ends this request only
+                self._fail(seq, e)
 
     def _forward(self, seq: _Sequence, ids: list[int], **kwargs) -> mx.array:
         inputs = dict(kwargs)

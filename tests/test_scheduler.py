@@ -416,4 +416,7 @@ def test_model_inputs_go_to_the_first_prefill_chunk_only(model, make_scheduler):
     (n_first, first), *rest = rec.calls
     assert n_first == 8 and isinstance(first["pixel_values"], mx.array)
     assert np.array_equal(np.array(first["pixel_values"]), pixels)
-    assert len(rest) == 2 + 2 and all(inputs == {} for _, inputs in rest)
+    # Two more chunks, then decode steps (the batched step runs one ahead of the tokens read,
+    # so a third step may run past the end), none with the model inputs.
+    assert [n for n, _ in rest[:4]] == [8, 4, 1, 1] and len(rest) <= 5
+    assert all(inputs == {} for _, inputs in rest)
