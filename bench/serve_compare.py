@@ -65,6 +65,8 @@ def measure(name: str, command: list[str], port: int, args, log_dir: Path, cwd: 
             timeout=args.timeout,
         )
         target = serve_load.check_loopback(url)
+        # One full request first: the first decode steps of a server compile its kernels.
+        serve_load.one_request(target, None, 999_999, load_args)
         for streams in args.levels:
             level = serve_load.run_level(target, None, streams, load_args)
             print(

@@ -100,8 +100,11 @@ class BatchKVCache:
         live_values = None if values is None else self.values[..., :end, :]
         return self.keys[..., :end, :], live_values
 
-    def key_valid(self) -> mx.array:
-        """``[B, 1, 1, width]``: the columns each row attends to (its sink and recent tokens)."""
+    def key_valid(self) -> mx.array | None:
+        """``[B, 1, 1, width]``: the columns each row attends to (its sink and recent tokens);
+        None when every row attends to every column (no mask: attention's fast path)."""
+        if not (self.pad.any() or self.gap.any()):
+            return None
         layout = (self.width, self.pad.tobytes(), self.sink.tobytes(), self.gap.tobytes())
         return self.memo.get(("valid", *layout), lambda: mx.array(self._valid())[:, None, None, :])
 

@@ -69,8 +69,12 @@ def causal(
     """
     if n_queries > n_keys:
         raise ValueError(f"{n_queries} queries but only {n_keys} live keys: mask sized wrong")
-    if window is None and key_valid is None and _audit.get() is None:
-        return None if n_queries == 1 else "causal"
+    if window is None and _audit.get() is None:
+        if key_valid is None:
+            return None if n_queries == 1 else "causal"
+        if n_queries == 1:
+            # One new query, the last key: causality masks nothing, and its own key is real.
+            return key_valid
     q_pos = mx.arange(n_keys - n_queries, n_keys)[:, None]
     k_pos = mx.arange(n_keys)[None, :]
     mask = k_pos <= q_pos

@@ -36,7 +36,12 @@ def batch_rows(batch: BatchKVCache) -> list[tuple[np.ndarray, np.ndarray]]:
     """Each row's valid keys and values, in column order."""
     keys = np.array(batch.keys[..., : batch.live_len, :])
     values = np.array(batch.values[..., : batch.live_len, :])
-    valid = np.array(batch.key_valid())[:, 0, 0, :]
+    mask = batch.key_valid()  # None: every column of every row is valid
+    valid = (
+        np.ones((keys.shape[0], keys.shape[2]), bool)
+        if mask is None
+        else np.array(mask)[:, 0, 0, :]
+    )
     return [(keys[b][:, valid[b], :], values[b][:, valid[b], :]) for b in range(len(keys))]
 
 
