@@ -6,12 +6,12 @@ Runs both models under ONE identical loop (so the loops' differences drop out), 
 its own generation loop, and reports per step: host time to build the graph (Python), time to
 evaluate it, and the total; plus a few mlxc variants that isolate candidate costs:
 
-* prefill projecting only the last position onto the vocabulary: mlx-lm prefills all but the
-  last token, then runs a one-token step (a second pass over the weights); slicing the hidden
-  state before ``lm_head`` does it in one pass; mlxc's ``generate_tokens`` projects every
-  position of the last chunk and keeps one;
-* ``compiled step``: the decode forward under ``mx.compile`` is not tried: the KV cache's slice
-  assignments and Python-int offsets make it retrace every step.
+* prefill projecting only the last position onto the vocabulary, two ways: slicing the hidden
+  state before ``lm_head`` (one pass; what ``generate_tokens`` does on a GPU), or mlx-lm's way,
+  all but the last token with only the caches evaluated, then a one-token step (what
+  ``generate_tokens`` does on a CPU: the first pass skips the last layer's attention output
+  and MLP, ``runtime.generate.prefill_chunks``);
+* a compiled decode step is measured separately (``bench/proto_compiled_decode.py``).
 
 Numbers are medians over ``--steps`` steps after ``--warmup`` steps.
 """

@@ -21,6 +21,27 @@ from mlxc.runtime.sample import Sampler, make_sampler
 DEFAULT_KV_SINK = 4
 
 
+def prefill_chunks(n_tokens: int, chunk_size: int) -> list[tuple[int, int]]:
+    """A prompt's prefill chunks, ``(start, end)``; the last one's logits give the first token.
+
+    Full chunks while more than one chunk remains, then the rest. On a CPU the last token then
+    goes alone: only the caches of a chunk before it are evaluated, so its last layer's
+    attention output and MLP are never computed (~1/n_layers of the work) at the price of one
+    more one-token forward. A CPU forward costs its FLOPs, so that pays (10-20% on the bench's
+    small models); a GPU forward costs its kernel launches, and it does not
+    (``bench/profile_decode.py`` measures both ways). Generation and the server share this.
+    """
+    bounds, start = [], 0
+    while n_tokens - start > chunk_size:
+        bounds.append((start, start + chunk_size))
+        start += chunk_size
+    if n_tokens - start > 1 and mx.default_device() == mx.cpu:
+        bounds.append((start, n_tokens - 1))
+        start = n_tokens - 1
+    bounds.append((start, n_tokens))
+    return bounds
+
+
 def _cache_arrays(cache: list) -> list[mx.array]:
     return [v for c in cache for v in vars(c).values() if isinstance(v, mx.array)]
 
@@ -83,16 +104,14 @@ def generate_tokens(
 
     # Prefill every chunk but the last; evaluating the caches bounds the graph and memory.
     prompt = mx.array(prompt_ids, dtype=mx.int32)[None]
-    n = len(prompt_ids)
-    start = 0
-    while n - start > prefill_chunk_size:
-        forward(prompt[:, start : start + prefill_chunk_size])
+    *body, (start, end) = prefill_chunks(len(prompt_ids), prefill_chunk_size)
+    for a, b in body:
+        forward(prompt[:, a:b])
         mx.eval(_cache_arrays(cache))
-        start += prefill_chunk_size
 
     # The last chunk's final logits give the first token. Each next step is queued with
     # async_eval before the current token is read, so the device never waits on the host.
-    y = step(prompt[:, start:])
+    y = step(prompt[:, start:end])
     mx.async_eval(y)
     for i in range(max_tokens):
         if i + 1 < max_tokens:

@@ -45,7 +45,7 @@ from mlx import nn
 
 from mlxc.runtime.batch import BatchCache
 from mlxc.runtime.cache import cache_policy, check_kv_limits, enforce_max_kv, trimmable
-from mlxc.runtime.generate import DEFAULT_KV_SINK
+from mlxc.runtime.generate import DEFAULT_KV_SINK, prefill_chunks
 from mlxc.runtime.sample import make_sampler
 from mlxc.runtime.tokenizer import StreamingDetokenizer
 
@@ -590,19 +590,20 @@ class Scheduler:
     def _advance(self, seq: _Sequence) -> tuple[list[mx.array], mx.array | None]:
         """Build (lazily) one prefill chunk or one decode step: (arrays to evaluate, token).
 
-        The chunking is ``generate_tokens``'s: full chunks while more than one chunk remains,
-        then the rest, whose last logits give the first token; so greedy output matches
-        ``mlxc generate`` token for token, trims included.
+        The chunking is ``generate_tokens``'s (``prefill_chunks``), the last chunk's last logits
+        giving the first token; so greedy output matches ``mlxc generate`` token for token,
+        trims included.
         """
         if seq.prefilling:
             prompt = seq.request.prompt_ids
-            start, chunk = seq.prefilled, self.prefill_chunk_size
-            if len(prompt) - start > chunk:
-                self._forward(seq, prompt[start : start + chunk])
-                seq.prefilled += chunk
+            chunks = prefill_chunks(len(prompt), self.prefill_chunk_size)
+            start, end = next((a, b) for a, b in chunks if a == seq.prefilled)
+            if end < len(prompt):
+                self._forward(seq, prompt[start:end])
+                seq.prefilled = end
                 return _cache_arrays(seq.caches), None
-            logits = self._forward(seq, prompt[start:], last_only=True)
-            seq.prefilled = len(prompt)
+            logits = self._forward(seq, prompt[start:end], last_only=True)
+            seq.prefilled = end
         else:
             logits = self._forward(seq, [seq.last_token])
         token = seq.sampler(logits[:, -1, :])

@@ -17,7 +17,7 @@ import _toy_model as toy
 from mlxc.cli import main
 from mlxc.runtime import loading
 from mlxc.runtime.cache import KVCache
-from mlxc.runtime.generate import generate_tokens
+from mlxc.runtime.generate import generate_tokens, prefill_chunks
 from mlxc.runtime.loading import CheckpointError, load_model
 from mlxc.runtime.sample import make_sampler
 from mlxc.runtime.tokenizer import (
@@ -107,6 +107,15 @@ def test_resident_kv_stays_flat_ten_times_past_the_limit(model):
     assert len(capacities) == 300 and cache[0].offset > 10 * 24
     assert set(capacities[full:]) == {KVCache.step}  # one allocation, never grown
     assert set(live_bytes[full:]) == {live_bytes[full]}  # 24 tokens (+0 between steps)
+
+
+@pytest.mark.parametrize("n, chunk", [(1, 4), (2, 4), (4, 4), (5, 4), (9, 4), (12, 4), (7, 100)])
+def test_prefill_chunks_cover_the_prompt_with_the_last_token_alone_on_a_cpu(n, chunk):
+    bounds = prefill_chunks(n, chunk)
+    assert bounds[0][0] == 0 and bounds[-1][1] == n
+    assert all(a < b <= a + chunk for a, b in bounds)
+    assert all(b == c for (_, b), (c, _) in zip(bounds, bounds[1:]))  # contiguous
+    assert bounds[-1] == (n - 1, n)  # the CPU plan: the last token alone
 
 
 def test_eos_and_max_tokens(model):

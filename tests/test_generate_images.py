@@ -165,10 +165,13 @@ def test_vision_inputs_go_with_the_first_chunk_only():
     )
     assert list(tokens) == [0, 0, 0]
     assert calls[0] == (4, ["image_grid_thw", "pixel_values"])
-    assert [c[0] for c in calls] == [4, 4, 2, 1, 1] and all(not k for _, k in calls[1:])
-    calls.clear()  # a prompt that fits one chunk: the step that samples the first token
+    chunks = [b - a for a, b in generate_mod.prefill_chunks(10, 4)]
+    assert [c[0] for c in calls] == [*chunks, 1, 1] and all(not k for _, k in calls[1:])
+    calls.clear()  # a prompt that fits one chunk: the images go with its first forward
     list(generate_mod.generate_tokens(Recorder(), [1, 2], max_tokens=2, vision_inputs=vision))
-    assert calls == [(2, ["image_grid_thw", "pixel_values"]), (1, [])]
+    chunks = [b - a for a, b in generate_mod.prefill_chunks(2, 2048)]
+    assert calls[0] == (chunks[0], ["image_grid_thw", "pixel_values"])
+    assert [c[0] for c in calls] == [*chunks, 1] and all(not k for _, k in calls[1:])
 
 
 def run_cli(*args):
