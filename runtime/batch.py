@@ -18,7 +18,7 @@ away, then its most recent tokens. A trim widens the gap instead of moving keys;
 stays bounded by ``max_kv_size + 2 * step`` columns per row.
 
 Prefill stays per sequence (``KVCache``); a sequence joins the batch when its prompt is done
-(``BatchCache.extend``) and leaves it when it finishes (``BatchCache.remove``).
+(``BatchCache.extend``) and leaves it when it finishes (``BatchCache.keep_rows``).
 """
 
 from __future__ import annotations
