@@ -9,6 +9,11 @@ import mlx.core as mx
 Sampler = Callable[[mx.array], mx.array]
 
 
+def greedy(logits: mx.array) -> mx.array:
+    """The most likely token of each row: logits ``[B, V]`` -> ids ``[B]`` (int32)."""
+    return mx.argmax(logits, axis=-1).astype(mx.int32)
+
+
 def make_sampler(
     temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None
 ) -> Sampler:
@@ -29,7 +34,7 @@ def make_sampler(
         raise ValueError(f"top_k must be >= 0, got {top_k}")
 
     if temp == 0:
-        return lambda logits: mx.argmax(logits, axis=-1).astype(mx.int32)
+        return greedy
 
     key = [mx.random.key(seed)] if seed is not None else None
 

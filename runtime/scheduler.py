@@ -46,7 +46,7 @@ from mlx import nn
 from mlxc.runtime.batch import BatchCache
 from mlxc.runtime.cache import cache_policy, check_kv_limits, enforce_max_kv, trimmable
 from mlxc.runtime.generate import DEFAULT_KV_SINK, prefill_chunks
-from mlxc.runtime.sample import make_sampler
+from mlxc.runtime.sample import greedy, make_sampler
 from mlxc.runtime.tokenizer import StreamingDetokenizer
 
 log = logging.getLogger("mlxc.serve")
@@ -557,7 +557,10 @@ class Scheduler:
         ids = pool[mx.array(index)][:, None]
         logits = self.model(ids, cache=self.pool.batch)
         self.pool.enforce(self.pool.batch)
-        return mx.concatenate([seq.sampler(logits[b : b + 1, -1, :]) for b, seq in enumerate(rows)])
+        last = logits[:, -1, :]
+        if all(seq.sampler is greedy for seq in rows):
+            return greedy(last)  # one argmax for the whole batch
+        return mx.concatenate([seq.sampler(last[b : b + 1]) for b, seq in enumerate(rows)])
 
     def _read_tokens(self, seqs: list[_Sequence], tokens: mx.array) -> None:
         """Hand each sequence its sampled token (one host read); skips ones already ended."""

@@ -134,6 +134,25 @@ def test_seeded_sampling_matches_generate_tokens(model, make_scheduler):
     assert out.result()[0] == want
 
 
+def test_greedy_and_sampled_rows_in_one_batch_match_alone(model, make_scheduler):
+    """Rows of one decode batch keep their own samplers (and seeded random streams)."""
+    ids = [prompt(30), prompt(17, start=3), prompt(24, start=5)]
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=20, seed=11)
+    wants = [
+        expected(model, ids[0], 12),
+        expected(model, ids[1], 12, sampler=make_sampler(temp=0.8, top_p=0.9, top_k=20, seed=11)),
+        expected(model, ids[2], 12),
+    ]
+    s = make_scheduler(max_concurrency=3)
+    outs = [Collector() for _ in ids]
+    for prompt_ids, params, out in zip(
+        ids, [SamplingParams(max_tokens=12), sampled, SamplingParams(max_tokens=12)], outs
+    ):
+        s.submit(prompt_ids, params, out)
+    for want, out in zip(wants, outs):
+        assert out.result()[0] == want
+
+
 def test_eos_stops_and_is_not_emitted(model, make_scheduler):
     ids = prompt(20)
     free = expected(model, ids, 10)
