@@ -2,11 +2,14 @@
 
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from mlxc.cli import main
 from mlxc.compiler import build, lint
+from mlxc.runtime.batch import BatchKVCache, BatchPositions
 from mlxc.runtime.masks import MaskWidthError
 from mlxc.verify import VerifyError, load_source, verify_module
 
@@ -53,3 +56,28 @@ def test_verify_catches_a_cache_that_loses_keys_before_any_trim():
     )
     with pytest.raises((VerifyError, MaskWidthError)):
         verify_module("qwen2", load_source("qwen2_broken", broken), spec.tiny_config)
+
+
+def test_verify_catches_a_batch_row_that_sees_other_rows_pads_or_trimmed_keys(monkeypatch):
+    """The batched-decode check fails when rows attend to every column of the shared buffer."""
+    spec, source = _spec("qwen3")
+    monkeypatch.setattr(
+        BatchKVCache, "_valid", lambda self: np.ones((len(self.pad), self.width), bool)
+    )
+    with pytest.raises(VerifyError, match="batched decode differs"):
+        verify_module("qwen3", load_source("qwen3_batch", source), spec.tiny_config)
+
+
+def test_verify_catches_batch_positions_without_the_rows_mrope_deltas(monkeypatch):
+    """An image row's MRoPE positions run behind its offset by its rope delta; forget it and
+    the batched row no longer matches the row decoded alone."""
+    spec, source = _spec("qwen2_vl")
+
+    def no_deltas(self, input_ids, offset):
+        positions = offset[:, None] + mx.arange(input_ids.shape[1])[None, :]
+        return mx.broadcast_to(positions, (3, *positions.shape))
+
+    monkeypatch.setattr(BatchPositions, "__call__", no_deltas)
+    module = load_source("qwen2_vl_batch", source)
+    with pytest.raises(VerifyError, match="batched decode differs"):
+        verify_module("qwen2_vl", module, spec.tiny_config, spec.vision.image_token)
