@@ -322,7 +322,7 @@ class Scheduler:
         self._inflight: tuple[list[_Sequence], mx.array] | None = None
         self._ids = itertools.count(1)
         self._counts = dict.fromkeys(("completed", "failed", "cancelled", "rejected"), 0)
-        self._snapshot = {"running": 0, "pool_sequences": 0, "pool_bytes": 0}
+        self._snapshot = {"running": 0, "pool_sequences": 0, "pool_batched": 0, "pool_bytes": 0}
         self._thread: threading.Thread | None = None
 
     # --- any thread ---------------------------------------------------------------------------
@@ -417,6 +417,7 @@ class Scheduler:
                 "max_queue": self.max_queue,
                 "pool": {
                     "sequences": self._snapshot["pool_sequences"],
+                    "batched": self._snapshot["pool_batched"],  # rows of the decode batch
                     "bytes": self._snapshot["pool_bytes"],
                     "peak_bytes": self.pool.peak_bytes,
                     "max_kv_size": self.pool.max_kv_size,
@@ -679,6 +680,7 @@ class Scheduler:
         snapshot = {
             "running": len(self._running),
             "pool_sequences": len(self.pool),
+            "pool_batched": len(self.pool.batch_keys),
             "pool_bytes": self.pool.nbytes(),
         }
         with self._cond:

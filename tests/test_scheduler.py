@@ -220,8 +220,14 @@ def test_scheduler_decodes_its_sequences_in_one_forward(model, make_scheduler):
     outs = [Collector() for _ in jobs]
     for (ids, k), out in zip(jobs, outs):
         s.submit(ids, SamplingParams(max_tokens=k, ignore_eos=True), out)
+    seen_batched, deadline = 0, time.monotonic() + 60  # a deadline, not a timing assertion
+    while seen_batched < 2 and time.monotonic() < deadline:
+        seen_batched = max(seen_batched, s.stats()["pool"]["batched"])
+        time.sleep(0.001)
     for want, out in zip(wants, outs):
         assert out.result()[0] == want
+    assert seen_batched >= 2  # /health shows the rows decoding in the batch
+    assert wait_idle(s)["pool"]["batched"] == 0
     assert max(rec.calls) == len(jobs)  # all four decoded together
     decode_tokens = sum(k for _, k in jobs) - len(jobs)  # the first token comes from prefill
     assert sum(b for b in rec.calls if b > 1) >= decode_tokens // 2
