@@ -6,7 +6,7 @@ samples the caches' live bytes, their allocated buffer bytes and MLX's active me
 N/4 tokens. Flat means: once the window is full, allocated KV bytes and active memory stop
 growing::
 
-    python -m bench.kv_resident --arch llama --size small --max-kv-size 256 --out bench/results/kv-cpu
+    python -m bench.kv_resident --arch llama --max-kv-size 256 --out bench/results/kv-cpu
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="write OUT.json and OUT.md")
     args = p.parse_args(argv)
 
-    from mlxc import load_model  # first: on a Linux CPU it loads an optimised BLAS before MLX
+    # mlxc first: on a Linux CPU it loads an optimised BLAS before MLX is imported.
+    from mlxc import load_model  # noqa: I001
 
-    import mlx.core as mx  # noqa: I001
+    import mlx.core as mx
 
     from bench import models
     from mlxc.runtime.generate import generate_tokens

@@ -467,7 +467,10 @@ def capacity_sweep(model, prompt_ids, capacities, dtype, n):
 
 def table(headers, rows):
     widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
-    line = lambda r: "| " + " | ".join(str(x).ljust(w) for x, w in zip(r, widths)) + " |"
+
+    def line(r):
+        return "| " + " | ".join(str(x).ljust(w) for x, w in zip(r, widths)) + " |"
+
     return "\n".join(
         [line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
         + [line(r) for r in rows]

@@ -85,7 +85,7 @@ class BatchKVCache:
     def update_and_fetch(
         self, keys: mx.array, values: mx.array | None = None
     ) -> tuple[mx.array, mx.array | None]:
-        """Append ``keys``/``values`` ``[B, H, L, D]`` to every row; return all ``width`` columns."""
+        """Append ``keys``/``values`` ``[B, H, L, D]`` to every row; return all the columns."""
         n_new = keys.shape[2]
         end = self.width + n_new
         if end > self.keys.shape[2]:
@@ -150,23 +150,24 @@ class BatchKVCache:
         lives = np.array([c.live_len for c in caches], np.int64)
         width = max(self.width, int(lives.max()))
         capacity = _capacity(width + 1)
-        rows = [] if self.keys is None else [self._rows(self.keys, width, capacity)]
-        rows += [_right_aligned(c.keys, c.live_len, width, capacity) for c in caches]
-        self.keys = mx.concatenate(rows)
+
+        def joined(mine: mx.array | None, theirs: list[mx.array]) -> mx.array:
+            # Existing rows shift right by the growth of the width; new rows end with them.
+            parts = [] if mine is None else [_right_aligned(mine, self.width, width, capacity)]
+            parts += [
+                _right_aligned(t, c.live_len, width, capacity) for t, c in zip(theirs, caches)
+            ]
+            return mx.concatenate(parts)
+
+        self.keys = joined(self.keys, [c.keys for c in caches])
         if caches[0].values is not None:
-            rows = [] if self.values is None else [self._rows(self.values, width, capacity)]
-            rows += [_right_aligned(c.values, c.live_len, width, capacity) for c in caches]
-            self.values = mx.concatenate(rows)
+            self.values = joined(self.values, [c.values for c in caches])
         self.pad = np.concatenate([self.pad + (width - self.width), width - lives])
         self.width = width
         self.offsets = np.concatenate([self.offsets, [c.offset for c in caches]])
         self.sink = np.concatenate([self.sink, [c.sink for c in caches]])
         self.gap = np.concatenate([self.gap, np.zeros(len(caches), np.int64)])
         self.trimmed = np.concatenate([self.trimmed, [c.live_start > 0 for c in caches]])
-
-    def _rows(self, buffer: mx.array, width: int, capacity: int) -> mx.array:
-        # The existing rows, shifted right by the growth of the width, in a new capacity.
-        return _right_aligned(buffer, self.width, width, capacity)
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only ``rows`` (in that order), then compact if every row wastes ``step``."""
@@ -250,10 +251,6 @@ class BatchCache(SequenceCache):
             return False
         state = getattr(caches, "rope_state", None)
         return state is None or (state.grids is None and state.left_padding is None)
-
-    @property
-    def rows(self) -> int:
-        return len(self[0].offsets)
 
     def extend(self, sequences: list[list[KVCache]]) -> None:
         """Add each sequence's caches as a new row (see ``accepts``)."""

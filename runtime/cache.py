@@ -126,6 +126,12 @@ def check_kv_limits(max_kv_size: int | None, kv_sink: int) -> None:
         raise ValueError(f"max_kv_size ({max_kv_size}) must be larger than kv_sink ({kv_sink})")
 
 
+def cache_arrays(caches: list) -> list[mx.array]:
+    """Every array the caches hold: what to evaluate after a prefill chunk whose logits nobody
+    reads (works for model-owned state too)."""
+    return [v for c in caches for v in vars(c).values() if isinstance(v, mx.array)]
+
+
 def cache_policy(model: Any) -> str:
     """The generated module's ``CACHE_POLICY`` ("pooled-kv" when it declares none)."""
     module = sys.modules.get(type(model).__module__)

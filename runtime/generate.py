@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 import mlx.core as mx
 from mlx import nn
 
-from mlxc.runtime.cache import check_kv_limits, enforce_max_kv
+from mlxc.runtime.cache import cache_arrays, check_kv_limits, enforce_max_kv
 from mlxc.runtime.cache import trimmable as caches_to_trim
 from mlxc.runtime.sample import Sampler, make_sampler
 
@@ -40,10 +40,6 @@ def prefill_chunks(n_tokens: int, chunk_size: int) -> list[tuple[int, int]]:
         start = n_tokens - 1
     bounds.append((start, n_tokens))
     return bounds
-
-
-def _cache_arrays(cache: list) -> list[mx.array]:
-    return [v for c in cache for v in vars(c).values() if isinstance(v, mx.array)]
 
 
 def generate_tokens(
@@ -107,7 +103,7 @@ def generate_tokens(
     *body, (start, end) = prefill_chunks(len(prompt_ids), prefill_chunk_size)
     for a, b in body:
         forward(prompt[:, a:b])
-        mx.eval(_cache_arrays(cache))
+        mx.eval(cache_arrays(cache))
 
     # The last chunk's final logits give the first token. Each next step is queued with
     # async_eval before the current token is read, so the device never waits on the host.

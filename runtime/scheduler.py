@@ -44,7 +44,13 @@ import numpy as np
 from mlx import nn
 
 from mlxc.runtime.batch import BatchCache
-from mlxc.runtime.cache import cache_policy, check_kv_limits, enforce_max_kv, trimmable
+from mlxc.runtime.cache import (
+    cache_arrays,
+    cache_policy,
+    check_kv_limits,
+    enforce_max_kv,
+    trimmable,
+)
 from mlxc.runtime.generate import DEFAULT_KV_SINK, prefill_chunks
 from mlxc.runtime.sample import greedy, make_sampler
 from mlxc.runtime.tokenizer import StreamingDetokenizer
@@ -175,11 +181,7 @@ def _cache_nbytes(cache: Any) -> int:
     if hasattr(cache, "nbytes"):
         return int(cache.nbytes)
     # Model-owned state without accounting of its own: count the arrays it holds.
-    return sum(v.nbytes for v in vars(cache).values() if isinstance(v, mx.array))
-
-
-def _cache_arrays(caches: list) -> list[mx.array]:
-    return [v for c in caches for v in vars(c).values() if isinstance(v, mx.array)]
+    return sum(a.nbytes for a in cache_arrays([cache]))
 
 
 class CachePool:
@@ -228,10 +230,10 @@ class CachePool:
     def release(self, key: str) -> None:
         self._caches.pop(key, None)
         if key in self.batch_keys:
-            row = self.batch_keys.index(key)
-            del self.batch_keys[row]
-            if self.batch_keys:
-                self.batch.keep_rows([b for b in range(len(self.batch_keys) + 1) if b != row])
+            kept = [b for b, k in enumerate(self.batch_keys) if k != key]
+            self.batch_keys.remove(key)
+            if kept:
+                self.batch.keep_rows(kept)
             else:
                 self.batch = None
 
@@ -548,14 +550,14 @@ class Scheduler:
         A row's input is its token in ``previous`` (the step in flight, not read yet) or, for a
         row that joined since, its first token, read when its prefill ended.
         """
-        carried = {} if previous is None else {id(s): i for i, s in enumerate(previous[0])}
-        joined = [seq for seq in rows if id(seq) not in carried]
-        first = mx.array([seq.last_token for seq in joined], dtype=mx.int32)
-        pool = first if previous is None else mx.concatenate([previous[1], first])
-        start = len(carried)
-        index = [carried.get(id(seq)) for seq in rows]
-        index = [start + joined.index(seq) if i is None else i for i, seq in zip(index, rows)]
-        ids = pool[mx.array(index)][:, None]
+        carried, pending = ([], None) if previous is None else previous
+        where = {id(seq): i for i, seq in enumerate(carried)}  # row -> index into `inputs`
+        joined = [seq for seq in rows if id(seq) not in where]
+        where |= {id(seq): len(carried) + j for j, seq in enumerate(joined)}
+        inputs = mx.array([seq.last_token for seq in joined], dtype=mx.int32)
+        if pending is not None:
+            inputs = mx.concatenate([pending, inputs])
+        ids = inputs[mx.array([where[id(seq)] for seq in rows])][:, None]
         logits = self.model(ids, cache=self.pool.batch)
         self.pool.enforce(self.pool.batch)
         last = logits[:, -1, :]
@@ -605,7 +607,7 @@ class Scheduler:
             if end < len(prompt):
                 self._forward(seq, prompt[start:end])
                 seq.prefilled = end
-                return _cache_arrays(seq.caches), None
+                return cache_arrays(seq.caches), None
             logits = self._forward(seq, prompt[start:end], last_only=True)
             seq.prefilled = end
         else:
