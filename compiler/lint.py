@@ -411,7 +411,15 @@ def check_source(text: str, path: str) -> Checked:
 
 
 def check_file(path: FsPath) -> Checked:
-    return check_source(path.read_text(encoding="utf-8"), str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raw = path.read_bytes()
+        line = raw.count(b"\n", 0, err.start) + 1
+        col = err.start - raw.rfind(b"\n", 0, err.start)
+        finding = Finding(str(path), line, col, "Y001", f"not UTF-8 text ({err.reason})")
+        return Checked(str(path), None, Positions(), [finding], "")
+    return check_source(text, str(path))
 
 
 class UnusableInput(Exception):
