@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,18 +26,40 @@ def spec_label(path: str) -> str:
 
 
 def render(paths: list[str]) -> BuildResult:
-    """Lint and render; ``files`` is empty when there are findings."""
+    """Lint, render and compile; ``files`` is empty when there are findings."""
     checked = lint.check_all(paths)
     findings = [f for c in checked for f in c.findings]
     if findings:
         return BuildResult(findings, {})
     files: dict[str, str] = {"__init__.py": codegen.render_package_init()}
+    origins: dict[str, str] = {}  # model file -> its spec, where a compile error is reported
     registry: list[tuple[str, str]] = []
     for c in checked:
-        files[f"{c.spec.name}.py"] = codegen.render_model(c.spec, c.source, spec_label(c.path))
+        name = f"{c.spec.name}.py"
+        files[name] = codegen.render_model(c.spec, c.source, spec_label(c.path))
+        origins[name] = c.path
         registry += [(key, c.spec.name) for key in c.spec.serves.registry_keys()]
     files["registry.py"] = codegen.render_registry(registry)
-    return BuildResult([], files)
+    findings = [
+        Finding(origins.get(name, name), 1, 1, "C001", f"generated {name} does not compile: {err}")
+        for name, err in _compile_errors(files).items()
+    ]
+    return BuildResult(findings, {} if findings else files)
+
+
+def _compile_errors(files: dict[str, str]) -> dict[str, str]:
+    """Compile every file (warnings are errors): the last guard before anything is written."""
+    errors = {}
+    for name, content in files.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # e.g. an invalid escape sequence
+            try:
+                compile(content, name, "exec", dont_inherit=True)
+            except SyntaxError as err:
+                errors[name] = f"{err.msg} (its line {err.lineno}); this is an mlxc bug"
+            except ValueError as err:  # a NUL byte
+                errors[name] = f"{err}; this is an mlxc bug"
+    return errors
 
 
 def _is_generated(path: Path) -> bool:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import math
+import textwrap
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,21 +40,55 @@ _PY_TYPES = {
 
 
 def pyrepr(value) -> str:
-    """Python literal as ruff-format writes it: double quotes, raw strings for regexes."""
+    """Python source that evaluates to exactly ``value``, as ruff format writes it.
+
+    Every value a spec puts into generated code comes through here (or ``pydocstring``), so no
+    text of the spec is ever code. ``value`` is plain YAML data.
+    """
     if isinstance(value, str):
-        if "\\" in value and '"' not in value and not value.endswith("\\"):
-            return f'r"{value}"'
-        body = repr(value)[1:-1] if value.count("'") == 0 else repr(value)[1:-1].replace("\\'", "'")
-        return '"' + body.replace('"', '\\"') + '"'
-    if isinstance(value, (list, tuple)):
-        return (
-            pytuple(value)
-            if isinstance(value, tuple)
-            else "[" + ", ".join(map(pyrepr, value)) + "]"
-        )
+        return _pystr(value)
+    if isinstance(value, tuple):
+        return pytuple(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(map(pyrepr, value)) + "]"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{pyrepr(k)}: {pyrepr(v)}" for k, v in value.items()) + "}"
-    return repr(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return f'float("{value}")'  # repr would print a bare name: inf, nan
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    raise TypeError(f"no Python literal for a {type(value).__name__}")
+
+
+def _pystr(value: str) -> str:
+    """repr's literal in double quotes; a raw string instead where it reads the same (regexes)."""
+    literal = repr(value)
+    if literal[0] == "'":  # repr uses double quotes only for a value with ' and no "
+        # Inside repr's single quotes ' is escaped and " is bare: swap both for double quotes.
+        literal = '"' + literal[1:-1].replace("\\'", "'").replace('"', '\\"') + '"'
+    raw = f'r"{value}"'
+    if "\\" in value and '"' not in value and value.isprintable() and _reads_as(raw, value):
+        return raw
+    return literal
+
+
+def pydocstring(text: str) -> str:
+    """A docstring for ``text``: triple-quoted (raw, if backslashes need it) where that reads
+    back the same, else pyrepr's one-line string."""
+    if all(c == "\n" or c.isprintable() for c in text):
+        for literal in (f'"""{text}"""', f'r"""{text}"""'):
+            if _reads_as(literal, text):
+                return literal
+    return pyrepr(text)
+
+
+def _reads_as(literal: str, value: str) -> bool:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an invalid escape warns: it does not read the same
+        try:
+            return ast.literal_eval(literal) == value
+        except (SyntaxError, ValueError):
+            return False
 
 
 def pytuple(items) -> str:
@@ -133,10 +170,11 @@ class _Gen:
 
     def py(self, value, args: str = "args", layer: bool = True) -> str:
         """Compile a literal or expression to Python; note which helpers it needs."""
-        if isinstance(value, str):
-            called = {n.func.id for n in _calls(value)}
-            self.uses_math |= bool(called & {"ceil", "floor"})
-            self.uses_round_up |= "round_up" in called
+        if not isinstance(value, str):
+            return pyrepr(value)
+        called = {n.func.id for n in _calls(value)}
+        self.uses_math |= bool(called & {"ceil", "floor"})
+        self.uses_round_up |= "round_up" in called
         scope = self.layer_scope if layer else self.param_scope
         return expr.to_python(value, scope, args=args)
 
@@ -387,6 +425,23 @@ def format_source(source: str) -> str:
     return "\n".join(out)
 
 
+def module_doc(spec: schema.Spec) -> str:
+    """The generated module's docstring text: the spec's doc, wrapped, and what it serves."""
+    doc = "\n".join(
+        "\n".join(textwrap.wrap(line, 96, expand_tabs=False, replace_whitespace=False))
+        for line in spec.doc.splitlines()
+    )
+    serves = ", ".join(spec.serves.model_types)
+    if spec.serves.architectures:
+        serves += f" ({', '.join(spec.serves.architectures)})"
+    return f"{spec.name}: model compiled from its spec.\n\n{doc}\n\nServes model_type {serves}.\n"
+
+
+def comment_text(text: str) -> str:
+    """``text`` for a ``#`` comment: a line break in it would start a line of code."""
+    return text if text.isprintable() else ascii(text)
+
+
 def spec_hash(source: str) -> str:
     return hashlib.sha256(source.encode("utf-8")).hexdigest()[:16]
 
@@ -421,7 +476,8 @@ def render_model(spec: schema.Spec, source: str, spec_label: str) -> str:
         "mrope": mrope,
         "deepstack": layers.deepstack,
         "spec": spec,
-        "spec_label": spec_label,
+        "spec_label": comment_text(spec_label),
+        "docstring": pydocstring(module_doc(spec)),
         "hash": spec_hash(source),
         "params": gen.params(),
         "layer_fields": gen.layer_fields(),

@@ -120,9 +120,7 @@ class _Rewrite(ast.NodeTransformer):
         return node
 
 
-def to_python(value, scope: Scope, args: str = "args", layer_args: str = "layer_args") -> str:
-    """Python source for a literal or an expression, names resolved into ``args``/``layer_args``."""
-    if not isinstance(value, str):
-        return repr(value)
-    tree = _Rewrite(scope, args, layer_args).visit(parse(value))
+def to_python(text: str, scope: Scope, args: str = "args", layer_args: str = "layer_args") -> str:
+    """Python source for an expression, names resolved into ``args``/``layer_args``."""
+    tree = _Rewrite(scope, args, layer_args).visit(parse(text))
     return ast.unparse(tree)

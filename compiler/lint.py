@@ -65,10 +65,9 @@ def _resolve(data, loc) -> tuple[tuple, bool]:
     path: list = []
     node = data
     for part in loc:
-        if isinstance(node, dict) and part in node:
-            path.append(part)
-            node = node[part]
-        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+        if (isinstance(node, dict) and part in node) or (
+            isinstance(node, list) and isinstance(part, int) and part < len(node)
+        ):
             path.append(part)
             node = node[part]
         elif isinstance(part, str) and part.startswith("list["):
@@ -118,7 +117,9 @@ def _schema_findings(data, rep: _Reporter) -> schema.Spec | None:
         if not relevant:
             continue
         kind = e["type"]
-        if kind == "extra_forbidden":
+        if e["loc"][-1:] == ("[key]",):  # a mapping key: a param or layer-field name
+            rep.at_key(path[:-1], "S003", _message(e))
+        elif kind == "extra_forbidden":
             rep.at_key(path, "S001", f"unknown field '{path[-1]}'")
         elif kind == "missing":
             parent = path[:-1]
@@ -134,13 +135,19 @@ def _schema_findings(data, rep: _Reporter) -> schema.Spec | None:
         elif kind in _TYPE_WORDS:
             type_errors.setdefault(path, []).append(_TYPE_WORDS[kind])
         else:
-            rep.at_value(path, "S003", f"{e['msg'].rstrip('.')}")
+            rep.at_value(path, "S003", _message(e))
     for path, words in type_errors.items():
         expected = " or ".join(dict.fromkeys(words))
         got = _describe(_get(data, path))
         name = f"'{path[-1]}' " if path and isinstance(path[-1], str) else ""
         rep.at_value(path, "S003", f"{name}must be {expected}, got {got}")
     return None
+
+
+def _message(error: dict) -> str:
+    if error["type"] == "value_error":  # our own validators: their text, without pydantic's prefix
+        return str(error["ctx"]["error"])
+    return error["msg"].rstrip(".")
 
 
 def _get(data, path):

@@ -8,13 +8,28 @@ are checked by ``compiler/lint.py`` (not here) so that their findings carry our 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+import keyword
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-IntExpr = Union[int, str]
-FloatExpr = Union[float, int, str]
-BoolExpr = Union[bool, str]
+IntExpr = int | str
+FloatExpr = float | int | str
+BoolExpr = bool | str
+
+
+def _python_name(name: str) -> str:
+    # Param and layer-field names are emitted as Python names in generated code; anything else
+    # there would be code (`__import__("os")...`), so this is the one check that keeps it out.
+    if not (name.isascii() and name.isidentifier()) or keyword.iskeyword(name):
+        raise ValueError(
+            f"{name!r} is not a Python name (ASCII letters, digits and _, not a keyword): "
+            "it names an attribute of the generated code"
+        )
+    return name
+
+
+Name = Annotated[str, AfterValidator(_python_name)]
 
 MONOTONIC = "monotonic-position"
 LIVE_WINDOW = "live-window"
@@ -70,7 +85,7 @@ class Norm(Strict):
 class RopeRef(Strict):
     """Which rope param an attention block applies, and how."""
 
-    param: str  # name of a param of type rope
+    param: Name  # name of a param of type rope
     traditional: BoolExpr = False  # interleaved pairs (GPT-J style) instead of split halves
     dims: IntExpr | None = None  # rotate only the first `dims` features (default: all)
     mrope: Literal["chunked", "interleaved"] | None = None  # multimodal sections (Qwen VL)
@@ -129,9 +144,7 @@ class NoAttention(_Block):
     inputs: dict[str, Any] = {}
 
 
-AttentionBlock = Annotated[
-    Union[GQA, MLA, LinearAttention, NoAttention], Field(discriminator="kind")
-]
+AttentionBlock = Annotated[GQA | MLA | LinearAttention | NoAttention, Field(discriminator="kind")]
 
 
 class SwiGLU(_Block):
@@ -167,15 +180,15 @@ class MoE(_Block):
     shared_experts_hidden: IntExpr = 0  # 0: no shared experts
 
 
-MLPBlock = Annotated[Union[SwiGLU, LinearMLP, NoMLP, MoE], Field(discriminator="kind")]
+MLPBlock = Annotated[SwiGLU | LinearMLP | NoMLP | MoE, Field(discriminator="kind")]
 
 
 class Layers(Strict):
     """The decoder stack: ``repeat`` identical layers, or one layer per entry of ``for_each``."""
 
     repeat: IntExpr | None = None
-    for_each: str | None = None  # a list param, e.g. nemotron_nas block_configs
-    fields: dict[str, LayerField] = {}
+    for_each: Name | None = None  # a list param, e.g. nemotron_nas block_configs
+    fields: dict[Name, LayerField] = {}
     norm: Norm  # pre-norm of each residual branch
     attention: AttentionBlock | list[AttentionBlock]
     mlp: MLPBlock | list[MLPBlock]
@@ -207,7 +220,7 @@ class Vision(Strict):
     """
 
     tower: Literal["qwen2_vit", "qwen2_5_vit", "qwen3_vit", "pixtral"]
-    image_token: str  # param holding the image placeholder token id
+    image_token: Name  # param holding the image placeholder token id
 
 
 class Rename(Strict):
@@ -234,11 +247,11 @@ class Serves(Strict):
 
 
 class Spec(Strict):
-    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    name: Name = Field(pattern=r"^[a-z][a-z0-9_]*$")  # the generated module's name
     doc: str
     serves: Serves
     cache: Literal["pooled-kv", "model-owned"] = "pooled-kv"
-    params: dict[str, Param]
+    params: dict[Name, Param]
     text: TextModel
     vision: Vision | None = None
     weights: Weights = Weights()
