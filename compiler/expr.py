@@ -40,13 +40,29 @@ class ExprError(ValueError):
         self.col = col
 
 
+NUMBER_TYPES = ("int", "float", "bool")  # param and field types that arithmetic may use
+
+# Evaluation must stay bounded, and it runs in generated code on config.json values, whose ints
+# Python caps at 4300 digits. A number grows only by multiplying, so every subexpression's
+# *degree* (the factors it multiplies; ``x ** 3`` is three) is bounded, which needs exponents to
+# be literals. Arithmetic takes numbers only: ``[0] * n`` or ``"%09999d" % 1`` would size a value
+# by a number's value, not by its digits.
+MAX_DEGREE = 64
+MAX_INT_LITERAL = 2**64
+
+
 @dataclass(frozen=True)
 class Scope:
-    """Names an expression may use: params (``args.``) and per-layer fields (``layer_args.``)."""
+    """Names an expression may use: params (``args.``) and per-layer fields (``layer_args.``).
+
+    ``numbers``: those of them that hold numbers (types int, float, bool), the only names
+    arithmetic may use; ``layer_idx`` is one too.
+    """
 
     params: frozenset[str]
     fields: frozenset[str] = frozenset()
     layer_idx: bool = False
+    numbers: frozenset[str] = frozenset()
 
     def known(self) -> list[str]:
         extra = ["layer_idx"] if self.layer_idx else []
@@ -99,6 +115,88 @@ def check(text: str, scope: Scope) -> None:
             continue
         known = ", ".join(scope.known()) or "none"
         raise ExprError("P001", f"undefined name '{name}' (defined here: {known})", col)
+    _size(tree.body, scope)
+
+
+def _size(node: ast.AST, scope: Scope) -> tuple[float, bool]:
+    """(degree, whether it is a number) of ``node``; ExprError where either is unbounded."""
+    if isinstance(node, ast.Constant):
+        if isinstance(node.value, int) and abs(node.value) > MAX_INT_LITERAL:
+            raise ExprError("P002", "integer literal larger than 2**64", node.col_offset)
+        return 1, isinstance(node.value, (int, float, complex))
+    if isinstance(node, ast.Name):
+        return 1, node.id in scope.numbers or (node.id == "layer_idx" and scope.layer_idx)
+    if isinstance(node, ast.BinOp):
+        if isinstance(node.op, ast.Pow):
+            exponent = _number_literal(node.right)
+            if exponent is None or abs(exponent) > MAX_DEGREE:
+                raise ExprError(
+                    "P002",
+                    f"the exponent of ** must be a number literal (at most {MAX_DEGREE}), "
+                    "so that the value stays bounded",
+                    node.right.col_offset,
+                )
+        (left, _), (right, _) = _number(node.left, scope), _number(node.right, scope)
+        if isinstance(node.op, ast.Pow):
+            degree = left * max(abs(exponent), 1)
+        elif isinstance(node.op, ast.Mult):
+            degree = left + right
+        else:
+            degree = max(left, right)  # + - / // %: no more digits than the larger operand
+        if degree > MAX_DEGREE:
+            raise ExprError(
+                "P002",
+                f"'{ast.unparse(node)}' may grow too large to evaluate: it multiplies up to "
+                f"{degree:g} factors (at most {MAX_DEGREE}; x ** n counts n)",
+                node.col_offset,
+            )
+        return degree, True
+    if isinstance(node, ast.UnaryOp) and not isinstance(node.op, ast.Not):
+        return _number(node.operand, scope)
+    if isinstance(node, ast.Call):
+        sizes = [_size(arg, scope) for arg in node.args]
+        degree = max((d for d, _ in sizes), default=1)
+        if node.func.id in ("min", "max"):  # one of their arguments
+            return degree, all(number for _, number in sizes)
+        return (1 if node.func.id == "len" else degree), True
+    if isinstance(node, (ast.IfExp, ast.BoolOp)):  # one of their operands
+        if isinstance(node, ast.IfExp):
+            _size(node.test, scope)
+        values = [node.body, node.orelse] if isinstance(node, ast.IfExp) else node.values
+        sizes = [_size(value, scope) for value in values]
+        return max(d for d, _ in sizes), all(number for _, number in sizes)
+    # `not`, comparisons (true or false), lists and tuples (not numbers): bound their parts
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.expr):
+            _size(child, scope)
+    return 1, isinstance(node, (ast.UnaryOp, ast.Compare))
+
+
+def _number(node: ast.AST, scope: Scope) -> tuple[float, bool]:
+    """_size of an arithmetic operand, which must be a number."""
+    degree, number = _size(node, scope)
+    if not number:
+        if isinstance(node, ast.Constant):
+            what = f"a {type(node.value).__name__}"
+        elif isinstance(node, (ast.List, ast.Tuple)):
+            what = f"a {type(node).__name__.lower()}"
+        else:
+            what = f"'{ast.unparse(node)}'"
+        raise ExprError(
+            "P002",
+            f"arithmetic takes numbers, not {what} (number literals, and params and fields of "
+            "type int, float or bool)",
+            node.col_offset,
+        )
+    return degree, True
+
+
+def _number_literal(node: ast.AST) -> float | None:
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        node = node.operand
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    return None
 
 
 class _Rewrite(ast.NodeTransformer):

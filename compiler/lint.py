@@ -363,7 +363,8 @@ def _param_order(spec: schema.Spec, rep: _Reporter) -> list[str]:
 
 def _semantic_findings(spec: schema.Spec, rep: _Reporter) -> None:
     params = frozenset(spec.params)
-    param_scope = expr.Scope(params)
+    numbers = {n for n, p in spec.params.items() if p.type in expr.NUMBER_TYPES}
+    param_scope = expr.Scope(params, numbers=frozenset(numbers))
     for name, p in spec.params.items():
         if isinstance(p.default, str) and p.type not in ("str", "any"):
             _check_expr(p.default, param_scope, ("params", name, "default"), rep)
@@ -379,7 +380,11 @@ def _semantic_findings(spec: schema.Spec, rep: _Reporter) -> None:
         p = spec.params.get(layers.for_each)
         if p is None or p.type != "list":
             rep.at_value(lbase + ("for_each",), "P001", f"'{layers.for_each}' is not a list param")
-    layer_scope = expr.Scope(params, frozenset(layers.fields), layer_idx=True)
+    fields = frozenset(layers.fields)
+    numbers = (numbers - fields) | {
+        n for n, f in layers.fields.items() if f.type in expr.NUMBER_TYPES
+    }
+    layer_scope = expr.Scope(params, fields, layer_idx=True, numbers=frozenset(numbers))
 
     for path, text in _walk_exprs(spec.text, ("text",)):
         in_layers = path[:2] == lbase and path[2:3] != ("repeat",)
