@@ -19,12 +19,12 @@ BoolExpr = bool | str
 
 
 def _python_name(name: str) -> str:
-    # Param and layer-field names are emitted as Python names in generated code; anything else
-    # there would be code (`__import__("os")...`), so this is the one check that keeps it out.
+    # Param and layer-field names (and the params other fields name) are emitted as names in
+    # generated code; anything else there would be code (`__import__("os")...`).
     if not (name.isascii() and name.isidentifier()) or keyword.iskeyword(name):
         raise ValueError(
-            f"{name!r} is not a Python name (ASCII letters, digits and _, not a keyword): "
-            "it names an attribute of the generated code"
+            f"{name!r} is not a Python name (ASCII letters, digits and _, not starting with a "
+            "digit, not a keyword): the generated code uses it as one"
         )
     return name
 
