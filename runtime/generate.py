@@ -7,9 +7,11 @@ live tokens (keeping ``kv_sink`` sink tokens at the front).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx import nn
 
 from mlxc.runtime.cache import cache_arrays, check_kv_limits, enforce_max_kv
@@ -19,6 +21,15 @@ from mlxc.runtime.sample import Sampler, make_sampler
 # StreamingLLM (Xiao et al., 2023) found that a few initial tokens soak up attention mass
 # ("attention sinks"); evicting them degrades a sliding window sharply, keeping 4 restores it.
 DEFAULT_KV_SINK = 4
+
+
+def as_model_inputs(inputs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Model keyword inputs with numpy arrays made MLX arrays, other values as they are.
+
+    Prompts are built (``runtime.processor``) where MLX must not be touched, so their vision
+    inputs are numpy; call this on the thread that runs the model.
+    """
+    return {k: mx.array(v) if isinstance(v, np.ndarray) else v for k, v in (inputs or {}).items()}
 
 
 def prefill_chunks(n_tokens: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -53,7 +64,7 @@ def generate_tokens(
     kv_sink: int = DEFAULT_KV_SINK,
     eos_token_ids: Iterable[int] = (),
     cache: list | None = None,
-    vision_inputs: dict[str, mx.array] | None = None,
+    vision_inputs: Mapping[str, Any] | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids one at a time (EOS is not yielded).
 
@@ -69,9 +80,9 @@ def generate_tokens(
     when one stopped the run).
 
     ``vision_inputs``: keyword arguments of the model's image inputs for this prompt (e.g.
-    ``pixel_values`` and ``image_grid_thw`` or ``image_sizes``, as ``runtime.processor`` makes
-    them); passed with the first prefill chunk only, later chunks use the features the model
-    keeps on the cache.
+    ``pixel_values`` and ``image_grid_thw`` or ``image_sizes``, numpy as ``runtime.processor``
+    makes them, or MLX arrays); passed with the first prefill chunk only, later chunks use the
+    features the model keeps on the cache.
     """
     if not prompt_ids:
         raise ValueError("the prompt is empty: generation needs at least one token")
@@ -86,7 +97,7 @@ def generate_tokens(
     eos = set(eos_token_ids)
     cache = model.make_cache() if cache is None else cache
     trimmable = caches_to_trim(model, cache)
-    first_chunk_inputs = dict(vision_inputs or {})
+    first_chunk_inputs = as_model_inputs(vision_inputs)
 
     def forward(ids: mx.array, **kwargs) -> mx.array:
         nonlocal first_chunk_inputs

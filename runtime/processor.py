@@ -18,12 +18,14 @@
 Messages are chat messages whose ``content`` is a string or a list of OpenAI-style parts:
 ``{"type": "text", "text": ...}`` and image placeholders ``{"type": "image"}`` /
 ``{"type": "image_url", ...}`` / ``{"type": "input_image", ...}``; the caller decodes the images
-(:func:`load_image`) and passes them in placeholder order. The chat template (the override given
-to ``load_processor``, else the tokenizer's, else the checkpoint's processor template
-``chat_template.json`` / ``chat_template.jinja``) renders image parts as the model's placeholder;
-without any template the placeholders go before each message's text.
+(:func:`load_image`; :func:`image_size` reads only the header) and passes them in placeholder
+order. The chat template (:func:`chat_template_for`) renders image parts as the model's
+placeholder; without any template the placeholders go before each message's text. A template
+that fails raises ``ChatTemplateError`` (a ValueError) naming the template.
 
-No torch here: transformers' image processor runs on numpy and returns numpy arrays.
+No torch and no MLX here: transformers' image processor runs on numpy, and the vision inputs
+stay numpy arrays. Prompts are built on the server's event-loop thread; MLX arrays are made on
+the thread that runs the model (``runtime.generate.as_model_inputs``).
 """
 
 from __future__ import annotations
@@ -31,15 +33,17 @@ from __future__ import annotations
 import io
 import json
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, BinaryIO
 
-import mlx.core as mx
 import numpy as np
 from PIL import Image
+
+from mlxc.runtime.tokenizer import render_chat_template, tokenizer_template_source
 
 QWEN_TOWERS = ("qwen2_vit", "qwen2_5_vit", "qwen3_vit")
 PIXTRAL_TOWERS = ("pixtral",)
@@ -58,22 +62,19 @@ class ImageInputError(ValueError):
 # --- images ---------------------------------------------------------------------------------
 
 
-def load_image(
-    source: str | Path | bytes | BinaryIO, *, max_pixels: int | None = None
-) -> Image.Image:
-    """Open and fully decode one image (a path, raw bytes or a binary file object).
+ImageSource = str | Path | bytes | BinaryIO
 
-    Raises :class:`ImageInputError` when the file is missing or unreadable, is not an image PIL
-    can decode (or is truncated), or has more than ``max_pixels`` pixels (checked from the
-    header, before decoding; None: :data:`MAX_IMAGE_PIXELS`). Animated images give their first
-    frame.
-    """
-    max_pixels = MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
+
+@contextmanager
+def _open_image(source: ImageSource) -> Iterator[tuple[Image.Image, str]]:
+    """The image with only its header read (PIL opens lazily) and its name for messages; PIL's
+    errors become :class:`ImageInputError`. The file is closed on exit."""
     name = str(source) if isinstance(source, str | Path) else "image data"
     if isinstance(source, bytes | bytearray):
         source = io.BytesIO(source)
     try:
-        # Our own limit is checked below; PIL's check (its error above 2x its limit) stays on.
+        # Our own limit is checked by the callers; PIL's check (its error above 2x its limit)
+        # stays on.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(source)
@@ -89,13 +90,39 @@ def load_image(
         raise ImageInputError(f"cannot read image {name}: {e.strerror or e}") from e
     with image:
         width, height = image.size
+        if width < 1 or height < 1:
+            raise ImageInputError(f"image {name} is empty ({width}x{height})")
+        yield image, name
+
+
+def image_size(source: ImageSource) -> tuple[int, int]:
+    """``(width, height)`` of one image from its header, without decoding a pixel (a per-request
+    pixel budget can be checked before any image is decoded).
+
+    Raises :class:`ImageInputError` as :func:`load_image` does for a missing, unreadable or
+    unidentifiable file (and for a header PIL itself refuses, above twice
+    :data:`MAX_IMAGE_PIXELS`). A file object is read from its current position.
+    """
+    with _open_image(source) as (image, _):
+        return image.size
+
+
+def load_image(source: ImageSource, *, max_pixels: int | None = None) -> Image.Image:
+    """Open and fully decode one image (a path, raw bytes or a binary file object).
+
+    Raises :class:`ImageInputError` when the file is missing or unreadable, is not an image PIL
+    can decode (or is truncated), or has more than ``max_pixels`` pixels (checked from the
+    header, before decoding; None: :data:`MAX_IMAGE_PIXELS`). Animated images give their first
+    frame.
+    """
+    max_pixels = MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
+    with _open_image(source) as (image, name):
+        width, height = image.size
         if width * height > max_pixels:
             raise ImageInputError(
                 f"image {name} is too large: {width}x{height} = {width * height} pixels, "
                 f"the limit is {max_pixels}"
             )
-        if width < 1 or height < 1:
-            raise ImageInputError(f"image {name} is empty ({width}x{height})")
         try:
             image.load()
             # A copy owns its pixels: the file is closed and multi-frame images keep frame 0.
@@ -110,10 +137,11 @@ def load_image(
 @dataclass
 class Prompt:
     """Token ids of a prompt (image placeholders expanded) and the model's vision inputs for its
-    first prefill chunk (None without images)."""
+    first prefill chunk (None without images): numpy arrays, made MLX arrays by whoever runs the
+    model (``runtime.generate.as_model_inputs``)."""
 
     ids: list[int]
-    vision: dict[str, mx.array] | None = None
+    vision: dict[str, np.ndarray] | None = None
 
 
 def _is_image_part(part: Any) -> bool:
@@ -161,19 +189,40 @@ def _text_of(content: Any) -> str:
     return "".join(p["text"] for p in content if p.get("type") == "text")
 
 
-def _processor_template(path: Path) -> str | None:
-    """The processor's chat template that some VL checkpoints ship beside the tokenizer."""
+def _processor_template(path: Path) -> tuple[str, str] | None:
+    """The processor's own chat template and its file: chat_template.json, else
+    chat_template.jinja, the order transformers' ``ProcessorMixin.get_processor_dict`` reads
+    them in."""
+    template = _read_json(path / "chat_template.json").get("chat_template")
+    if isinstance(template, str) and template:
+        return template, "chat_template.json"
     jinja = path / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text()
-    legacy = path / "chat_template.json"
-    if legacy.is_file():
-        try:
-            template = json.loads(legacy.read_text()).get("chat_template")
-        except (OSError, ValueError, AttributeError):
-            return None
-        return template if isinstance(template, str) and template else None
+        return jinja.read_text(), "chat_template.jinja"
     return None
+
+
+OVERRIDE_SOURCE = "--chat-template"
+
+
+def chat_template_for(
+    path: str | Path, tokenizer: Any, *, override: str | None = None, vision: bool = False
+) -> tuple[str | None, str]:
+    """The chat template a processor renders with (None: the tokenizer's own) and where it
+    comes from (named in errors).
+
+    ``override`` (``--chat-template``) comes first. A VL processor (``vision``) then takes the
+    processor's template, as transformers' ``AutoProcessor`` does: Qwen2.5-VL ships a text-only
+    template in tokenizer_config.json and the VL one in chat_template.json. A text model takes
+    the tokenizer's (``AutoTokenizer``), the processor's file only when the tokenizer has none.
+    """
+    if override is not None:
+        return override, OVERRIDE_SOURCE
+    if vision or not getattr(tokenizer, "chat_template", None):
+        found = _processor_template(Path(path))
+        if found is not None:
+            return found
+    return None, tokenizer_template_source(tokenizer)
 
 
 class Processor:
@@ -188,9 +237,18 @@ class Processor:
     image_token_id: int | None = None
     takes_images = True
 
-    def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        chat_template: str | None = None,
+        template_source: str | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template  # None: the tokenizer's own
+        # The template's name in errors (None: the tokenizer's file).
+        self.template_source = template_source or (
+            OVERRIDE_SOURCE if chat_template else tokenizer_template_source(tokenizer)
+        )
 
     @property
     def has_chat_template(self) -> bool:
@@ -199,12 +257,14 @@ class Processor:
     # -- text ----------------------------------------------------------------------------
 
     def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
-        """The chat template's text for normalised ``messages``."""
-        return self.tokenizer.apply_chat_template(
-            list(messages),
+        """The chat template's text for normalised ``messages`` (``ChatTemplateError``, a
+        ValueError naming the template, when it fails)."""
+        return render_chat_template(
+            self.tokenizer,
+            messages,
             chat_template=self.chat_template,
+            source=self.template_source,
             add_generation_prompt=add_generation_prompt,
-            tokenize=False,
         )
 
     def _token_ids(
@@ -282,7 +342,7 @@ class Processor:
 
     no_images_reason = "this model takes no images"
 
-    def _vision(self, images: list[Image.Image]) -> tuple[dict[str, mx.array], Any]:
+    def _vision(self, images: list[Image.Image]) -> tuple[dict[str, np.ndarray], Any]:
         raise NotImplementedError
 
 
@@ -291,8 +351,14 @@ class TextProcessor(Processor):
 
     takes_images = False
 
-    def __init__(self, tokenizer: Any, chat_template: str | None = None, name: str = "") -> None:
-        super().__init__(tokenizer, chat_template)
+    def __init__(
+        self,
+        tokenizer: Any,
+        chat_template: str | None = None,
+        template_source: str | None = None,
+        name: str = "",
+    ) -> None:
+        super().__init__(tokenizer, chat_template, template_source)
         what = f"the {name} model" if name else "this model"
         self.no_images_reason = f"{what} takes no images (it has no vision tower)"
 
@@ -400,8 +466,9 @@ class QwenProcessor(Processor):
         tokenizer: Any,
         tower: str,
         chat_template: str | None = None,
+        template_source: str | None = None,
     ) -> None:
-        super().__init__(tokenizer, chat_template)
+        super().__init__(tokenizer, chat_template, template_source)
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
             Qwen2VLImageProcessorPil,
         )
@@ -443,16 +510,21 @@ class QwenProcessor(Processor):
                 out_ids.extend([image] * next(it) if t == image else (t,))
             return out_ids
 
-        vision = {"pixel_values": mx.array(pixel_values), "image_grid_thw": mx.array(grid)}
-        return vision, expand
+        return {"pixel_values": pixel_values, "image_grid_thw": grid}, expand
 
 
 # --- Pixtral (Mistral 3) --------------------------------------------------------------------
 
 
 class PixtralProcessor(Processor):
-    def __init__(self, path: str | Path, tokenizer: Any, chat_template: str | None = None):
-        super().__init__(tokenizer, chat_template)
+    def __init__(
+        self,
+        path: str | Path,
+        tokenizer: Any,
+        chat_template: str | None = None,
+        template_source: str | None = None,
+    ) -> None:
+        super().__init__(tokenizer, chat_template, template_source)
         from mlxc.runtime.vision import pixtral_preprocess as pp
 
         self._pp = pp
@@ -474,8 +546,7 @@ class PixtralProcessor(Processor):
                 ids, sizes, cfg.patch_size, cfg.spatial_merge_size, *self.token_ids
             )
 
-        vision = {"pixel_values": mx.array(pixel_values), "image_sizes": mx.array(sizes)}
-        return vision, expand
+        return {"pixel_values": pixel_values, "image_sizes": sizes}, expand
 
 
 # --- sampling -------------------------------------------------------------------------------
@@ -505,18 +576,18 @@ def load_processor(
 
     ``model_module_or_tower``: the generated module (or a model built from one, or its
     ``VISION_TOWER`` string; None for a text model). ``chat_template``: a Jinja template used
-    instead of the tokenizer's. Raises ValueError on inconsistent checkpoint files (e.g. the
+    instead of the checkpoint's (``--chat-template``; :func:`chat_template_for` says which
+    template is used otherwise). Raises ValueError on inconsistent checkpoint files (e.g. the
     tokenizer lacks the image tokens config.json names).
     """
     path = Path(path)
     tower = vision_tower(model_module_or_tower)
-    if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        chat_template = _processor_template(path)
+    if tower is not None and tower not in QWEN_TOWERS + PIXTRAL_TOWERS:
+        raise ValueError(f"no image preprocessing for vision tower {tower!r}")
+    template = chat_template_for(path, tokenizer, override=chat_template, vision=tower is not None)
     if tower is None:
         name = _read_json(path / "config.json").get("model_type") or ""
-        return TextProcessor(tokenizer, chat_template, name=str(name))
+        return TextProcessor(tokenizer, *template, name=str(name))
     if tower in QWEN_TOWERS:
-        return QwenProcessor(path, tokenizer, tower, chat_template)
-    if tower in PIXTRAL_TOWERS:
-        return PixtralProcessor(path, tokenizer, chat_template)
-    raise ValueError(f"no image preprocessing for vision tower {tower!r}")
+        return QwenProcessor(path, tokenizer, tower, *template)
+    return PixtralProcessor(path, tokenizer, *template)

@@ -1,12 +1,15 @@
-"""Tokenizer loading (offline), prompt encoding with the chat template, streaming detokenizer."""
+"""Tokenizer loading (offline), prompt encoding with the chat template, streaming detokenizer.
+
+No MLX here: prompts are built on the server's event-loop thread, and MLX belongs to the
+scheduler thread.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-from mlxc.runtime.loading import CheckpointError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -33,6 +36,8 @@ def load_tokenizer(path: str | Path) -> Any | None:
     try:
         return AutoTokenizer.from_pretrained(str(path), config=PreTrainedConfig(), **offline)
     except Exception as e:
+        from mlxc.runtime.loading import CheckpointError  # loading imports MLX: only on failure
+
         # Report the first error: it tells more than the retry's.
         raise CheckpointError(f"cannot load the tokenizer in {path}: {first_error}") from e
 
@@ -62,21 +67,63 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+class ChatTemplateError(ValueError):
+    """A chat template failed to render the messages (its ``raise_exception(...)``, or a template
+    that cannot take them, e.g. a text-only one given image parts). The message names the
+    template: ``the chat template from SOURCE failed: TYPE: DETAIL``."""
+
+
+def tokenizer_template_source(tokenizer: Any) -> str:
+    """The file the tokenizer's own chat template came from: transformers reads a
+    chat_template.jinja beside the tokenizer over tokenizer_config.json's ``chat_template``."""
+    where = getattr(tokenizer, "name_or_path", "")
+    if where and (Path(where) / "chat_template.jinja").is_file():
+        return "chat_template.jinja"
+    return "tokenizer_config.json"
+
+
+def render_chat_template(
+    tokenizer: Any,
+    messages: Sequence[dict],
+    *,
+    chat_template: str | None = None,
+    source: str | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """The text of ``messages`` through ``chat_template`` (None: the tokenizer's own).
+
+    ``source`` names the template in errors (None: the tokenizer's file). Any rendering error
+    becomes a :class:`ChatTemplateError`: it is the request's messages meeting the template,
+    not a server fault.
+    """
+    try:
+        return tokenizer.apply_chat_template(
+            list(messages),
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+        )
+    except Exception as e:  # jinja TemplateError (raise_exception), TypeError, UndefinedError...
+        source = source or tokenizer_template_source(tokenizer)
+        raise ChatTemplateError(
+            f"the chat template from {source} failed: {type(e).__name__}: {e}"
+        ) from e
+
+
 def encode_prompt(tokenizer: Any, text: str, chat_template: bool | None = None) -> list[int]:
     """Token ids for ``text``.
 
     ``chat_template``: None applies the tokenizer's chat template when it has one (``text`` as
     one user message, with the generation prompt); True requires a template; False encodes the
-    raw text (with the tokenizer's usual special tokens, e.g. BOS).
+    raw text (with the tokenizer's usual special tokens, e.g. BOS). A template that fails
+    raises :class:`ChatTemplateError`.
     """
     use_template = has_chat_template(tokenizer) if chat_template is None else chat_template
     if not use_template:
         return list(tokenizer.encode(text))
     if not has_chat_template(tokenizer):
         raise ValueError("the tokenizer has no chat template; encode the raw prompt instead")
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-    )
+    rendered = render_chat_template(tokenizer, [{"role": "user", "content": text}])
     # The template writes BOS and the other special tokens itself: do not add them twice.
     return list(tokenizer.encode(rendered, add_special_tokens=False))
 

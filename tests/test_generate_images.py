@@ -9,6 +9,7 @@ and processor files of test_processor.py; atol 1e-4 as in test_qwen_vl.py / test
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from test_processor import (
     png_header_only,
     qwen_config,
     write_mistral_files,
+    write_qwen2_5_vl_3b_files,
     write_qwen_files,
 )
 from test_qwen_vision import randomise
@@ -130,7 +132,8 @@ def test_processor_output_logits_match_transformers(checkpoint):
     model, _, prompt = encode(path, files)
     ids = np.array([prompt.ids])
     vision = {k: np.array(v) for k, v in prompt.vision.items()}
-    ours = np.array(model(mx.array(ids), cache=model.make_cache(), **prompt.vision))
+    inputs = generate_mod.as_model_inputs(prompt.vision)
+    ours = np.array(model(mx.array(ids), cache=model.make_cache(), **inputs))
     np.testing.assert_allclose(ours, hf_logits(arch, hf, ids, vision), atol=ATOL, rtol=0)
 
 
@@ -138,7 +141,9 @@ def greedy(model, prompt, n, eos):
     """Greedy tokens: the whole prompt in one forward (images included), then one cached step
     per token. A generated image placeholder is plain text here, as in transformers."""
     cache, out = model.make_cache(), []
-    logits = model(mx.array([prompt.ids]), cache=cache, **prompt.vision)
+    logits = model(
+        mx.array([prompt.ids]), cache=cache, **generate_mod.as_model_inputs(prompt.vision)
+    )
     for _ in range(n):
         token = int(np.argmax(np.array(logits[0, -1])))
         if token in eos:
@@ -174,12 +179,38 @@ def test_vision_inputs_go_with_the_first_chunk_only():
     assert [c[0] for c in calls] == [*chunks, 1] and all(not k for _, k in calls[1:])
 
 
+def test_numpy_vision_inputs_reach_the_model_as_mlx_arrays():
+    # The processor hands numpy (MLX is made on the thread that runs the model): generate_tokens
+    # converts it, as the scheduler does.
+    seen = {}
+
+    class Recorder:
+        def __call__(self, ids, cache=None, last_only=False, **kwargs):
+            seen.update(kwargs)
+            return mx.zeros((1, 1 if last_only else ids.shape[1], 8))
+
+        def make_cache(self):
+            return []
+
+    vision = {"pixel_values": np.ones((4, 3), np.float32), "image_grid_thw": np.array([[1, 2, 2]])}
+    list(generate_mod.generate_tokens(Recorder(), [1, 2, 3], max_tokens=1, vision_inputs=vision))
+    assert {k: (type(v), v.dtype) for k, v in seen.items()} == {
+        "pixel_values": (mx.array, mx.float32),
+        "image_grid_thw": (mx.array, mx.int64),
+    }
+    np.testing.assert_array_equal(np.array(seen["pixel_values"]), vision["pixel_values"])
+    # MLX arrays and other values pass through as they are.
+    grid = mx.array([[1, 2, 2]])
+    assert generate_mod.as_model_inputs({"g": grid, "n": 3}) == {"g": grid, "n": 3}
+    assert generate_mod.as_model_inputs(None) == {}
+
+
 def run_cli(*args):
     return CliRunner().invoke(main, ["generate", *map(str, args)])
 
 
 def test_cli_generates_with_images(checkpoint, monkeypatch):
-    arch, path, _, files = checkpoint
+    _, path, _, files = checkpoint
     recorded = []
     real = generate_mod.generate_tokens
 
@@ -195,7 +226,7 @@ def test_cli_generates_with_images(checkpoint, monkeypatch):
     result = run_cli(*args, "--max-tokens", 5, "--prefill-chunk-size", 16)
     assert result.exit_code == 0, result.output
 
-    model, processor, prompt = encode(path, files, text)
+    model, _, prompt = encode(path, files, text)
     tokenizer = load_tokenizer(path)
     expected = greedy(model, prompt, 5, eos_token_ids(tokenizer, path))
     assert recorded == expected
@@ -239,3 +270,39 @@ def test_cli_image_errors(checkpoint, text_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setattr(proc, "MAX_IMAGE_PIXELS", 1000)
     assert_one_error_line(gen(path, files[0]), "too large", "70x50")
     assert_one_error_line(gen(path, tmp_path), "directory")
+
+
+@pytest.fixture(scope="module")
+def qwen2_5_vl_3b(tmp_path_factory):
+    """A tiny qwen2_5_vl with Qwen2.5-VL-3B-Instruct's own tokenizer_config.json (a text-only
+    chat template) and chat_template.json (the VL one), and an image."""
+    path = tmp_path_factory.mktemp("qwen2_5_vl-3b-files")
+    build("qwen2_5_vl", path)
+    write_qwen2_5_vl_3b_files(path)
+    image = path.parent / f"{path.name}.png"
+    h, w = IMAGE_SIZES[0]
+    Image.fromarray(np.random.default_rng(5).integers(0, 256, (h, w, 3), np.uint8)).save(image)
+    return path, image
+
+
+def test_cli_images_with_the_qwen2_5_vl_3b_templates(qwen2_5_vl_3b, tmp_path):
+    path, image = qwen2_5_vl_3b
+    # The processor's template (chat_template.json) renders the image: this was a TypeError
+    # traceback from the tokenizer's text-only one.
+    result = run_cli("--model", path, "--image", image, "--prompt", "describe", "--max-tokens", 3)
+    assert result.exit_code == 0, result.output
+    _, _, prompt = encode(path, [image], "describe")
+    assert f"prompt: {len(prompt.ids)} tokens" in result.stderr
+    assert prompt.ids.count(QWEN_IDS["image_token_id"]) > 1  # the placeholder was expanded
+
+    # Without chat_template.json only the tokenizer's text-only template is left: one error line
+    # that names it, no traceback.
+    bare = tmp_path / "no-processor-template"
+    shutil.copytree(path, bare)
+    (bare / "chat_template.json").unlink()
+    result = run_cli("--model", bare, "--image", image, "--prompt", "describe", "--max-tokens", 3)
+    assert_one_error_line(
+        result,
+        "the chat template from tokenizer_config.json failed",
+        'can only concatenate str (not "list") to str',
+    )

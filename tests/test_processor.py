@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import struct
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -203,6 +207,21 @@ def write_qwen_files(path, arch: str):
     """Tokenizer, chat template and preprocessor_config.json for a Qwen VL checkpoint dir."""
     write_qwen_tokenizer(path)
     (path / "preprocessor_config.json").write_text(json.dumps(QWEN_PREPROCESSOR[arch]))
+
+
+# Qwen/Qwen2.5-VL-3B-Instruct's own files: a text-only chat template in tokenizer_config.json and
+# the VL one in chat_template.json (test_processor_chat_template.py says where they come from).
+QWEN2_5_VL_3B = Path(__file__).parent / "fixtures" / "qwen2_5_vl_3b_instruct"
+
+
+def write_qwen2_5_vl_3b_files(path):
+    """write_qwen_files, then the tokenizer and template files as Qwen2.5-VL-3B-Instruct ships
+    them: its tokenizer_config.json and chat_template.json byte for byte (the tiny tokenizer.json
+    stands in for the 151k vocabulary; the special tokens map onto it by name)."""
+    write_qwen_files(path, "qwen2_5_vl")
+    (path / "chat_template.jinja").unlink()  # written by transformers 5; the hub repo has none
+    for name in ("tokenizer_config.json", "chat_template.json"):
+        shutil.copyfile(QWEN2_5_VL_3B / name, path / name)
 
 
 def write_mistral_files(path):
@@ -563,3 +582,71 @@ def test_extreme_aspect_ratio_is_an_image_error(qwen_dirs):
     )
     with pytest.raises(proc.ImageInputError, match="aspect ratio"):
         processor.encode_text_and_images("hi", images((1, 300)))
+
+
+# --- vision inputs stay numpy (MLX belongs to the scheduler thread) --------------------------
+
+
+def test_vision_inputs_are_numpy(qwen_dirs, mistral_dir):
+    for path, tower, keys in (
+        (
+            qwen_dirs["qwen2_5_vl"],
+            "qwen2_5_vit",
+            {"pixel_values": "float32", "image_grid_thw": "int64"},
+        ),
+        (mistral_dir, "pixtral", {"pixel_values": "float32", "image_sizes": "int64"}),
+    ):
+        processor = proc.load_processor(path, load_tokenizer(path), tower)
+        vision = processor.encode_text_and_images("hi", images((20, 28))).vision
+        assert {k: (type(v), str(v.dtype)) for k, v in vision.items()} == {
+            k: (np.ndarray, dtype) for k, dtype in keys.items()
+        }
+
+
+def test_prompt_building_never_imports_mlx(qwen_dirs, mistral_dir):
+    # What the server runs on its event loop: load the tokenizer and processor, encode an image.
+    code = f"""
+import sys
+import numpy as np
+from PIL import Image
+from mlxc.runtime.processor import load_processor
+from mlxc.runtime.tokenizer import load_tokenizer, encode_prompt
+image = Image.fromarray(np.zeros((20, 28, 3), np.uint8))
+for path, tower in [({str(qwen_dirs["qwen2_5_vl"])!r}, "qwen2_5_vit"), ({str(mistral_dir)!r}, "pixtral")]:
+    tokenizer = load_tokenizer(path)
+    encode_prompt(tokenizer, "hi")
+    load_processor(path, tokenizer, tower).encode_text_and_images("hi", [image])
+loaded = sorted(m for m in sys.modules if m == "mlx" or m.startswith("mlx."))
+assert not loaded, loaded
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+
+
+# --- image_size: the header only -------------------------------------------------------------
+
+
+def test_image_size_reads_the_header_only(tmp_path, monkeypatch):
+    good = tmp_path / "a.png"
+    images((5, 7))[0].save(good)
+    assert proc.image_size(good) == (7, 5)
+    assert proc.image_size(good.read_bytes()) == (7, 5)
+    with open(good, "rb") as f:
+        assert proc.image_size(f) == (7, 5)
+    # No pixel is decoded: a header claiming 9000x9000 (81 MP, no pixel data) answers at once.
+    from PIL import ImageFile
+
+    def no_decoding(self):
+        raise AssertionError("image_size decoded pixels")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoding)
+    assert proc.image_size(png_header_only(9_000, 9_000)) == (9_000, 9_000)
+    # The errors are load_image's.
+    with pytest.raises(proc.ImageInputError, match="cannot decode image image data: not an image"):
+        proc.image_size(b"not an image")
+    with pytest.raises(proc.ImageInputError, match="no such file"):
+        proc.image_size(tmp_path / "missing.png")
+    with pytest.raises(proc.ImageInputError, match="is too large"):
+        proc.image_size(png_header_only(20_000, 20_000))  # PIL refuses above 2x its limit
