@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import importlib
 import json
-from pathlib import Path
+import re
+from pathlib import Path, PurePath
 from types import ModuleType
 from typing import Any
 
@@ -22,6 +23,7 @@ from mlx import nn
 from mlx.utils import tree_flatten
 
 from mlxc.runtime import blas, fp8
+from mlxc.runtime.config import ConfigError, recording_reads
 
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_LISTED = 10  # tensor names listed per kind of mismatch; the rest are counted
@@ -95,8 +97,7 @@ def weight_files(path: Path) -> list[Path]:
     index_file = path / INDEX_FILE
     if index_file.is_file():
         try:
-            weight_map = json.loads(index_file.read_text())["weight_map"]
-            shards = sorted(set(weight_map.values()))
+            names = set(json.loads(index_file.read_text())["weight_map"].values())
         except (
             OSError,
             UnicodeDecodeError,
@@ -106,6 +107,9 @@ def weight_files(path: Path) -> list[Path]:
             AttributeError,
         ) as e:
             raise CheckpointError(f"cannot read the shard index {index_file}: {e!r}") from e
+        for name in names:
+            _check_shard_name(name, index_file)
+        shards = sorted(names)
         missing = [s for s in shards if not (path / s).is_file()]
         if missing:
             raise CheckpointError(
@@ -118,6 +122,21 @@ def weight_files(path: Path) -> list[Path]:
     if not files:
         raise CheckpointError(f"no *.safetensors weight files in {path}")
     return files
+
+
+def _check_shard_name(name: Any, index_file: Path) -> None:
+    """Refuse a shard the index places outside the checkpoint directory.
+
+    Checked on the name, not by resolving links: the Hugging Face cache links every file of a
+    snapshot to a blob outside it, which is fine; an absolute name or a ``..`` is not.
+    """
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise CheckpointError(f"{index_file} names a shard {name!r} that is not a file name")
+    if PurePath(name).is_absolute() or ".." in PurePath(name).parts:
+        raise CheckpointError(
+            f"{index_file} names shard {name!r}, outside {index_file.parent}: refusing to read "
+            "it (shard names are relative to the checkpoint directory)"
+        )
 
 
 def _read_weights(files: list[Path]) -> tuple[dict[str, mx.array], dict[str, str]]:
@@ -144,6 +163,77 @@ def _read_weights(files: list[Path]) -> tuple[dict[str, mx.array], dict[str, str
     return weights, source
 
 
+# --- config.json against the checkpoint ----------------------------------------------------
+
+# transformers' names for the length of a layer stack (text decoder, vision tower).
+_LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layers", "n_layer", "depth")
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)\.")
+
+
+def _config_items(node: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    """Every ``(dotted key, value)`` of config.json, nested objects included."""
+    items = []
+    for key, value in node.items():
+        items.append((prefix + key, value))
+        if isinstance(value, dict):
+            items += _config_items(value, f"{prefix}{key}.")
+    return items
+
+
+def _check_layer_counts(config: dict, names: list[str], config_file: Path) -> None:
+    """Refuse a layer count beyond the checkpoint's deepest stack, before the model is built:
+    building 1e5 layers takes a minute and gigabytes before a name check could fail."""
+    indices = [int(m.group(1)) for n in names if (m := _LAYER_INDEX.search(n))]
+    depth = max(indices) + 1 if indices else len(names)
+    what = f"{depth} layers (indices 0-{depth - 1})" if indices else f"{depth} tensors"
+    for key, value in _config_items(config):
+        if key.rsplit(".", 1)[-1] not in _LAYER_COUNT_KEYS or isinstance(value, bool):
+            continue
+        if isinstance(value, (int, float)) and value > depth:
+            shown = f"{value:g}" if isinstance(value, float) else value
+            raise CheckpointError(
+                f"{config_file}: '{key}' is {shown}, but the checkpoint's weights hold only "
+                f"{what}: fix config.json or fetch the weights that belong to it"
+            )
+
+
+def _entries(reads: dict[str, Any], keep) -> str:
+    """``'key' = value`` of the numbers the model read from config.json that ``keep`` selects."""
+    numbers = {
+        k: v for k, v in reads.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+    return ", ".join(f"'{k}' = {v!r}" for k, v in numbers.items() if keep(v))
+
+
+def _build(module: ModuleType, config: dict, config_file: Path) -> tuple[nn.Module, dict]:
+    """The model config.json describes (its arrays are lazy: nothing is allocated yet), and the
+    entries it read; any failure is a CheckpointError naming config.json."""
+    with recording_reads() as reads:
+        try:
+            model = module.Model(module.ModelArgs.from_config(config))
+        except Exception as e:  # a bad value fails anywhere in from_config or a constructor
+            detail = str(e) if isinstance(e, (ValueError, KeyError)) else f"{type(e).__name__}: {e}"
+            if not isinstance(e, ConfigError) and (low := _entries(reads, lambda v: v <= 0)):
+                detail += f" (entries at zero or below: {low})"
+            raise CheckpointError(
+                f"{config_file} is not a valid {config.get('model_type')} config: {detail}"
+            ) from e
+    return model, reads
+
+
+def _check_heads(model: nn.Module, reads: dict[str, Any], config_file: Path) -> None:
+    """Grouped-query attention needs its query heads to be a multiple of its key/value heads;
+    the weights can fit while the attention cannot run."""
+    for name, module in model.named_modules():
+        q, kv = getattr(module, "n_heads", None), getattr(module, "n_kv_heads", None)
+        if isinstance(q, int) and isinstance(kv, int) and (kv <= 0 or q % kv):
+            named = _entries(reads, lambda v, heads=(q, kv): v in heads)
+            raise CheckpointError(
+                f"{config_file}: {name} has {q} query heads, not a multiple of its {kv} "
+                f"key/value heads ({named})"
+            )
+
+
 # --- strict check ---------------------------------------------------------------------------
 
 
@@ -153,9 +243,17 @@ def _names(names: list[str]) -> str:
 
 
 def _check_weights(
-    model: nn.Module, weights: dict[str, mx.array], source: dict[str, str], where: str
+    model: nn.Module,
+    weights: dict[str, mx.array],
+    source: dict[str, str],
+    where: str,
+    reads: dict[str, Any] | None = None,
 ) -> None:
-    """Raise unless ``weights`` has exactly the model's tensors with the model's shapes."""
+    """Raise unless ``weights`` has exactly the model's tensors with the model's shapes.
+
+    ``reads``: the config.json entries the model was built from; those equal to a size the
+    checkpoint does not have are named.
+    """
     expected = dict(tree_flatten(model.parameters()))
 
     def origin(name: str) -> str:
@@ -178,6 +276,14 @@ def _check_weights(
         )
     if wrong:
         problems.append(f"{len(wrong)} tensor(s) with the wrong shape: {_names(wrong)}")
+        sizes = {
+            e
+            for k in set(expected) & set(weights)
+            for e, a in zip(expected[k].shape, weights[k].shape)
+            if e != a
+        }
+        if suspects := _entries(reads or {}, lambda v: v in sizes):
+            problems.append(f"config.json entries giving the sizes the weights lack: {suspects}")
     if problems:
         raise CheckpointError(
             f"weights in {where} do not match the model: {'; '.join(problems)}. "
@@ -266,21 +372,18 @@ def load_model(path: str | Path, dtype: mx.Dtype | str | None = None) -> nn.Modu
     except CheckpointError as e:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from e
 
-    try:
-        args = module.ModelArgs.from_config(config)
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(
-            f"{path / 'config.json'} is not a valid {config.get('model_type')} config: {e}"
-        ) from e
-    model = module.Model(args)
-
+    # The weights are read lazily: here only their headers (names and shapes).
     files = weight_files(path)
     weights, source = _read_weights(files)
+    _check_layer_counts(config, list(weights), path / "config.json")
+    model, reads = _build(module, config, path / "config.json")
+    _check_heads(model, reads, path / "config.json")
+
     try:
         block = tuple((config.get("quantization_config") or {}).get("weight_block_size", fp8.BLOCK))
         weights = fp8.dequantize(weights, block, dtype=target or mx.bfloat16)
         weights = model.sanitize(weights)
-    except (KeyError, ValueError) as e:
+    except Exception as e:  # KeyError, ValueError, or an MLX error from a reshape
         raise CheckpointError(
             f"the weights in {path} do not fit the {module.__name__} weight rules: {e!r}"
         ) from e
@@ -289,7 +392,7 @@ def load_model(path: str | Path, dtype: mx.Dtype | str | None = None) -> nn.Modu
         _quantize(model, quant, weights, path / "config.json")
 
     where = files[0] if len(files) == 1 else path
-    _check_weights(model, weights, source, str(where))
+    _check_weights(model, weights, source, str(where), reads)
 
     weights = _cast(weights, target, explicit=dtype is not None)
     try:
