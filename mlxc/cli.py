@@ -128,18 +128,56 @@ class _GenerateCommand(click.Command):
             raise _OneLineError(e.format_message(), e.exit_code) from e
 
 
+_DEFAULT_MAX_TOKENS = 256
+
+
+def _completion_length(
+    n_prompt: int, requested: int | None, context: int | None, max_kv_size: int | None
+) -> int:
+    """--max-tokens under the server's rule (``runtime/server.py`` ``_max_tokens``): prompt and
+    completion fit the model's context unless --max-kv-size slides the cache; with no
+    --max-tokens, the default shrinks to the room left."""
+    if context is None or max_kv_size is not None:
+        return requested or _DEFAULT_MAX_TOKENS
+    if n_prompt >= context:
+        raise click.BadParameter(
+            f"it encodes to {n_prompt} tokens but the model's context is {context} tokens: "
+            "shorten it, or pass --max-kv-size N to keep a sliding window",
+            param_hint="'--prompt'",
+        )
+    room = context - n_prompt
+    if requested is None:
+        return min(_DEFAULT_MAX_TOKENS, room)
+    if requested > room:
+        raise click.BadParameter(
+            f"the prompt ({n_prompt} tokens) plus {requested} exceeds the model's context of "
+            f"{context} tokens: ask for at most {room}, or pass --max-kv-size N to keep a "
+            "sliding window",
+            param_hint="'--max-tokens'",
+        )
+    return requested
+
+
 @main.command(cls=_GenerateCommand)
 @click.option(
     "--model",
     "model_dir",
-    required=True,
+    default=None,
     type=click.Path(exists=True, file_okay=False),
-    help="HF checkpoint directory.",
+    help="HF checkpoint directory. Default: the built-in demo checkpoint (a small llama with "
+    "RANDOM weights, written to $MLXC_HOME or ~/.cache/mlxc on first use; no download).",
 )
 @click.option(
     "--prompt", required=True, help="Prompt text (a user message under the chat template)."
 )
-@click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=0))
+@click.option(
+    "--max-tokens",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Tokens to generate; the prompt and these must fit the model's context "
+    f"(max_position_embeddings) unless --max-kv-size is given  [default: {_DEFAULT_MAX_TOKENS}, "
+    "or the room the prompt leaves]",
+)
 @click.option(
     "--temp",
     default=0.0,
@@ -202,6 +240,7 @@ def generate(
     import time
 
     # MLX and transformers load here, not at CLI start-up: lint and build never need them.
+    from mlxc.runtime.config import context_length
     from mlxc.runtime.generate import DEFAULT_KV_SINK, generate_tokens
     from mlxc.runtime.loading import (
         CheckpointError,
@@ -228,6 +267,14 @@ def generate(
         raise click.BadParameter(
             f"must be larger than --kv-sink ({kv_sink})", param_hint="'--max-kv-size'"
         )
+    if model_dir is None:
+        from mlxc.runtime import demo
+
+        try:
+            model_dir = demo.ensure_demo()
+        except (OSError, RuntimeError) as e:
+            raise _OneLineError(f"cannot write the demo checkpoint: {e}") from e
+        click.echo(f"warning: {demo.no_model_warning('generating with', model_dir)}", err=True)
     try:
         config = read_config(model_dir)  # "not a checkpoint" before "no tokenizer"
         tower = None
@@ -250,7 +297,6 @@ def generate(
                 "tokenizer.model): copy the tokenizer files of the model there"
             )
         processor = load_processor(model_dir, tokenizer, tower) if images else None
-        model = load_model(model_dir)
     except (CheckpointError, ValueError) as e:  # ValueError: inconsistent processor files
         raise _OneLineError(str(e), 1) from e
 
@@ -266,6 +312,12 @@ def generate(
         ids = encode_prompt(tokenizer, prompt, chat_template=template)
     if not ids:
         raise click.BadParameter("encodes to no tokens", param_hint="'--prompt'")
+    # Before the weights load: a prompt or --max-tokens past the context fails at once.
+    max_tokens = _completion_length(len(ids), max_tokens, context_length(config), max_kv_size)
+    try:
+        model = load_model(model_dir)
+    except CheckpointError as e:
+        raise _OneLineError(str(e), 1) from e
 
     sampler = make_sampler(temp=temp, top_p=top_p, top_k=top_k, seed=seed)
     tokens = generate_tokens(

@@ -1,4 +1,5 @@
-"""The built-in demo checkpoint: what ``mlxc serve`` serves when no ``--model`` is given.
+"""The built-in demo checkpoint: what ``mlxc serve`` and ``mlxc generate`` run on when no
+``--model`` is given.
 
 A small llama-spec model (hidden 256, 4 layers) with RANDOM weights, so the server runs on a
 fresh machine with no download. Its output is meaningless text; the log and ``/v1/models``
@@ -61,6 +62,14 @@ CONFIG = {
     "torch_dtype": "float32",
     "mlxc_demo": DEMO_DESCRIPTION,
 }
+
+
+def no_model_warning(doing: str, path: Path) -> str:
+    """What a command says when, given no --model, it runs on the demo (``doing``: "serving")."""
+    return (
+        f"no --model: {doing} the built-in demo checkpoint {path}. Its weights are RANDOM: the "
+        "output is meaningless text. Pass --model DIR to use a real model."
+    )
 
 
 def demo_dir() -> Path:

@@ -310,6 +310,46 @@ def test_cli_checkpoint_errors(checkpoint, tmp_path):
     assert_one_error_line(gen(corrupt), 1, "model.safetensors")
 
 
+@pytest.fixture
+def short_context(tmp_path, use_toy):
+    """A toy checkpoint whose context (max_position_embeddings) is 32 tokens."""
+    config = dict(toy.CONFIG, max_position_embeddings=32)
+    return toy.write_tokenizer(toy.write_checkpoint(tmp_path / "short", config=config))
+
+
+def generated(result) -> int:
+    assert result.exit_code == 0, result.output
+    return int(result.stderr.split("generated: ")[1].split()[0])
+
+
+def test_cli_keeps_to_the_context(short_context):
+    # The server's rule: prompt + max_tokens fit the context, unless --max-kv-size slides.
+    raw = ["--model", short_context, "--no-chat-template", "--prompt"]
+    over = run_cli(*raw, "x" * 20, "--max-tokens", 13)
+    assert_one_error_line(over, 2, "--max-tokens", "context of 32 tokens", "at most 12")
+    assert_one_error_line(run_cli(*raw, "x" * 32), 2, "--prompt", "32 tokens")
+    assert generated(run_cli(*raw, "x" * 20, "--max-tokens", 12)) <= 12
+    assert generated(run_cli(*raw, "x" * 20)) <= 12  # the default 256, capped by the context
+    sliding = run_cli(*raw, "x" * 40, "--max-tokens", 30, "--max-kv-size", 16)
+    assert generated(sliding) <= 30 and "prompt: 40 tokens" in sliding.stderr
+
+
+def test_cli_max_tokens_zero_is_a_usage_error(checkpoint):
+    result = run_cli("--model", checkpoint, "--prompt", "hi", "--max-tokens", 0)
+    assert_one_error_line(result, 2, "--max-tokens")
+
+
+def test_cli_without_model_generates_with_the_demo(tmp_path, monkeypatch):
+    # What `pip install .` users (and the CI packaging step) run: no checkpoint at hand.
+    monkeypatch.setenv("MLXC_HOME", str(tmp_path))
+    result = run_cli("--prompt", "hello", "--max-tokens", 4)
+    assert generated(result) <= 4
+    demo = tmp_path / "demo-v1"
+    assert (demo / "config.json").is_file()
+    warning = result.stderr.splitlines()[0]
+    assert warning.startswith("warning: ") and "RANDOM" in warning and str(demo) in warning
+
+
 # --- a real generated module, when the build has produced one --------------------------------
 
 
