@@ -423,6 +423,43 @@ def generate(
     help="Completion length for requests that set no max_tokens.",
 )
 @click.option(
+    "--max-tokens-limit",
+    default=32768,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Largest max_tokens a request may ask for (400 above), so no request holds a slot "
+    "for ever (under --max-kv-size the context no longer bounds it).",
+)
+@click.option(
+    "--max-images-per-request",
+    default=8,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Images one chat request may carry (400 above).",
+)
+@click.option(
+    "--max-request-pixels",
+    default=64 * 2**20,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Pixels of all of a request's images together, read from their headers before any "
+    "is decoded (400 above).",
+)
+@click.option(
+    "--allowed-hosts",
+    default="",
+    metavar="NAMES",
+    help="Comma-separated extra host names the Host header may carry (DNS-rebinding guard; "
+    "localhost, loopback and the bound address always pass); '*' allows any.",
+)
+@click.option(
+    "--allowed-origins",
+    default="",
+    metavar="ORIGINS",
+    help="Comma-separated web origins (e.g. http://localhost:3000) whose pages may call the "
+    "server (CORS); '*' allows any. Other cross-origin requests get 403.",
+)
+@click.option(
     "--api-key",
     default=None,
     envvar="MLXC_API_KEY",
@@ -459,6 +496,11 @@ def serve(
     max_concurrency,
     max_queue,
     max_tokens,
+    max_tokens_limit,
+    max_images_per_request,
+    max_request_pixels,
+    allowed_hosts,
+    allowed_origins,
     api_key,
     chat_template,
     model_id,
@@ -469,11 +511,9 @@ def serve(
     import logging
     from pathlib import Path
 
-    import uvicorn
-
     from mlxc.runtime.generate import DEFAULT_KV_SINK
     from mlxc.runtime.loading import CheckpointError
-    from mlxc.runtime.server import Engine, create_app
+    from mlxc.runtime.server import Engine, bind, create_app, run
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     log = logging.getLogger("mlxc.serve")
@@ -482,12 +522,22 @@ def serve(
         raise click.BadParameter(
             f"must be larger than --kv-sink ({kv_sink})", param_hint="'--max-kv-size'"
         )
+    if max_tokens > max_tokens_limit:
+        raise click.BadParameter(
+            f"must be at most --max-tokens-limit ({max_tokens_limit})", param_hint="'--max-tokens'"
+        )
     template = None
     if chat_template is not None:
         try:
             template = Path(chat_template).read_text()
         except (OSError, UnicodeDecodeError) as e:
             raise _OneLineError(f"cannot read --chat-template {chat_template}: {e}") from e
+
+    # Bind first: a port in use is reported now, not after the model has loaded.
+    try:
+        sock = bind(host, port)
+    except OSError as e:
+        raise _OneLineError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
 
     description = None
     if model_dir is None:
@@ -514,12 +564,26 @@ def serve(
             max_queue=max_queue,
         )
     except CheckpointError as e:
+        sock.close()
         raise _OneLineError(str(e), 1) from e
+    except KeyboardInterrupt:
+        sock.close()
+        raise _OneLineError("interrupted while loading the model", 130) from None
 
     app = create_app(
-        engine, api_key=api_key, default_max_tokens=max_tokens, max_body_bytes=max_body_bytes
+        engine,
+        api_key=api_key,
+        default_max_tokens=max_tokens,
+        max_tokens_limit=max_tokens_limit,
+        max_body_bytes=max_body_bytes,
+        max_images=max_images_per_request,
+        max_request_pixels=max_request_pixels,
+        bind_host=host,
+        allowed_hosts=_comma_list(allowed_hosts),
+        allowed_origins=_comma_list(allowed_origins),
     )
     window = f"max-kv-size {max_kv_size}, kv-sink {kv_sink}" if max_kv_size else "unbounded KV"
+    bound_host, bound_port = sock.getsockname()[:2]
     log.info(
         "serving %r from %s (%s, prefill chunk %d, concurrency %d, queue %d); OpenAI base_url "
         "http://%s:%d/v1",
@@ -529,10 +593,14 @@ def serve(
         prefill_chunk_size,
         max_concurrency,
         max_queue,
-        host,
-        port,
+        bound_host,
+        bound_port,
     )
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    run(app, sock, log_level=log_level)
+
+
+def _comma_list(value: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in value.split(",") if item.strip())
 
 
 # --- end serve ------------------------------------------------------------------------------

@@ -24,7 +24,8 @@ def make_sampler(
     set of most likely tokens whose probability reaches ``top_p`` (1 = all; the most likely token
     always stays), and one token is drawn. With a ``seed`` the sampler owns its random key, so
     the same seed gives the same draws whatever else uses ``mx.random``; without one it draws
-    from MLX's global generator.
+    from MLX's global generator. A seed is any int64 (OpenAI's range); a negative one keys the
+    generator with its two's-complement 64 bits.
     """
     if temp < 0:
         raise ValueError(f"temp must be >= 0, got {temp}")
@@ -32,11 +33,13 @@ def make_sampler(
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0, got {top_k}")
+    if seed is not None and not -(2**63) <= seed < 2**63:
+        raise ValueError(f"seed must be a 64-bit signed integer, got {seed}")
 
     if temp == 0:
         return greedy
 
-    key = [mx.random.key(seed)] if seed is not None else None
+    key = [mx.random.key(seed % 2**64)] if seed is not None else None
 
     def sample(logits: mx.array) -> mx.array:
         logits = logits.astype(mx.float32) / temp

@@ -31,6 +31,7 @@ caches; the others carry on. A failure of the batched decode forward ends the re
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -40,7 +41,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 from mlx import nn
 
 from mlxc.runtime.batch import BatchCache
@@ -51,7 +51,7 @@ from mlxc.runtime.cache import (
     enforce_max_kv,
     trimmable,
 )
-from mlxc.runtime.generate import DEFAULT_KV_SINK, prefill_chunks
+from mlxc.runtime.generate import DEFAULT_KV_SINK, as_model_inputs, prefill_chunks
 from mlxc.runtime.sample import greedy, make_sampler
 from mlxc.runtime.tokenizer import StreamingDetokenizer
 
@@ -100,6 +100,7 @@ class Finished:
 @dataclass
 class Failed:
     message: str
+    shutdown: bool = False  # the server is shutting down (the request itself was fine)
 
 
 Event = Delta | Finished | Failed
@@ -135,6 +136,25 @@ class Request:
         """Stop generating and free the slot (a no-op once the request has finished)."""
         self._cancelled.set()
         self._wake()
+
+
+def _run_then_park(work: list[Callable[[], None]]) -> None:
+    """The scheduler thread's body: run the one function in ``work``, then block forever (a
+    daemon thread).
+
+    The thread must not end while the process lives: MLX's thread-local state is torn down
+    after a thread's Python part has finished, in C++ destructors that take the GIL, so a
+    process exiting just then aborts ("terminate called without an active exception", exit
+    134). A parked daemon thread has nothing left to tear down when the process exits. The
+    function is popped from ``work`` (the Thread object keeps its arguments while it runs), so
+    that the parked thread holds no reference to the scheduler or its model.
+    """
+    main = work.pop()
+    try:
+        main()
+    finally:
+        del main
+        threading.Event().wait()
 
 
 # --- stop strings ------------------------------------------------------------------------------
@@ -304,10 +324,9 @@ class Scheduler:
             raise ValueError("pass either a model or a load function")
         self.model = model
         self._load = load
+        # Used on the scheduler thread only (detokenizing). Hugging Face tokenizers are not
+        # safe under concurrent use, so prompt encoding elsewhere needs a tokenizer of its own.
         self.tokenizer = tokenizer
-        # Hugging Face tokenizers are not safe under concurrent use (encode may reconfigure
-        # the Rust tokenizer while a decode holds it): the server encodes under this lock too.
-        self.tokenizer_lock = threading.Lock()
         self.eos_token_ids = frozenset(eos_token_ids)
         self.prefill_chunk_size = prefill_chunk_size
         self.max_concurrency = max_concurrency
@@ -326,6 +345,7 @@ class Scheduler:
         self._counts = dict.fromkeys(("completed", "failed", "cancelled", "rejected"), 0)
         self._snapshot = {"running": 0, "pool_sequences": 0, "pool_batched": 0, "pool_bytes": 0}
         self._thread: threading.Thread | None = None
+        self._done = threading.Event()  # the loop (or the failed load) is over
 
     # --- any thread ---------------------------------------------------------------------------
 
@@ -341,7 +361,10 @@ class Scheduler:
         ready = threading.Event()
         errors: list[BaseException] = []
         self._thread = threading.Thread(
-            target=self._main, args=(ready, errors), name="mlxc-scheduler", daemon=True
+            target=_run_then_park,
+            args=([functools.partial(self._main, ready, errors)],),
+            name="mlxc-scheduler",
+            daemon=True,
         )
         self._thread.start()
         ready.wait()
@@ -350,27 +373,35 @@ class Scheduler:
 
     def _main(self, ready: threading.Event, errors: list[BaseException]) -> None:
         try:
-            if self._load is not None:
-                self.model = self._load()
-            self.pool.model = self.model
-        except BaseException as e:  # noqa: BLE001 - start() re-raises it
-            errors.append(e)
-            return
+            try:
+                if self._load is not None:
+                    self.model = self._load()
+                self.pool.model = self.model
+            except BaseException as e:  # noqa: BLE001 - start() re-raises it
+                errors.append(e)
+                return
+            finally:
+                ready.set()
+            self._loop()
         finally:
-            ready.set()
-        self._loop()
+            self._done.set()
 
-    def stop(self, timeout: float | None = 10.0) -> None:
-        """Finish the loop; running and waiting requests end with a Failed event."""
+    def request_stop(self) -> None:
+        """Begin shutting down without waiting (signal handlers): the loop ends after its
+        current step, and running and waiting requests end with a Failed(shutdown) event."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """``request_stop``, then wait (up to ``timeout`` seconds) for the loop to end."""
+        self.request_stop()
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._done.wait(timeout)
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and not self._done.is_set()
 
     def submit(
         self,
@@ -392,7 +423,7 @@ class Scheduler:
         if params.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
         with self._cond:
-            if self._stopping or (self._thread is not None and not self._thread.is_alive()):
+            if self._stopping or (self._thread is not None and self._done.is_set()):
                 raise SchedulerStopped("the scheduler is not running")
             self._purge_cancelled()
             free_slots = max(self.max_concurrency - self._slots_taken, 0)
@@ -585,10 +616,7 @@ class Scheduler:
     def _forward(self, seq: _Sequence, ids: list[int], **kwargs) -> mx.array:
         inputs = dict(kwargs)
         if seq.prefilled == 0:  # numpy inputs become MLX arrays here, on the owning thread
-            inputs |= {
-                k: mx.array(v) if isinstance(v, np.ndarray) else v
-                for k, v in seq.request.model_inputs.items()
-            }
+            inputs |= as_model_inputs(seq.request.model_inputs)
         logits = self.model(mx.array([ids], dtype=mx.int32), cache=seq.caches, **inputs)
         self.pool.enforce(seq.caches)  # after every prefill chunk and every decode step
         return logits
@@ -621,8 +649,7 @@ class Scheduler:
             self._finish(seq, "stop")
             return
         seq.generated += 1
-        with self.tokenizer_lock:
-            delta = seq.detok.add(token)
+        delta = seq.detok.add(token)
         text, hit = seq.stops.feed(delta)
         if hit:
             self._finish(seq, "stop", final_text=text)
@@ -636,8 +663,7 @@ class Scheduler:
     def _finish(self, seq: _Sequence, reason: str, final_text: str | None = None) -> None:
         if final_text is None:
             # EOS or max_tokens: flush what the detokenizer and the stop matcher hold back.
-            with self.tokenizer_lock:
-                tail = seq.detok.finalize()
+            tail = seq.detok.finalize()
             final_text, hit = seq.stops.feed(tail)
             if hit:
                 reason = "stop"
@@ -692,8 +718,8 @@ class Scheduler:
         with self._cond:
             waiting, self._waiting = list(self._waiting), deque()
         for request in waiting:
-            self._send(request, Failed("the server is shutting down"))
+            self._send(request, Failed("the server is shutting down", shutdown=True))
         for seq in list(self._running):
-            self._send(seq.request, Failed("the server is shutting down"))
+            self._send(seq.request, Failed("the server is shutting down", shutdown=True))
             self._release(seq)
         self._publish()

@@ -5,12 +5,20 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/mo
 with ``data: [DONE]``. Every error is OpenAI-shaped: ``{"error": {"message", "type", "param",
 "code"}}``; bad input is rejected before anything is queued, so it changes no state.
 
-Request path: body (size-limited) -> JSON -> pydantic schema (strict types) -> prompt ids (chat
-template, or the raw prompt) -> context check -> ``Scheduler.submit`` -> events from the
+Request path: Host/Origin guard (``runtime.http_guard``) -> API key -> body (size-limited) ->
+in a worker thread: JSON -> pydantic schema (strict types) -> prompt ids (chat template, or the
+raw prompt) -> context and ``max_tokens`` checks -> ``Scheduler.submit`` -> events from the
 scheduler thread, handed to the event loop with ``call_soon_threadsafe`` -> JSON or SSE.
 ``image_url`` parts (data URLs or bare base64; the server fetches nothing) go to a VL model's
-``Engine.processor``, which expands the image placeholders; its vision inputs travel with the
-first prefill chunk through ``Scheduler.submit(model_inputs=...)``. A text model answers 400.
+``Engine.processor``, which expands the image placeholders; its vision inputs (numpy) travel with
+the first prefill chunk through ``Scheduler.submit(model_inputs=...)``. A text model answers 400.
+
+The event loop does no CPU-heavy work of a request: parsing, template rendering, tokenising and
+image decoding run in ``Engine.workers``, on a tokenizer of their own (the scheduler thread
+detokenizes with its own), so ``/health`` and running streams never wait on another request's
+preprocessing. A request ends when its client goes, within one scheduler step: a stream through
+its response's disconnect listener, anything else (queued, prefilling, a non-streaming answer)
+through :func:`_unless_disconnected`.
 """
 
 from __future__ import annotations
@@ -18,20 +26,26 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import copy
 import json
 import logging
+import re
 import secrets
+import socket
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-import numpy as np
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -50,8 +64,16 @@ from mlxc.runtime.scheduler import (
 log = logging.getLogger("mlxc.serve")
 
 DEFAULT_MAX_TOKENS = 512
+# No request may hold a slot for ever: under --max-kv-size the context no longer bounds it.
+DEFAULT_MAX_TOKENS_LIMIT = 32768
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # room for base64 images; a text prompt needs far less
+DEFAULT_MAX_IMAGES = 8
+# Pixels of all of a request's images, read from their headers before any is decoded: 64 Mpx
+# (8 images of 8 Mpx, 4K each) is 256 MiB decoded as RGBA.
+DEFAULT_MAX_REQUEST_PIXELS = 64 * 2**20
 MAX_STOP_STRINGS = 16
+PROMPT_WORKERS = 2  # threads that turn request bodies into prompts
+INT64 = (-(2**63), 2**63 - 1)
 
 
 # --- the engine: model + tokenizer + scheduler ---------------------------------------------------
@@ -77,17 +99,25 @@ class Engine:
         chat_template: str | None = None,
         description: str | None = None,
         processor: Any = None,
+        prompt_tokenizer: Any = None,
         **scheduler_options: Any,
     ) -> None:
         self.model_id = model_id
         self.names = {model_id, *aliases}
-        self.tokenizer = tokenizer
         self.context_length = context_length
         self.vocab_size = vocab_size
         self.chat_template = chat_template  # overrides the tokenizer's (--chat-template)
         self.description = description
-        self.processor = processor  # image processor of a VL model; None: text only
+        # Image processor of a VL model (None: text only); it encodes with prompt_tokenizer.
+        self.processor = processor
         self.created = int(time.time())
+        # Prompts are encoded in worker threads, on a copy of the tokenizer: Hugging Face
+        # tokenizers are not safe under concurrent use, and sharing the scheduler's would make
+        # every stream's detokenizing wait while a long prompt is encoded.
+        self.prompt_tokenizer = prompt_tokenizer or copy.deepcopy(tokenizer)
+        self._prompt_lock = threading.Lock()  # the workers take turns on prompt_tokenizer
+        self.workers: ThreadPoolExecutor | None = None  # made by start(), on the server's side
+        self.preparing = 0  # requests in the workers now (event loop only; /health shows it)
         self.scheduler = Scheduler(
             model, tokenizer, eos_token_ids=eos_token_ids, **scheduler_options
         )
@@ -131,12 +161,15 @@ class Engine:
             return None
 
         processor = None
+        prompt_tokenizer = copy.deepcopy(tokenizer)
         module = resolve_module(registry_key(config))
         if getattr(module, "VISION_TOWER", None):
             from mlxc.runtime.processor import load_processor
 
             try:
-                processor = load_processor(path, tokenizer, module, chat_template=chat_template)
+                processor = load_processor(
+                    path, prompt_tokenizer, module, chat_template=chat_template
+                )
             except ValueError as e:
                 raise CheckpointError(f"{path}: cannot read its image processor: {e}") from e
 
@@ -153,58 +186,63 @@ class Engine:
             chat_template=chat_template,
             description=description,
             processor=processor,
+            prompt_tokenizer=prompt_tokenizer,
             **scheduler_options,
         )
         engine.start()  # loads the model; raises CheckpointError here, not at the first request
         return engine
-
-    def encode_chat_with_images(self, messages: list[dict], images: list) -> Prompt:
-        """Prompt ids with the image placeholders expanded, and the vision inputs."""
-        try:
-            with self.scheduler.tokenizer_lock:
-                return self.processor.encode(messages, images)
-        except ValueError as e:  # template or placeholder/image count problems
-            raise PromptError(str(e)) from e
 
     @property
     def max_kv_size(self) -> int | None:
         return self.scheduler.pool.max_kv_size
 
     def start(self) -> None:
+        if self.workers is None:
+            self.workers = ThreadPoolExecutor(PROMPT_WORKERS, thread_name_prefix="mlxc-prompt")
         self.scheduler.start()
 
     def stop(self) -> None:
         self.scheduler.stop()
+        if self.workers is not None:
+            self.workers.shutdown(wait=False, cancel_futures=True)
+            self.workers = None
 
-    # Prompt building runs on the event loop thread; the lock keeps the tokenizer away from
-    # the scheduler thread's detokenizers while it works.
+    # Prompt building: called in the worker threads (never on the event loop).
+
+    def encode_chat_with_images(self, messages: list[dict], images: list) -> Prompt:
+        """Prompt ids with the image placeholders expanded, and the vision inputs (numpy)."""
+        try:
+            with self._prompt_lock:
+                return self.processor.encode(messages, images)
+        except ValueError as e:  # the template (named), or placeholder/image count problems
+            raise PromptError(str(e)) from e
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        tok = self.tokenizer
+        from mlxc.runtime.tokenizer import render_chat_template
+
+        tok = self.prompt_tokenizer
         if not (self.chat_template or getattr(tok, "chat_template", None)):
             raise PromptError(
                 "this model has no chat template: start the server with --chat-template FILE, "
                 "or send a raw prompt to /v1/completions"
             )
+        source = "--chat-template" if self.chat_template else None  # None: the tokenizer's
         try:
-            with self.scheduler.tokenizer_lock:
-                rendered = tok.apply_chat_template(
-                    messages,
-                    chat_template=self.chat_template,
-                    add_generation_prompt=True,
-                    tokenize=False,
+            with self._prompt_lock:
+                rendered = render_chat_template(
+                    tok, messages, chat_template=self.chat_template, source=source
                 )
                 # The template writes BOS and the other special tokens itself (as `mlxc
                 # generate` does): do not add them twice.
                 return list(tok.encode(rendered, add_special_tokens=False))
-        except Exception as e:  # jinja TemplateError from raise_exception(...), bad roles...
-            raise PromptError(f"the chat template rejected the messages: {e}") from e
+        except ValueError as e:  # ChatTemplateError names the template
+            raise PromptError(str(e)) from e
 
     def encode_text(self, text: str) -> list[int]:
         from mlxc.runtime.tokenizer import encode_prompt
 
-        with self.scheduler.tokenizer_lock:
-            return encode_prompt(self.tokenizer, text, chat_template=False)
+        with self._prompt_lock:
+            return encode_prompt(self.prompt_tokenizer, text, chat_template=False)
 
 
 # --- errors --------------------------------------------------------------------------------------
@@ -300,7 +338,7 @@ class _Sampling(_Schema):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)  # -1 (vLLM) or 0: no top-k filter
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64[0], le=INT64[1])
     stop: str | list[str] | None = None
     n: int | None = 1
     stream: bool | None = False
@@ -364,13 +402,53 @@ class CompletionRequest(_Sampling):
             )
 
 
-# --- prompt building ------------------------------------------------------------------------------
+# --- prompt building (in the worker threads) ------------------------------------------------------
 
 
-def _decode_image(url: str):
-    """A data URL or bare base64 string -> a decoded PIL image (400 on anything else)."""
-    from mlxc.runtime.processor import ImageInputError, load_image
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server (the ``mlxc serve`` flags of the same names)."""
 
+    default_max_tokens: int = DEFAULT_MAX_TOKENS  # --max-tokens
+    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_images: int = DEFAULT_MAX_IMAGES  # --max-images-per-request
+    max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
+            raise ValueError(
+                f"the default max_tokens ({self.default_max_tokens}) must be between 1 and "
+                f"the max_tokens limit ({self.max_tokens_limit})"
+            )
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _parse_body(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(400, f"the body is not valid JSON: {e}") from e
+    except RecursionError:
+        raise APIError(400, "the body is not valid here: its JSON is nested too deeply") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}")
+    # JSON may spell a lone UTF-16 surrogate ("\ud800"), which is no text a tokenizer can
+    # encode. Only a \uD8xx-\uDFxx escape can make one: check further only when one is there.
+    if _SURROGATE_ESCAPE.search(body):
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(
+                400, "the body holds a lone UTF-16 surrogate escape (such as \\ud800): not text"
+            ) from None
+    return data
+
+
+def _image_bytes(index: int, url: str) -> bytes:
+    """The bytes of a data URL or bare base64 string (400 on anything else)."""
     if url.startswith(("http://", "https://", "file:")):
         raise APIError(
             400,
@@ -380,17 +458,44 @@ def _decode_image(url: str):
         )
     payload = url.split(",", 1)[1] if url.startswith("data:") and "," in url else url
     try:
-        data = base64.b64decode(payload, validate=True)
+        return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise APIError(400, f"an image is not valid base64: {e}", param="messages") from e
+        raise APIError(400, f"image {index} is not valid base64: {e}", param="messages") from e
+
+
+def _decode_images(urls: list[str], limits: Limits) -> list:
+    """The request's images as decoded PIL images. Their count and their pixels (read from the
+    headers) are checked against the limits before any image is decoded."""
+    from mlxc.runtime.processor import ImageInputError, image_size, load_image
+
+    if len(urls) > limits.max_images:
+        raise APIError(
+            400,
+            f"the request has {len(urls)} images; this server takes at most {limits.max_images} "
+            "per request (--max-images-per-request)",
+            param="messages",
+        )
+    data = [_image_bytes(i, url) for i, url in enumerate(urls)]
     try:
-        return load_image(data)  # refuses decompression bombs before decoding
+        sizes = [image_size(d) for d in data]
+        pixels = sum(w * h for w, h in sizes)
+        if pixels > limits.max_request_pixels:
+            listed = ", ".join(f"{w}x{h}" for w, h in sizes)
+            raise APIError(
+                400,
+                f"the request's images ({listed}) have {pixels} pixels; this server takes at "
+                f"most {limits.max_request_pixels} per request (--max-request-pixels)",
+                param="messages",
+            )
+        return [load_image(d) for d in data]  # each also bounded by the per-image limit
     except ImageInputError as e:
         raise APIError(400, f"an image cannot be used: {e}", param="messages") from e
 
 
-def _chat_prompt(engine: Engine, req: ChatCompletionRequest) -> tuple[list[int], dict | None]:
-    """Prompt ids, and the vision inputs of its images (None without images)."""
+def _chat_prompt(
+    engine: Engine, req: ChatCompletionRequest, limits: Limits
+) -> tuple[list[int], dict | None]:
+    """Prompt ids, and the vision inputs (numpy) of its images (None without images)."""
     messages, images = [], []
     for message in req.messages:
         content = message.content
@@ -416,13 +521,12 @@ def _chat_prompt(engine: Engine, req: ChatCompletionRequest) -> tuple[list[int],
             param="messages",
             code="image_input_not_supported",
         )
-    decoded = [_decode_image(url) for url in images]
+    decoded = _decode_images(images, limits)
     try:
         prompt = engine.encode_chat_with_images(messages, decoded)
     except PromptError as e:
         raise APIError(400, str(e), param="messages") from e
-    # numpy, not mx: MLX arrays are made on the scheduler thread, which owns MLX.
-    return prompt.ids, {k: np.asarray(v) for k, v in (prompt.vision or {}).items()}
+    return prompt.ids, prompt.vision
 
 
 def _completion_prompt(engine: Engine, req: CompletionRequest) -> list[int]:
@@ -447,11 +551,12 @@ def _completion_prompt(engine: Engine, req: CompletionRequest) -> list[int]:
 
 
 def _max_tokens(
-    engine: Engine, n_prompt: int, requested: int | None, default: int, prompt_param: str
+    engine: Engine, n_prompt: int, requested: int | None, limits: Limits, prompt_param: str
 ) -> int:
     """The completion budget; 400 when the prompt does not fit the context."""
     if n_prompt == 0:
         raise APIError(400, "the prompt encodes to no tokens", param=prompt_param)
+    default = limits.default_max_tokens
     ctx = engine.context_length
     if ctx is None or engine.max_kv_size is not None:
         # A bounded cache slides: any length fits (the operator opted in with --max-kv-size).
@@ -478,6 +583,56 @@ def _max_tokens(
     return requested
 
 
+def _check_model(engine: Engine, name: str | None) -> None:
+    if name is not None and name not in engine.names:
+        raise APIError(
+            404,
+            f"the model {name!r} does not exist: this server serves {engine.model_id!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+@dataclass
+class _Job:
+    """A request made ready for the scheduler."""
+
+    kind: str  # "chat" or "text"
+    req: _Sampling
+    prompt_ids: list[int]
+    vision: dict | None
+    max_tokens: int
+
+
+def _prepare(engine: Engine, kind: str, body: bytes, limits: Limits) -> _Job:
+    """Body -> a checked job (APIError otherwise). CPU-bound: runs in ``engine.workers``."""
+    data = _parse_body(body)
+    schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    try:
+        req = schema.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    except RecursionError:
+        raise APIError(400, "the body is not valid here: its JSON is nested too deeply") from None
+    _check_model(engine, req.model)
+    req.check_supported()
+    requested = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    if requested is not None and requested > limits.max_tokens_limit:
+        raise APIError(
+            400,
+            f"max_tokens ({requested}) is over this server's limit of "
+            f"{limits.max_tokens_limit} tokens per request (--max-tokens-limit)",
+            param="max_tokens",
+        )
+    if kind == "chat":
+        prompt_ids, vision = _chat_prompt(engine, req, limits)
+    else:
+        prompt_ids, vision = _completion_prompt(engine, req), None
+    prompt_param = "messages" if kind == "chat" else "prompt"
+    max_tokens = _max_tokens(engine, len(prompt_ids), requested, limits, prompt_param)
+    return _Job(kind, req, prompt_ids, vision, max_tokens)
+
+
 # --- the app --------------------------------------------------------------------------------------
 
 
@@ -497,6 +652,39 @@ class _SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.handle.cancel()  # a no-op when it finished
+
+
+def _failure(event: Failed) -> APIError:
+    if event.shutdown:
+        return APIError(503, event.message, type="server_error", code="server_shutting_down")
+    return APIError(500, event.message, type="server_error")
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body must have been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Coroutine) -> Response:
+    """``work``'s response, or, when the client disconnects first, ``work`` cancelled (its
+    ``finally`` cancels the scheduler request: the slot is free within one step) and a 499.
+
+    A streaming response is returned as soon as it starts; from then on its own disconnect
+    listener (Starlette's) ends it, and the scheduler request with it.
+    """
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    await asyncio.wait((task,))  # let it unwind
+    return Response(status_code=499)  # nobody reads it
 
 
 def _sse(obj: Any) -> str:
@@ -563,7 +751,7 @@ class _Reply:
         while True:
             event = await events.get()
             if isinstance(event, Failed):
-                yield _sse(APIError(500, event.message, type="server_error").body())
+                yield _sse(_failure(event).body())
                 break
             if event.text:
                 yield chunk(event.text)
@@ -581,9 +769,28 @@ def create_app(
     *,
     api_key: str | None = None,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_images: int = DEFAULT_MAX_IMAGES,
+    max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS,
+    bind_host: str = "127.0.0.1",
+    allowed_hosts: tuple[str, ...] = (),
+    allowed_origins: tuple[str, ...] = (),
 ) -> FastAPI:
-    """The FastAPI app serving ``engine``; its lifespan starts and stops the scheduler."""
+    """The FastAPI app serving ``engine``; its lifespan starts and stops the scheduler.
+
+    ``bind_host``, ``allowed_hosts`` and ``allowed_origins`` configure the Host and Origin
+    checks (:class:`mlxc.runtime.http_guard.HostOriginGuard`).
+    """
+    from mlxc.runtime.http_guard import HostOriginGuard
+
+    limits = Limits(
+        default_max_tokens=default_max_tokens,
+        max_tokens_limit=max_tokens_limit,
+        max_body_bytes=max_body_bytes,
+        max_images=max_images,
+        max_request_pixels=max_request_pixels,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -595,6 +802,12 @@ def create_app(
 
     app = FastAPI(title="mlxc", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine = engine
+    app.add_middleware(
+        HostOriginGuard,
+        bind_host=bind_host,
+        allowed_hosts=allowed_hosts,
+        allowed_origins=allowed_origins,
+    )
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -631,7 +844,7 @@ def create_app(
                 code="invalid_api_key",
             )
 
-    async def read_json(request: Request) -> dict[str, Any]:
+    async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length")
         too_big = APIError(
             413,
@@ -645,96 +858,59 @@ def create_app(
             body += chunk
             if len(body) > max_body_bytes:
                 raise too_big
-        try:
-            data = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise APIError(400, f"the body is not valid JSON: {e}") from e
-        if not isinstance(data, dict):
-            raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}")
-        return data
+        return bytes(body)
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name not in engine.names:
-            raise APIError(
-                404,
-                f"the model {name!r} does not exist: this server serves {engine.model_id!r}",
-                param="model",
-                code="model_not_found",
-            )
-
-    def submit(prompt_ids: list[int], params: SamplingParams, vision: dict | None = None):
+    def submit(job: _Job):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
         def emit(event) -> None:  # scheduler thread -> event loop
             loop.call_soon_threadsafe(events.put_nowait, event)
 
+        params = job.req.params(job.max_tokens)
         try:
-            handle = engine.scheduler.submit(prompt_ids, params, emit, model_inputs=vision)
+            handle = engine.scheduler.submit(job.prompt_ids, params, emit, model_inputs=job.vision)
         except QueueFull as e:
             raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from e
         except SchedulerStopped as e:
             raise APIError(503, str(e), type="server_error") from e
         return handle, events
 
-    async def serve(
-        request: Request,
-        req: _Sampling,
-        prompt_ids: list[int],
-        reply: _Reply,
-        vision: dict | None = None,
-    ):
-        """Queue the generation; answer JSON, or SSE when the request streams."""
-        max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
-        prompt_param = "messages" if reply.kind == "chat" else "prompt"
-        max_tokens = _max_tokens(
-            engine, len(prompt_ids), max_tokens, default_max_tokens, prompt_param
-        )
-        handle, events = submit(prompt_ids, req.params(max_tokens), vision)
-        if req.stream:
-            return _SSEResponse(reply.stream(events, req.include_usage), handle)
+    async def complete(kind: str, body: bytes) -> Response:
+        """Prepare the request in a worker, queue it; answer JSON, or SSE when it streams."""
+        loop = asyncio.get_running_loop()
+        engine.preparing += 1
+        try:
+            job = await loop.run_in_executor(engine.workers, _prepare, engine, kind, body, limits)
+        finally:
+            engine.preparing -= 1
+        handle, events = submit(job)
+        reply = _Reply(engine, kind)
+        if job.req.stream:
+            return _SSEResponse(reply.stream(events, job.req.include_usage), handle)
         try:
             parts = []
             while True:
-                try:
-                    event = await asyncio.wait_for(events.get(), timeout=1.0)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        return JSONResponse({}, status_code=499)  # nobody reads it
-                    continue
+                event = await events.get()
                 if isinstance(event, Failed):
-                    raise APIError(500, event.message, type="server_error")
+                    raise _failure(event)
                 parts.append(event.text)
                 if isinstance(event, Finished):
-                    return reply.whole("".join(parts), event)
+                    return JSONResponse(reply.whole("".join(parts), event))
         finally:
             handle.cancel()  # client gone or error: free the slot (a no-op once finished)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         check_auth(request)
-        data = await read_json(request)
-        try:
-            req = ChatCompletionRequest.model_validate(data)
-        except ValidationError as e:
-            raise _validation_error(e) from None
-        check_model(req.model)
-        req.check_supported()
-        prompt_ids, vision = _chat_prompt(engine, req)
-        return await serve(request, req, prompt_ids, _Reply(engine, "chat"), vision)
+        body = await read_body(request)
+        return await _unless_disconnected(request, complete("chat", body))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         check_auth(request)
-        data = await read_json(request)
-        try:
-            req = CompletionRequest.model_validate(data)
-        except ValidationError as e:
-            raise _validation_error(e) from None
-        check_model(req.model)
-        req.check_supported()
-        prompt = _completion_prompt(engine, req)
-        return await serve(request, req, prompt, _Reply(engine, "text"))
+        body = await read_body(request)
+        return await _unless_disconnected(request, complete("text", body))
 
     def model_card() -> dict[str, Any]:
         card = {
@@ -756,7 +932,7 @@ def create_app(
     @app.get("/v1/models/{name:path}")
     async def model(name: str, request: Request):
         check_auth(request)
-        check_model(name)
+        _check_model(engine, name)
         return model_card()
 
     @app.get("/health")
@@ -766,8 +942,53 @@ def create_app(
         body = {
             "status": "ok" if alive else "error",
             "model": engine.model_id,
+            "preparing": engine.preparing,  # requests being parsed, rendered and tokenized
             **engine.scheduler.stats(),
         }
         return JSONResponse(body, status_code=200 if alive else 503)
 
     return app
+
+
+# --- running it -----------------------------------------------------------------------------------
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``: bound before the model loads, so a port in use is
+    an error at once, not after minutes of loading. OSError when it cannot be bound."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        # As uvicorn does: rebinding over TIME_WAIT connections of a previous run is fine
+        # (on Linux this never lets two servers listen on one port).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, ending every request at once on Ctrl-C / SIGTERM: each stream gets a final
+    error event and ``[DONE]``, so the graceful shutdown has no stream to wait for, and the
+    process exits 0 (uvicorn would re-raise the signal: a KeyboardInterrupt traceback)."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig, frame) -> None:
+        self.engine.scheduler.request_stop()  # a lock and a notify: safe in a signal handler
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()  # a stop on request is a normal exit
+
+
+def run(app: FastAPI, sock: socket.socket, *, log_level: str = "info") -> None:
+    """Serve ``app`` (made by :func:`create_app`) on ``sock`` (from :func:`bind`) until a
+    signal stops it."""
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+    _Server(config, app.state.engine).run(sockets=[sock])

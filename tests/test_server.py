@@ -352,6 +352,23 @@ BAD_REQUESTS = [
     ("prompt longer than the context", user(LONG * 3), 400, "context", AUTH),
     ("max_tokens past the context", user("hi", max_tokens=600), 400, "context", AUTH),
     ("oversize body", user("x" * 20000), 413, "limit", AUTH),
+    ("max_tokens over the limit", user("hi", max_tokens=40000), 400, "--max-tokens-limit", AUTH),
+    ("seed past int64", user("hi", seed=2**63, temperature=1), 400, "seed", AUTH),
+    ("seed before int64", user("hi", seed=-(2**63) - 1, temperature=1), 400, "seed", AUTH),
+    (
+        "lone surrogate",
+        b'{"messages": [{"role": "user", "content": "a\\ud800"}]}',
+        400,
+        "surrogate",
+        AUTH,
+    ),
+    (
+        "nested 5k deep (under the body limit)",
+        b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+        400,
+        "nested too deeply",
+        AUTH,
+    ),
 ]
 
 
@@ -390,20 +407,31 @@ def test_bad_completions_input(api):
             ({"prompt": list(range(3, 303)) * 2}, 400, "context"),
             ({"prompt": 5}, 400, "prompt"),
             ({"prompt": "hi", "echo": True}, 400, "echo"),
+            (b'{"prompt": "a\\ud800b"}', 400, "surrogate"),  # JSON may spell one; not text
+            ({"prompt": "hi", "seed": 2**64, "temperature": 1.0}, 400, "seed"),
         ]
         for body, status, words in cases:
-            r = c.post("/v1/completions", json=body)
+            if isinstance(body, bytes):
+                headers = {"content-type": "application/json"}
+                r = c.post("/v1/completions", content=body, headers=headers)
+            else:
+                r = c.post("/v1/completions", json=body)
             assert r.status_code == status, (body, r.text)
             assert words in r.json()["error"]["message"]
         ok = c.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2})
         assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 3
+        # Any int64 seeds a sampler (a negative one was a 500); the same seed, the same text.
+        seeded = {"prompt": "hi", "max_tokens": 4, "temperature": 1.0, "seed": -(2**63)}
+        first, again = (c.post("/v1/completions", json=seeded) for _ in range(2))
+        assert first.status_code == 200, first.text
+        assert first.json()["choices"][0]["text"] == again.json()["choices"][0]["text"]
 
 
 def test_body_over_the_limit_is_refused_before_it_is_read(api):
     # Declares 1 GB and sends none of it: the answer comes from the header alone.
     reply = raw_http(
         api,
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
         + KEY.encode()
         + b"\r\nContent-Type: application/json\r\nContent-Length: 1000000000\r\n"
         + b"Connection: close\r\n\r\n",

@@ -150,7 +150,8 @@ def test_health_reports_a_dead_scheduler(tmp_path):
         engine.start()
     from fastapi.testclient import TestClient
 
-    with TestClient(create_app(engine), raise_server_exceptions=False) as client:
+    app = create_app(engine)
+    with TestClient(app, base_url="http://127.0.0.1", raise_server_exceptions=False) as client:
         r = client.get("/health")
         assert r.status_code == 503 and r.json()["status"] == "error"
         r = client.post("/v1/completions", json={"prompt": "hi"})

@@ -93,3 +93,35 @@ def test_bad_images_get_400_and_the_server_keeps_serving(served, url, words):
             json={"messages": [image_message(image, SHORT)], "max_tokens": 2},
         )
         assert good.status_code == 200, good.text
+
+
+def test_image_count_and_pixels_are_bounded_before_decoding(served):
+    """More images than --max-images-per-request, or headers whose pixels exceed
+    --max-request-pixels (12 PNG headers of 9000x9000: 4.8 GB and 60 s of decoding before),
+    are refused from the request and the headers alone; the server keeps serving."""
+    from test_processor import png_header_only
+
+    _, image, server = served
+    small = base64.b64encode(image.read_bytes()).decode()
+    huge = base64.b64encode(png_header_only(9000, 9000)).decode()
+
+    def parts(data: str, n: int) -> list[dict]:
+        url = f"data:image/png;base64,{data}"
+        return [{"type": "image_url", "image_url": {"url": url}}] * n
+
+    with server.client() as c:
+        for content, words in (
+            (parts(small, 9), "at most 8 per request (--max-images-per-request)"),
+            (parts(huge, 2), "162000000 pixels; this server takes at most 67108864"),
+        ):
+            r = c.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": content}], "max_tokens": 2},
+            )
+            assert r.status_code == 400, r.text
+            assert words in r.json()["error"]["message"]
+        good = c.post(
+            "/v1/chat/completions",
+            json={"messages": [image_message(image, SHORT)], "max_tokens": 2},
+        )
+        assert good.status_code == 200, good.text
