@@ -181,20 +181,22 @@ def _config_items(node: dict, prefix: str = "") -> list[tuple[str, Any]]:
 
 
 def _check_layer_counts(config: dict, names: list[str], config_file: Path) -> None:
-    """Refuse a layer count beyond the checkpoint's deepest stack, before the model is built:
-    building 1e5 layers takes a minute and gigabytes before a name check could fail."""
+    """Refuse a layer count below 1 or beyond the checkpoint's deepest stack, before the model
+    is built: building 1e5 layers takes a minute and gigabytes before a name check could fail.
+    (Fewer layers than the stack is no error: DeepSeek-style checkpoints store an MTP layer.)"""
     indices = [int(m.group(1)) for n in names if (m := _LAYER_INDEX.search(n))]
     depth = max(indices) + 1 if indices else len(names)
     what = f"{depth} layers (indices 0-{depth - 1})" if indices else f"{depth} tensors"
     for key, value in _config_items(config):
         if key.rsplit(".", 1)[-1] not in _LAYER_COUNT_KEYS or isinstance(value, bool):
             continue
-        if isinstance(value, (int, float)) and value > depth:
-            shown = f"{value:g}" if isinstance(value, float) else value
-            raise CheckpointError(
-                f"{config_file}: '{key}' is {shown}, but the checkpoint's weights hold only "
-                f"{what}: fix config.json or fetch the weights that belong to it"
-            )
+        if not isinstance(value, (int, float)) or 1 <= value <= depth:
+            continue
+        shown = f"{value:g}" if isinstance(value, float) else value
+        raise CheckpointError(
+            f"{config_file}: '{key}' is {shown}, but the checkpoint's weights hold {what}: "
+            "fix config.json or fetch the weights that belong to it"
+        )
 
 
 def _entries(reads: dict[str, Any], keep) -> str:
@@ -276,13 +278,21 @@ def _check_weights(
         )
     if wrong:
         problems.append(f"{len(wrong)} tensor(s) with the wrong shape: {_names(wrong)}")
+        # (expected, found) sizes; an entry is named where it is the expected size, or a factor
+        # of it (heads x head_dim) that the size found does not have.
         sizes = {
-            e
+            (e, a)
             for k in set(expected) & set(weights)
             for e, a in zip(expected[k].shape, weights[k].shape)
             if e != a
         }
-        if suspects := _entries(reads or {}, lambda v: v in sizes):
+
+        def gives(v) -> bool:
+            return isinstance(v, int) and any(
+                v == e or (v > 0 and e % v == 0 and a % v) for e, a in sizes
+            )
+
+        if suspects := _entries(reads or {}, gives):
             problems.append(f"config.json entries giving the sizes the weights lack: {suspects}")
     if problems:
         raise CheckpointError(

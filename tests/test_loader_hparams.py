@@ -55,7 +55,7 @@ def test_absurd_layer_count_fails_before_the_model_is_built(base, tmp_path, monk
     built = []
     monkeypatch.setattr(llama.Model, "__init__", lambda self, args: built.append(args))
     msg = load_error(path)
-    assert "'num_hidden_layers' is 100000" in msg and "2 layers" in msg
+    assert "'num_hidden_layers' is 100000" in msg and "hold 2 layers" in msg
     assert built == []
 
 
@@ -68,6 +68,8 @@ def test_absurd_layer_count_fails_before_the_model_is_built(base, tmp_path, monk
         ({"head_dim": 0}, ["'head_dim' = 0"]),  # was ZeroDivisionError, inside the build
         ({"rms_norm_eps": -1.0}, ["'rms_norm_eps' = -1.0"]),  # was ValueError from RMSNorm
         ({"hidden_size": 100}, ["'hidden_size' = 100", "wrong shape"]),
+        ({"head_dim": 3}, ["'head_dim' = 3", "wrong shape"]),  # a factor of 4 heads x 3
+        ({"num_hidden_layers": 0}, ["'num_hidden_layers' is 0"]),
         ({"intermediate_size": 2**31 - 1}, ["'intermediate_size' = 2147483647"]),
         ({"num_hidden_layers": "2"}, ["'num_hidden_layers' should be int"]),
     ],
