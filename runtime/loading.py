@@ -1,12 +1,14 @@
 """Load an HF checkpoint directory into a generated model (DESIGN.md section 3).
 
 ``config.json`` -> ``model_type`` -> generated module (through the registry the build writes)
--> ``ModelArgs`` -> ``Model`` -> safetensors weights (spec rules applied by ``model.sanitize``,
-quantised when the config says so) -> a strict name and shape check -> ``model.update``.
+-> safetensors headers (names and shapes; data is read lazily) -> layer counts checked against
+them -> ``ModelArgs`` -> ``Model`` (lazy arrays: nothing allocated) -> spec rules
+(``model.sanitize``), quantised when the config says so -> a strict name and shape check ->
+``model.update``.
 
 Every check runs before the model receives a single weight, so a failed load never leaves a
 half-loaded model behind. All failures raise :class:`CheckpointError` with a message that names
-the culprit (file, tensor, key) and says what to do.
+the culprit (file, tensor, config entry) and says what to do.
 """
 
 from __future__ import annotations
@@ -188,9 +190,10 @@ def _check_layer_counts(config: dict, names: list[str], config_file: Path) -> No
     depth = max(indices) + 1 if indices else len(names)
     what = f"{depth} layers (indices 0-{depth - 1})" if indices else f"{depth} tensors"
     for key, value in _config_items(config):
-        if key.rsplit(".", 1)[-1] not in _LAYER_COUNT_KEYS or isinstance(value, bool):
+        counts = key.rsplit(".", 1)[-1] in _LAYER_COUNT_KEYS
+        if not counts or not isinstance(value, (int, float)) or isinstance(value, bool):
             continue
-        if not isinstance(value, (int, float)) or 1 <= value <= depth:
+        if 1 <= value <= depth:
             continue
         shown = f"{value:g}" if isinstance(value, float) else value
         raise CheckpointError(
@@ -253,8 +256,8 @@ def _check_weights(
 ) -> None:
     """Raise unless ``weights`` has exactly the model's tensors with the model's shapes.
 
-    ``reads``: the config.json entries the model was built from; those equal to a size the
-    checkpoint does not have are named.
+    ``reads``: the config.json entries the model was built from; those that give a size the
+    weights do not have are named.
     """
     expected = dict(tree_flatten(model.parameters()))
 
