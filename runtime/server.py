@@ -210,7 +210,8 @@ class Engine:
     # Prompt building: called in the worker threads (never on the event loop).
 
     def encode_chat_with_images(self, messages: list[dict], images: list) -> Prompt:
-        """Prompt ids with the image placeholders expanded, and the vision inputs (numpy)."""
+        """Through the processor: prompt ids with the image placeholders expanded, and the
+        vision inputs (numpy; None without images)."""
         try:
             with self._prompt_lock:
                 return self.processor.encode(messages, images)
@@ -509,19 +510,21 @@ def _chat_prompt(
                     parts.append({"type": "text", "text": part.text})
             content = parts if images else "".join(p["text"] for p in parts)
         messages.append({"role": message.role, "content": content or ""})
-    if not images:
+    if engine.processor is None:  # a text model
+        if images:
+            raise APIError(
+                400,
+                f"this model takes no images: {engine.model_id} is a text model; send text "
+                "parts only",
+                param="messages",
+                code="image_input_not_supported",
+            )
         try:
             return engine.encode_chat(messages), None
         except PromptError as e:
             raise APIError(400, str(e), param="messages") from e
-    if engine.processor is None:
-        raise APIError(
-            400,
-            f"this model takes no images: {engine.model_id} is a text model; send text parts only",
-            param="messages",
-            code="image_input_not_supported",
-        )
-    decoded = _decode_images(images, limits)
+    # A VL model renders every chat, with images or without, through its processor's template.
+    decoded = _decode_images(images, limits) if images else []
     try:
         prompt = engine.encode_chat_with_images(messages, decoded)
     except PromptError as e:

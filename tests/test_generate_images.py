@@ -272,17 +272,20 @@ def test_cli_image_errors(checkpoint, text_checkpoint, tmp_path, monkeypatch):
     assert_one_error_line(gen(path, tmp_path), "directory")
 
 
-@pytest.fixture(scope="module")
-def qwen2_5_vl_3b(tmp_path_factory):
+def make_qwen2_5_vl_3b(path):
     """A tiny qwen2_5_vl with Qwen2.5-VL-3B-Instruct's own tokenizer_config.json (a text-only
-    chat template) and chat_template.json (the VL one), and an image."""
-    path = tmp_path_factory.mktemp("qwen2_5_vl-3b-files")
+    chat template) and chat_template.json (the VL one), and an image: (path, image path)."""
     build("qwen2_5_vl", path)
     write_qwen2_5_vl_3b_files(path)
     image = path.parent / f"{path.name}.png"
     h, w = IMAGE_SIZES[0]
     Image.fromarray(np.random.default_rng(5).integers(0, 256, (h, w, 3), np.uint8)).save(image)
     return path, image
+
+
+@pytest.fixture(scope="module")
+def qwen2_5_vl_3b(tmp_path_factory):
+    return make_qwen2_5_vl_3b(tmp_path_factory.mktemp("qwen2_5_vl-3b-files"))
 
 
 def test_cli_images_with_the_qwen2_5_vl_3b_templates(qwen2_5_vl_3b, tmp_path):

@@ -125,3 +125,34 @@ def test_image_count_and_pixels_are_bounded_before_decoding(served):
             json={"messages": [image_message(image, SHORT)], "max_tokens": 2},
         )
         assert good.status_code == 200, good.text
+
+
+def test_qwen2_5_vl_3b_templates_through_the_server(tmp_path_factory, logs):
+    """Qwen2.5-VL-3B-Instruct's own files: the text-only template in tokenizer_config.json and
+    the VL one in chat_template.json. The server renders chats (with an image or without) with
+    the processor's; before, every image chat was a 500 (TypeError in the text template). With
+    only the text template left, an image chat is a 400 that names the template."""
+    from test_generate_images import make_qwen2_5_vl_3b
+
+    path, image = make_qwen2_5_vl_3b(tmp_path_factory.mktemp("qwen2_5_vl-3b-files"))
+    bare = path.parent / f"{path.name}-no-processor-template"
+    bare.mkdir()
+    for f in path.iterdir():
+        if f.name != "chat_template.json":
+            (bare / f.name).write_bytes(f.read_bytes())
+    for model, status, words in (
+        (path, 200, None),
+        (bare, 400, "the chat template from tokenizer_config.json failed"),
+    ):
+        server = Server(["--model", model], logs)
+        try:
+            with server.client() as c:
+                body = {"messages": [image_message(image, "describe")], "max_tokens": 2}
+                r = c.post("/v1/chat/completions", json=body)
+                assert r.status_code == status, r.text
+                if words:
+                    assert words in r.json()["error"]["message"]
+                text = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+                assert c.post("/v1/chat/completions", json=text).status_code == 200
+        finally:
+            server.close()
