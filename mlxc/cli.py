@@ -131,33 +131,6 @@ class _GenerateCommand(click.Command):
 _DEFAULT_MAX_TOKENS = 256
 
 
-def _completion_length(
-    n_prompt: int, requested: int | None, context: int | None, max_kv_size: int | None
-) -> int:
-    """--max-tokens under the server's rule (``runtime/server.py`` ``_max_tokens``): prompt and
-    completion fit the model's context unless --max-kv-size slides the cache; with no
-    --max-tokens, the default shrinks to the room left."""
-    if context is None or max_kv_size is not None:
-        return requested or _DEFAULT_MAX_TOKENS
-    if n_prompt >= context:
-        raise click.BadParameter(
-            f"it encodes to {n_prompt} tokens but the model's context is {context} tokens: "
-            "shorten it, or pass --max-kv-size N to keep a sliding window",
-            param_hint="'--prompt'",
-        )
-    room = context - n_prompt
-    if requested is None:
-        return min(_DEFAULT_MAX_TOKENS, room)
-    if requested > room:
-        raise click.BadParameter(
-            f"the prompt ({n_prompt} tokens) plus {requested} exceeds the model's context of "
-            f"{context} tokens: ask for at most {room}, or pass --max-kv-size N to keep a "
-            "sliding window",
-            param_hint="'--max-tokens'",
-        )
-    return requested
-
-
 @main.command(cls=_GenerateCommand)
 @click.option(
     "--model",
@@ -241,7 +214,12 @@ def generate(
 
     # MLX and transformers load here, not at CLI start-up: lint and build never need them.
     from mlxc.runtime.config import context_length
-    from mlxc.runtime.generate import DEFAULT_KV_SINK, generate_tokens
+    from mlxc.runtime.generate import (
+        DEFAULT_KV_SINK,
+        ContextExceeded,
+        completion_budget,
+        generate_tokens,
+    )
     from mlxc.runtime.loading import (
         CheckpointError,
         load_model,
@@ -313,7 +291,12 @@ def generate(
     if not ids:
         raise click.BadParameter("encodes to no tokens", param_hint="'--prompt'")
     # Before the weights load: a prompt or --max-tokens past the context fails at once.
-    max_tokens = _completion_length(len(ids), max_tokens, context_length(config), max_kv_size)
+    try:
+        max_tokens = completion_budget(
+            len(ids), max_tokens, _DEFAULT_MAX_TOKENS, context_length(config), max_kv_size
+        )
+    except ContextExceeded as e:
+        raise click.BadParameter(str(e), param_hint=f"'--{e.param.replace('_', '-')}'") from e
     try:
         model = load_model(model_dir)
     except CheckpointError as e:
@@ -543,14 +526,14 @@ def serve(
     if model_dir is None:
         from mlxc.runtime import demo
 
-        model_dir = demo.ensure_demo()
+        try:
+            model_dir = demo.ensure_demo()
+        except (OSError, RuntimeError) as e:
+            sock.close()
+            raise _OneLineError(f"cannot write the demo checkpoint: {e}") from e
         model_id = model_id or demo.DEMO_MODEL_ID
         description = demo.DEMO_DESCRIPTION
-        log.warning(
-            "no --model: serving the built-in demo checkpoint %s. Its weights are RANDOM: the "
-            "output is meaningless text. Pass --model DIR to serve a real model.",
-            model_dir,
-        )
+        log.warning("%s", demo.no_model_warning("serving", model_dir))
     try:
         engine = Engine.from_path(
             model_dir,

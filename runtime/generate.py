@@ -18,6 +18,48 @@ from mlxc.runtime.cache import cache_arrays, check_kv_limits, enforce_max_kv
 from mlxc.runtime.cache import trimmable as caches_to_trim
 from mlxc.runtime.sample import Sampler, make_sampler
 
+
+class ContextExceeded(ValueError):
+    """A prompt, or a prompt plus the tokens asked for, past the model's context. ``param`` is
+    what to change: "prompt" or "max_tokens"."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def completion_budget(
+    n_prompt: int, requested: int | None, default: int, context: int | None, max_kv_size: int | None
+) -> int:
+    """How many tokens to generate after a prompt of ``n_prompt`` (``mlxc generate``'s and the
+    server's one rule).
+
+    Without ``max_kv_size``, prompt and completion fit the model's ``context`` (None: unknown,
+    no bound): a prompt at or over it, or ``requested`` past the room left, is
+    :class:`ContextExceeded`; with nothing requested, ``default`` shrinks to the room. Under
+    ``max_kv_size`` the cache slides, so any length fits.
+    """
+    if context is None or max_kv_size is not None:
+        return requested or default
+    if n_prompt >= context:
+        raise ContextExceeded(
+            f"the prompt has {n_prompt} tokens but the model's context is {context} tokens: "
+            "shorten it, or keep a sliding window with --max-kv-size N",
+            "prompt",
+        )
+    room = context - n_prompt
+    if requested is None:
+        return min(default, room)
+    if requested > room:
+        raise ContextExceeded(
+            f"the prompt ({n_prompt} tokens) plus max_tokens ({requested}) exceeds the model's "
+            f"context of {context} tokens: ask for at most {room} tokens, or keep a sliding "
+            "window with --max-kv-size N",
+            "max_tokens",
+        )
+    return requested
+
+
 # StreamingLLM (Xiao et al., 2023) found that a few initial tokens soak up attention mass
 # ("attention sinks"); evicting them degrades a sliding window sharply, keeping 4 restores it.
 DEFAULT_KV_SINK = 4

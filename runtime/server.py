@@ -134,7 +134,7 @@ class Engine:
     ) -> Engine:
         """Load the checkpoint at ``path`` and start the scheduler; CheckpointError when it
         cannot be served. The model is built on the scheduler thread, which owns MLX."""
-        from mlxc.runtime.config import lookup
+        from mlxc.runtime.config import context_length, lookup
         from mlxc.runtime.loading import (
             CheckpointError,
             load_model,
@@ -181,7 +181,7 @@ class Engine:
             model_id=name,
             aliases=(str(path),),
             eos_token_ids=eos_token_ids(tokenizer, path),
-            context_length=config_int("max_position_embeddings"),
+            context_length=context_length(config),
             vocab_size=config_int("vocab_size"),
             chat_template=chat_template,
             description=description,
@@ -557,33 +557,21 @@ def _max_tokens(
     engine: Engine, n_prompt: int, requested: int | None, limits: Limits, prompt_param: str
 ) -> int:
     """The completion budget; 400 when the prompt does not fit the context."""
+    from mlxc.runtime.generate import ContextExceeded, completion_budget
+
     if n_prompt == 0:
         raise APIError(400, "the prompt encodes to no tokens", param=prompt_param)
-    default = limits.default_max_tokens
-    ctx = engine.context_length
-    if ctx is None or engine.max_kv_size is not None:
-        # A bounded cache slides: any length fits (the operator opted in with --max-kv-size).
-        return requested or default
-    if n_prompt >= ctx:
-        raise APIError(
-            400,
-            f"the prompt has {n_prompt} tokens but the model's context is {ctx} tokens: "
-            "shorten it, or start the server with --max-kv-size N to keep a sliding window",
-            param=prompt_param,
-            code="context_length_exceeded",
+    try:
+        return completion_budget(
+            n_prompt,
+            requested,
+            limits.default_max_tokens,
+            engine.context_length,
+            engine.max_kv_size,
         )
-    room = ctx - n_prompt
-    if requested is None:
-        return min(default, room)
-    if requested > room:
-        raise APIError(
-            400,
-            f"the prompt ({n_prompt} tokens) plus max_tokens ({requested}) exceeds the model's "
-            f"context of {ctx} tokens: ask for at most {room} tokens",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    return requested
+    except ContextExceeded as e:
+        param = prompt_param if e.param == "prompt" else "max_tokens"
+        raise APIError(400, str(e), param=param, code="context_length_exceeded") from e
 
 
 def _check_model(engine: Engine, name: str | None) -> None:
