@@ -255,39 +255,39 @@ def generate(
         click.echo(f"warning: {demo.no_model_warning('generating with', model_dir)}", err=True)
     try:
         config = read_config(model_dir)  # "not a checkpoint" before "no tokenizer"
-        tower = None
-        if images:  # fail before loading weights: a text model, an unreadable image
-            tower = getattr(resolve_module(registry_key(config)), "VISION_TOWER", None)
-            if tower is None:
-                raise click.BadParameter(
-                    f"the {config.get('model_type')} model at {model_dir} takes no images "
-                    "(it has no vision tower)",
-                    param_hint="'--image'",
-                )
-            try:
-                pil_images = [load_image(p) for p in images]
-            except ImageInputError as e:
-                raise click.BadParameter(str(e), param_hint="'--image'") from e
+        tower = getattr(resolve_module(registry_key(config)), "VISION_TOWER", None)
+        if images and tower is None:  # fail before loading weights
+            raise click.BadParameter(
+                f"the {config.get('model_type')} model at {model_dir} takes no images "
+                "(it has no vision tower)",
+                param_hint="'--image'",
+            )
+        try:
+            pil_images = [load_image(p) for p in images]
+        except ImageInputError as e:
+            raise click.BadParameter(str(e), param_hint="'--image'") from e
         tokenizer = load_tokenizer(model_dir)
         if tokenizer is None:
             raise CheckpointError(
                 f"no tokenizer in {model_dir} (tokenizer.json, tokenizer_config.json or "
                 "tokenizer.model): copy the tokenizer files of the model there"
             )
-        processor = load_processor(model_dir, tokenizer, tower) if images else None
+        # A VL model renders every prompt, with images or without, through its processor (and
+        # its chat template), as the server does.
+        processor = load_processor(model_dir, tokenizer, tower) if tower else None
     except (CheckpointError, ValueError) as e:  # ValueError: inconsistent processor files
         raise _OneLineError(str(e), 1) from e
 
     template = False if no_chat_template else None
     vision_inputs = None
-    if processor is not None:
-        try:
+    try:
+        if processor is not None:
             encoded = processor.encode_text_and_images(prompt, pil_images, chat_template=template)
-        except ValueError as e:  # ImageInputError included
-            raise _OneLineError(str(e), 1) from e
-        ids, vision_inputs = encoded.ids, encoded.vision
-    else:
-        ids = encode_prompt(tokenizer, prompt, chat_template=template)
+            ids, vision_inputs = encoded.ids, encoded.vision
+        else:
+            ids = encode_prompt(tokenizer, prompt, chat_template=template)
+    except ValueError as e:  # the chat template (named), or images that do not fit the prompt
+        raise _OneLineError(str(e), 1) from e
     if not ids:
         raise click.BadParameter("encodes to no tokens", param_hint="'--prompt'")
     # Before the weights load: a prompt or --max-tokens past the context fails at once.

@@ -407,3 +407,18 @@ def test_llama_long_prompt_under_small_kv_limit(llama_checkpoint):
     # Unbounded greedy over a short prompt agrees with a full recompute.
     short = prompt[:20]
     assert list(generate_tokens(model, short, max_tokens=5)) == greedy_reference(model, short, 5)
+
+
+def test_cli_a_failing_chat_template_is_one_error_line_naming_it(checkpoint):
+    # A template's raise_exception (or one that cannot take the messages) was a traceback.
+    config_file = checkpoint / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = "{{ raise_exception('system messages only') }}"
+    config_file.write_text(json.dumps(config))
+    (checkpoint / "chat_template.jinja").unlink(missing_ok=True)
+    result = run_cli("--model", checkpoint, "--prompt", "hi", "--max-tokens", 2)
+    assert_one_error_line(
+        result, 1, "the chat template from tokenizer_config.json failed", "system messages only"
+    )
+    raw = run_cli("--model", checkpoint, "--prompt", "hi", "--max-tokens", 2, "--no-chat-template")
+    assert raw.exit_code == 0, raw.output
