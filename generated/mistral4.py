@@ -294,20 +294,15 @@ class Model(nn.Module):
         self,
         input_ids: mx.array,
         cache: SequenceCache | None = None,
-        attention_mask: mx.array | None = None,
         last_only: bool = False,
     ) -> mx.array:
         """Logits ``[B, L, vocab]`` for ``input_ids`` ``[B, L]``, appending to ``cache``.
 
-        ``attention_mask`` ``[B, L]`` (0 at left padding) comes with the first chunk of a
-        batch of prompts of different lengths.
         ``last_only``: logits of the last position only, ``[B, 1, vocab]``: generation reads
         nothing else, and the vocabulary projection is the costliest matmul of a prefill.
         """
         if cache is None:
             cache = self.make_cache()
-        if attention_mask is not None:
-            cache.set_left_padding(attention_mask)
         h = self.model(input_ids, cache)
         if last_only:
             h = h[:, -1:, :]

@@ -266,23 +266,18 @@ class Model(nn.Module):
         self,
         input_ids: mx.array,
         cache: SequenceCache | None = None,
-        attention_mask: mx.array | None = None,
         last_only: bool = False,
         pixel_values: mx.array | None = None,
         image_grid_thw: mx.array | None = None,
     ) -> mx.array:
         """Logits ``[B, L, vocab]`` for ``input_ids`` ``[B, L]``, appending to ``cache``.
 
-        ``attention_mask`` ``[B, L]`` (0 at left padding) comes with the first chunk of a
-        batch of prompts of different lengths; so do the vision inputs, whose features
-        later chunks use.
+        The vision inputs come with the first chunk of a prompt; later chunks use their features.
         ``last_only``: logits of the last position only, ``[B, 1, vocab]``: generation reads
         nothing else, and the vocabulary projection is the costliest matmul of a prefill.
         """
         if cache is None:
             cache = self.make_cache()
-        if attention_mask is not None:
-            cache.set_left_padding(attention_mask)
         if pixel_values is not None:
             cache.images = self.model.image_features(pixel_values, image_grid_thw)
             cache.rope_state.add_images(image_grid_thw)

@@ -145,7 +145,7 @@ class BatchKVCache:
     def extend(self, caches: list[KVCache]) -> None:
         """Add one row per cache (single-sequence caches, each ``[1, H, live_len, D]``)."""
         for cache in caches:
-            if cache.keys is None or cache.keys.shape[0] != 1 or cache.left_padding is not None:
+            if cache.keys is None or cache.keys.shape[0] != 1:
                 raise ValueError("only a single sequence's filled cache joins a decode batch")
         lives = np.array([c.live_len for c in caches], np.int64)
         width = max(self.width, int(lives.max()))
@@ -245,12 +245,12 @@ class BatchCache(SequenceCache):
 
     @staticmethod
     def accepts(caches: list) -> bool:
-        """Whether a sequence's caches can join a batch: plain KV caches of one unpadded row,
-        and positions that continue as plain offsets (every image token already seen)."""
-        if not caches or not all(type(c) is KVCache and c.left_padding is None for c in caches):
+        """Whether a sequence's caches can join a batch: plain KV caches, and positions that
+        continue as plain offsets (every image token already seen)."""
+        if not caches or not all(type(c) is KVCache for c in caches):
             return False
         state = getattr(caches, "rope_state", None)
-        return state is None or (state.grids is None and state.left_padding is None)
+        return state is None or state.grids is None
 
     def extend(self, sequences: list[list[KVCache]]) -> None:
         """Add each sequence's caches as a new row (see ``accepts``)."""

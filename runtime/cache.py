@@ -1,4 +1,4 @@
-"""KV cache with a monotonic offset and a trimmable live window (DESIGN.md section 5).
+"""KV cache with a monotonic offset and a trimmable live window.
 
 Two quantities that a bounded cache separates, and that generated code reads by label:
 
@@ -33,7 +33,6 @@ class KVCache:
         self.offset = 0
         self.live_start = 0
         self.sink = 0  # the `keep` of the trims so far: these front tokens are never dropped
-        self.left_padding: mx.array | None = None  # [B] pad tokens at each row's front
 
     @property
     def live_len(self) -> int:
@@ -98,16 +97,9 @@ class KVCache:
         self.live_start += n
         return n
 
-    def key_valid(self) -> mx.array | None:
-        """``[B, 1, 1, live_len]``: which live keys are real tokens, not left padding (None
-        without padding). A live key's absolute position is its index inside the sink, else
-        its index plus ``live_start``; the row's pads are its first ``left_padding`` positions.
-        """
-        if self.left_padding is None:
-            return None
-        index = mx.arange(self.live_len)
-        position = mx.where(index < self.sink, index, index + self.live_start)
-        return (position[None, :] >= self.left_padding[:, None])[:, None, None, :]
+    def key_valid(self) -> None:
+        """Every live key is attended to: rows move in lockstep (a decode batch's rows do not,
+        ``BatchKVCache.key_valid``)."""
 
     @property
     def nbytes(self) -> int:

@@ -1,8 +1,8 @@
 """Single-sequence generation: chunked prefill, then one decode step per token.
 
-The bounded-cache rule (DESIGN.md sections 1 and 5) runs here as everywhere else: after every
-prefill chunk and every decode step, ``enforce_max_kv`` trims each cache back to ``max_kv_size``
-live tokens (keeping ``kv_sink`` sink tokens at the front).
+The bounded-cache rule runs here as everywhere else: after every prefill chunk and every decode
+step, ``enforce_max_kv`` trims each cache back to ``max_kv_size`` live tokens (keeping
+``kv_sink`` sink tokens at the front).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Load an HF checkpoint directory into a generated model (DESIGN.md section 3).
+"""Load an HF checkpoint directory into a generated model.
 
 ``config.json`` -> ``model_type`` -> generated module (through the registry the build writes)
 -> safetensors headers (names and shapes; data is read lazily) -> layer counts checked against

@@ -63,9 +63,10 @@ def causal(
 ) -> mx.array | str | None:
     """Causal mask for ``n_queries`` new tokens against ``n_keys`` live keys (queries last).
 
-    ``key_valid`` ``[B, 1, 1, n_keys]`` masks out left padding of a batch of prompts. Returns
-    None when no masking is needed (one query, no window, no padding), ``"causal"`` where the
-    string form is exact, else a boolean array ``[..., n_queries, n_keys]`` (True = attend).
+    ``key_valid`` ``[B, 1, 1, n_keys]``: the columns each row may attend to (the rows of a
+    decode batch, ``runtime.batch``). Returns None when no masking is needed (one query, no
+    window, every key valid), ``"causal"`` where the string form is exact, else a boolean
+    array ``[..., n_queries, n_keys]`` (True = attend).
     """
     if n_queries > n_keys:
         raise ValueError(f"{n_queries} queries but only {n_keys} live keys: mask sized wrong")
@@ -73,7 +74,7 @@ def causal(
         if key_valid is None:
             return None if n_queries == 1 else "causal"
         if n_queries == 1:
-            # One new query, the last key: causality masks nothing, and its own key is real.
+            # One new query, the last key: causality masks nothing.
             return key_valid
     q_pos = mx.arange(n_keys - n_queries, n_keys)[:, None]
     k_pos = mx.arange(n_keys)[None, :]
@@ -81,7 +82,5 @@ def causal(
     if window is not None:
         mask = mask & (k_pos > q_pos - window)
     if key_valid is not None:
-        # A pad query still sees itself: a row with nothing to attend to would be NaN, and a
-        # NaN value times a zero weight poisons real rows in later layers.
-        mask = (mask & key_valid) | (k_pos == q_pos)
+        mask = mask & key_valid
     return mask

@@ -36,7 +36,6 @@ def rope_index(
     input_ids: Any,
     image_grid_thw: Any = None,
     video_grid_thw: Any = None,
-    attention_mask: Any = None,
     *,
     spatial_merge_size: int,
     image_token_id: int,
@@ -53,8 +52,6 @@ def rope_index(
         ``video_token_id`` (transformers 5 builds ``mm_token_type_ids`` from exactly these).
       image_grid_thw, video_grid_thw: [n, 3] (t, h, w) in patches, in prompt order over the whole
         batch (row 0's images first).
-      attention_mask: [B, L], 0 at (left) padding. Padding gets position 0 on every row and is
-        not counted.
       spatial_merge_size: vision_config.spatial_merge_size.
       vision_start_token_id: accepted for call compatibility, unused: transformers 5 finds
         images by their own tokens, not by the token before them.
@@ -76,12 +73,11 @@ def rope_index(
 
     Returns:
       position_ids [3, B, L] int64 and rope_deltas [B] int64 where
-      ``rope_deltas[b] = max(position_ids[:, b]) + 1 - (unpadded length of row b)``, so the
-      token after an unpadded prompt of length L sits at ``L + rope_deltas``.
+      ``rope_deltas[b] = max(position_ids[:, b]) + 1 - L``, so the token after the prompt sits
+      at ``L + rope_deltas``.
     """
     ids = np.asarray(input_ids)
     batch, length = ids.shape
-    mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask) != 0
     images = iter(_grid_rows(image_grid_thw))
     videos = _grid_rows(video_grid_thw)
     seconds = iter(second_per_grid_ts if second_per_grid_ts is not None else [1.0] * len(videos))
@@ -92,7 +88,7 @@ def rope_index(
     position_ids = np.zeros((3, batch, length), np.int64)
     deltas = np.zeros(batch, np.int64)
     for b in range(batch):
-        row = ids[b][mask[b]]
+        row = ids[b]
         kind = np.where(row == image_token_id, 1, np.where(row == video_token_id, 2, 0))
         bounds = [0, *(np.flatnonzero(np.diff(kind)) + 1).tolist(), len(row)]
         pieces, pos = [], 0
@@ -116,7 +112,7 @@ def rope_index(
                 raise ValueError(f"row {b}: placeholder tokens and grid sizes disagree")
         if pieces:
             llm = np.concatenate(pieces, axis=1)
-            position_ids[:, b, mask[b]] = llm
+            position_ids[:, b] = llm
             deltas[b] = llm.max() + 1 - len(row)
     return position_ids, deltas
 
@@ -134,30 +130,16 @@ def _grid_rows(grid_thw: Any) -> list[tuple[int, int, int]]:
     return [(int(t), int(h), int(w)) for t, h, w in np.asarray(grid_thw).reshape(-1, 3)]
 
 
-def decode_positions(
-    offset: int, rope_deltas: Any, B: int, L: int, *, left_padding: Any = None
-) -> np.ndarray:
+def decode_positions(offset: int, rope_deltas: Any, B: int, L: int) -> np.ndarray:
     """Positions [3, B, L] of ``L`` text tokens at absolute index ``offset`` after the prompt:
-    ``offset + i + rope_deltas`` on all three rows.
-
-    ``offset`` counts every token of the sequence (``cache.offset``, padding included). Rows with
-    ``left_padding[b]`` pad tokens (batched prompts) continue from their unpadded length, as
-    transformers does from the attention mask.
-    """
+    ``offset + i + rope_deltas`` on all three rows (``offset``: ``cache.offset``)."""
     deltas = np.broadcast_to(np.asarray(rope_deltas, np.int64).reshape(-1), (B,))
-    if left_padding is not None:
-        deltas = deltas - np.asarray(left_padding, np.int64).reshape(-1)
     pos = offset + np.arange(L)[None, :] + deltas[:, None]
     return np.broadcast_to(pos, (3, B, L)).copy()
 
 
 def positions(
-    offset: int,
-    L: int,
-    base_positions: np.ndarray | None,
-    rope_deltas: Any,
-    *,
-    left_padding: Any = None,
+    offset: int, L: int, base_positions: np.ndarray | None, rope_deltas: Any
 ) -> np.ndarray:
     """Positions [3, B, L] of the chunk ``[offset, offset + L)``: the prompt's rows where the
     chunk lies inside the prompt (``base_positions``, from ``rope_index``), decode positions
@@ -168,9 +150,7 @@ def positions(
     n_inside = 0 if inside is None else inside.shape[-1]
     if n_inside == L:
         return inside
-    after = decode_positions(
-        offset + n_inside, rope_deltas, B, L - n_inside, left_padding=left_padding
-    )
+    after = decode_positions(offset + n_inside, rope_deltas, B, L - n_inside)
     return after if inside is None else np.concatenate([inside, after], axis=-1)
 
 
@@ -192,7 +172,6 @@ class PromptPositions:
         self.grids: np.ndarray | None = None  # [n, 3] images whose tokens are still to come
         self.history: np.ndarray | None = None  # [B, T] tokens since the sequence start
         self.deltas: np.ndarray = np.zeros(1, np.int64)
-        self.left_padding: np.ndarray | None = None  # [B] pads at each row's front
 
     def add_images(self, image_grid_thw: Any) -> None:
         self.grids = np.asarray(image_grid_thw, np.int64).reshape(-1, 3)
@@ -201,7 +180,7 @@ class PromptPositions:
         """Positions ``[3, B, L]`` of the chunk ``input_ids [B, L]`` starting at ``offset``."""
         B, L = input_ids.shape
         if self.grids is None:  # from the shape alone: no host read of a lazy decode token
-            return decode_positions(offset, self.deltas, B, L, left_padding=self.left_padding)
+            return decode_positions(offset, self.deltas, B, L)
         ids = np.asarray(input_ids)
         if self.history is None:  # text before the images ran at positions 0..offset-1
             self.history = np.full((B, offset), -1, ids.dtype)
@@ -219,12 +198,7 @@ class PromptPositions:
         completed = history
         if missing:  # a chunk boundary inside an image: complete it to index the prefix
             completed = np.concatenate([history, np.full((1, missing), image_token)], axis=1)
-        mask = None
-        if self.left_padding is not None:
-            mask = np.arange(completed.shape[1])[None, :] >= self.left_padding[:, None]
-        pos, deltas = rope_index(
-            completed, self.grids[:started], attention_mask=mask, **self.index_kwargs
-        )
+        pos, deltas = rope_index(completed, self.grids[:started], **self.index_kwargs)
         if seen >= int(per_grid[-1]):  # every image seen: plain offsets from now on
             self.grids, self.history, self.deltas = None, None, deltas
         else:

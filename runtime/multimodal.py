@@ -32,20 +32,6 @@ class SequenceCache(list):
     def offset(self) -> int:
         return self[0].offset
 
-    def set_left_padding(self, attention_mask) -> None:
-        """A batch of prompts padded on the left: ``attention_mask`` ``[B, L]``, 0 at pads,
-        given with the first chunk. Pads are masked out as keys for the whole sequence."""
-        mask = np.asarray(attention_mask) != 0
-        if self.offset != 0:
-            raise ValueError("attention_mask comes with the first chunk of a prompt")
-        pad = (~mask).sum(axis=1)
-        if any(mask[b, : pad[b]].any() for b in range(len(pad))):
-            raise ValueError("attention_mask must pad on the left (zeros first in each row)")
-        for cache in self:
-            cache.left_padding = mx.array(pad)
-        if self.rope_state is not None:
-            self.rope_state.left_padding = pad
-
 
 @dataclass
 class ImageFeatures:

@@ -1,4 +1,4 @@
-"""Chat messages + images -> prompt ids and the model's vision inputs (DESIGN.md section 3).
+"""Chat messages + images -> prompt ids and the model's vision inputs.
 
 ``load_processor(path, tokenizer, tower)`` picks the preprocessing of the model's vision tower
 (the generated module's ``VISION_TOWER``):

@@ -1,4 +1,4 @@
-"""Continuous-batching scheduler and KV cache pool for ``mlxc serve`` (DESIGN.md sections 3, 5).
+"""Continuous-batching scheduler and KV cache pool for ``mlxc serve``.
 
 One background thread owns MLX and the model: MLX is not safe under concurrent forwards, so
 every model call, sampler call and cache operation happens on it (given a ``load`` function, it

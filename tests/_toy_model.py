@@ -67,7 +67,7 @@ class Attention(nn.Module):
             return t.reshape(B, L, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
 
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
-        # monotonic-position for RoPE, live-window for the mask (DESIGN.md section 1).
+        # monotonic-position for RoPE, live-window for the mask (as generated code routes them).
         q = mx.fast.rope(
             q, self.head_dim, traditional=False, base=10000.0, scale=1.0, offset=cache.offset
         )

@@ -373,7 +373,7 @@ def llama_checkpoint(tmp_path_factory):
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    with torch.no_grad():  # transformers' init is near zero: re-randomise (DESIGN.md 6)
+    with torch.no_grad():  # transformers' init is near zero: re-randomise
         for p in model.parameters():
             p.normal_(0, 0.3)
     model.save_pretrained(path, safe_serialization=True)

@@ -41,16 +41,11 @@ class _Prompt:
 
 
 def _batch(prompts):
-    """Left-padded [B, L] ids and mask, plus all grids in batch order (None when empty)."""
-    length = max(len(p.ids) for p in prompts)
-    ids = np.zeros((len(prompts), length), np.int64)
-    mask = np.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, length - len(p.ids) :] = p.ids
-        mask[b, length - len(p.ids) :] = 1
+    """[B, L] ids of prompts of one length, plus all grids in batch order (None when empty)."""
+    ids = np.array([p.ids for p in prompts], np.int64)
     images = [g for p in prompts for g in p.images] or None
     videos = [g for p in prompts for g in p.videos] or None
-    return ids, mask, images, videos
+    return ids, images, videos
 
 
 def _cases(model_type):
@@ -61,11 +56,11 @@ def _cases(model_type):
         "text_only": [P().text(9)],
         "one_image": [P().text(3).image(1, 6, 8).text(4)],
         "two_images": [P().text(2).image(1, 6, 8).text(3).image(1, 12, 4).text(2)],
-        "batch_padded": [
+        "batch": [  # two prompts of 18 tokens
             P().text(2).image(1, 6, 8).text(2),
-            P().text(5).image(1, 4, 4).text(1).image(1, 12, 4).text(3),
+            P().text(5).image(1, 4, 4).text(7),
         ],
-        "batch_text_and_image": [P().text(4), P().text(1).image(1, 6, 8).text(2)],
+        "batch_text_and_image": [P().text(18), P().text(1).image(1, 6, 8).text(3)],
         # a long video (temporal row outgrows h, w) then text; and an image after a video
         "video": [P().text(2).video(4, 4, 6, per_frame=qwen3).text(3)],
         "video_then_image": [P().text(1).video(2, 4, 4, per_frame=qwen3).text(2).image(1, 6, 8)],
@@ -74,13 +69,12 @@ def _cases(model_type):
     }
 
 
-def _ours(model, model_type, ids, mask, images, videos, seconds=None):
+def _ours(model, model_type, ids, images, videos, seconds=None):
     vision = model.config.vision_config
     return mrope.rope_index(
         ids,
         images,
         videos,
-        mask,
         spatial_merge_size=vision.spatial_merge_size,
         image_token_id=model.config.image_token_id,
         video_token_id=model.config.video_token_id,
@@ -91,7 +85,7 @@ def _ours(model, model_type, ids, mask, images, videos, seconds=None):
     )
 
 
-def _theirs(model, model_type, ids, mask, images, videos, seconds=None):
+def _theirs(model, model_type, ids, images, videos, seconds=None):
     t = lambda a: None if a is None else torch.tensor(np.asarray(a))
     extra = {"second_per_grid_ts": t(seconds)} if model_type == "qwen2_5_vl" else {}
     types = np.where(ids == IMAGE, 1, np.where(ids == VIDEO, 2, 0))
@@ -100,7 +94,6 @@ def _theirs(model, model_type, ids, mask, images, videos, seconds=None):
         mm_token_type_ids=t(types),
         image_grid_thw=t(images),
         video_grid_thw=t(videos),
-        attention_mask=t(mask),
         **extra,
     )
     return pos.numpy(), deltas.numpy().reshape(-1)
@@ -117,7 +110,7 @@ def model_type_and_model(request):
         "text_only",
         "one_image",
         "two_images",
-        "batch_padded",
+        "batch",
         "batch_text_and_image",
         "video",
         "video_then_image",
@@ -126,26 +119,20 @@ def model_type_and_model(request):
 )
 def test_rope_index_matches_transformers(model_type_and_model, case):
     model_type, model = model_type_and_model
-    ids, mask, images, videos = _batch(_cases(model_type)[case])
+    ids, images, videos = _batch(_cases(model_type)[case])
     seconds = [0.5] if videos and model_type == "qwen2_5_vl" else None
-    # a single prompt also without a mask; a batch of different lengths needs its mask
-    for m in [mask, None] if len(ids) == 1 else [mask]:
-        ours = _ours(model, model_type, ids, m, images, videos, seconds)
-        theirs = _theirs(model, model_type, ids, m, images, videos, seconds)
-        np.testing.assert_array_equal(ours[0], theirs[0])
-        np.testing.assert_array_equal(ours[1], theirs[1])
-        assert ours[0].shape == (3,) + ids.shape and ours[1].shape == (ids.shape[0],)
+    ours = _ours(model, model_type, ids, images, videos, seconds)
+    theirs = _theirs(model, model_type, ids, images, videos, seconds)
+    np.testing.assert_array_equal(ours[0], theirs[0])
+    np.testing.assert_array_equal(ours[1], theirs[1])
+    assert ours[0].shape == (3,) + ids.shape and ours[1].shape == (ids.shape[0],)
 
 
 def test_qwen25_video_timing_default_seconds():
     model = build("qwen2_5_vl")
-    ids, mask, images, videos = _batch(
-        [_Prompt(np.random.default_rng(0)).text(2).video(3, 4, 4).text(1)]
-    )
-    ours = _ours(model, "qwen2_5_vl", ids, mask, images, videos)
-    np.testing.assert_array_equal(
-        ours[0], _theirs(model, "qwen2_5_vl", ids, mask, images, videos)[0]
-    )
+    ids, images, videos = _batch([_Prompt(np.random.default_rng(0)).text(2).video(3, 4, 4).text(1)])
+    ours = _ours(model, "qwen2_5_vl", ids, images, videos)
+    np.testing.assert_array_equal(ours[0], _theirs(model, "qwen2_5_vl", ids, images, videos)[0])
     # tokens_per_second (4) x 1 s per temporal patch: frames at p, p+4, p+8
     assert sorted(set(ours[0][0, 0, 3:15].tolist())) == [3, 7, 11]
 
@@ -179,24 +166,22 @@ def test_decode_positions_match_transformers(model_type_and_model, batched):
     """The token after the prompt: transformers' decode branch (cache filled, rope_deltas set)."""
     model_type, model = model_type_and_model
     cases = _cases(model_type)
-    prompts = cases["batch_padded"] if batched else cases["two_images"]
-    ids, mask, images, videos = _batch(prompts)
-    base, deltas = _ours(model, model_type, ids, mask, images, videos)
+    prompts = cases["batch"] if batched else cases["two_images"]
+    ids, images, videos = _batch(prompts)
+    base, deltas = _ours(model, model_type, ids, images, videos)
     B, L = ids.shape
     hidden = model.config.text_config.hidden_size
 
     model.model.rope_deltas = torch.tensor(deltas).reshape(B, 1)
-    full_mask = torch.tensor(np.concatenate([mask, np.ones((B, 1), np.int64)], axis=1))
     theirs = model.model.compute_3d_position_ids(
         input_ids=torch.zeros(B, 1, dtype=torch.long),
         inputs_embeds=torch.zeros(B, 1, hidden),
-        attention_mask=full_mask if batched else None,
+        attention_mask=None,
         cache=_Cache(L),
         image_grid_thw=None,
         video_grid_thw=None,
     )[..., -1:].numpy()
-    pad = L - mask.sum(axis=1)
-    ours = mrope.decode_positions(L, deltas, B, 1, left_padding=pad if batched else None)
+    ours = mrope.decode_positions(L, deltas, B, 1)
     np.testing.assert_array_equal(ours, theirs)
     # and the continuation follows the prompt's largest position on each row
     assert (ours[0, :, 0] == base.max(axis=(0, 2)) + 1).all()
@@ -204,8 +189,8 @@ def test_decode_positions_match_transformers(model_type_and_model, batched):
 
 def test_positions_slice_the_prompt_then_continue():
     model = build("qwen2_vl")
-    ids, mask, images, videos = _batch(_cases("qwen2_vl")["two_images"])
-    base, deltas = _ours(model, "qwen2_vl", ids, mask, images, videos)
+    ids, images, videos = _batch(_cases("qwen2_vl")["two_images"])
+    base, deltas = _ours(model, "qwen2_vl", ids, images, videos)
     L = ids.shape[1]
     np.testing.assert_array_equal(mrope.positions(5, 7, base, deltas), base[..., 5:12])
     across = mrope.positions(L - 2, 5, base, deltas)  # a chunk over the end of the prompt
@@ -226,8 +211,8 @@ def test_rotation_matches_transformers(model_type_and_model, offset):
     rope = text.rope_parameters
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 
-    ids, mask, images, videos = _batch(_cases(model_type)["batch_padded"])
-    pos, _ = _ours(model, model_type, ids, mask, images, videos)
+    ids, images, videos = _batch(_cases(model_type)["batch"])
+    pos, _ = _ours(model, model_type, ids, images, videos)
     pos = pos + offset  # absolute positions deep into a sequence
     B, L = ids.shape
     rng = np.random.default_rng(3)
