@@ -487,6 +487,7 @@ def render_model(spec: schema.Spec, source: str, spec_label: str) -> str:
             for a in attentions.values()
         ],
         "cached_classes": _class_tuple([a["class_name"] for a in attentions.values()]),
+        "attentions": list(attentions.values()),  # TextModel resolves their routed inputs once
         "uses_rope": any(
             a["template"] == "attention_gqa.py.j2" and a["rope"] and not a["rope"]["mrope"]
             for a in attentions.values()
