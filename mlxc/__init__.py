@@ -1,7 +1,8 @@
 """mlxc: declarative model-definition compiler to MLX, and the runtime its output runs on.
 
 ``mlxc.load_model(path)`` and ``mlxc.load(path)`` are imported lazily so that the compiler and
-``mlxc lint`` never import MLX.
+``mlxc lint`` never import MLX. Both take ``specs=DIR``: your own specs, compiled in memory next
+to the built-in ones.
 """
 
 from mlxc.runtime import blas as _blas

@@ -24,6 +24,36 @@ def _specs_or_exit(fn, *args):
         sys.exit(2)
 
 
+def _specs_option(command):
+    """``--specs DIR``: your own specs, compiled in memory next to the built-in ones."""
+    return click.option(
+        "--specs",
+        default=None,
+        metavar="DIR",
+        type=click.Path(exists=True),
+        help="Directory of your own specs (or one spec file), compiled in memory next to the "
+        "built-in ones: no build, no reinstall. Lint findings (a model_type a built-in spec "
+        "serves is R001) exit 1 before anything runs.",
+    )(command)
+
+
+def _user_specs_or_exit(specs: str | None) -> None:
+    """Compile ``--specs`` before anything runs: findings are printed and exit 1, unusable input
+    (no specs there) exits 2. Later lookups reuse the compiled modules."""
+    if specs is None:
+        return
+    from mlxc.compiler.findings import render
+    from mlxc.runtime.loading import registry
+    from mlxc.runtime.user_specs import SpecError
+
+    try:
+        _specs_or_exit(registry, specs)
+    except SpecError as err:
+        click.echo(render(err.findings, "text"), err=True)
+        click.echo(f"error: lint findings in --specs {specs}; nothing run", err=True)
+        sys.exit(1)
+
+
 @main.command()
 @click.argument("paths", nargs=-1, required=True)
 @click.option(
@@ -82,12 +112,23 @@ def build(paths: tuple[str, ...], output: str, check: bool) -> None:
 
 
 @main.command()
-@click.argument("paths", nargs=-1, required=True)
-def verify(paths: tuple[str, ...]) -> None:
-    """Run each spec's generated code through a bounded-cache schedule (trims included)."""
+@click.argument("paths", nargs=-1)
+@_specs_option
+def verify(paths: tuple[str, ...], specs: str | None) -> None:
+    """Run each spec's generated code through a bounded-cache schedule (trims included).
+
+    Give spec PATHS, or --specs DIR: DIR's specs only, first checked against the built-in
+    ones as `mlxc generate --specs` uses them.
+    """
     from mlxc.verify import VerifyError
     from mlxc.verify import verify as verify_specs
 
+    if bool(paths) == bool(specs):
+        click.echo("error: give spec PATHS or --specs DIR (one of them)", err=True)
+        sys.exit(2)
+    if specs:
+        _user_specs_or_exit(specs)
+        paths = (specs,)
     try:
         reports = _specs_or_exit(verify_specs, list(paths))
     except VerifyError as err:
@@ -195,6 +236,7 @@ _DEFAULT_MAX_TOKENS = 256
     help="Image file for a vision-language model; repeat for several (they go before the "
     "prompt text, in the order given).",
 )
+@_specs_option
 def generate(
     model_dir,
     prompt,
@@ -208,6 +250,7 @@ def generate(
     prefill_chunk_size,
     no_chat_template,
     images,
+    specs,
 ):
     """Generate a completion for PROMPT, streaming the text to stdout."""
     import time
@@ -245,6 +288,7 @@ def generate(
         raise click.BadParameter(
             f"must be larger than --kv-sink ({kv_sink})", param_hint="'--max-kv-size'"
         )
+    _user_specs_or_exit(specs)
     if model_dir is None:
         from mlxc.runtime import demo
 
@@ -255,7 +299,8 @@ def generate(
         click.echo(f"warning: {demo.no_model_warning('generating with', model_dir)}", err=True)
     try:
         config = read_config(model_dir)  # "not a checkpoint" before "no tokenizer"
-        tower = getattr(resolve_module(registry_key(config)), "VISION_TOWER", None)
+        module = resolve_module(registry_key(config, specs), specs)
+        tower = getattr(module, "VISION_TOWER", None)
         if images and tower is None:  # fail before loading weights
             raise click.BadParameter(
                 f"the {config.get('model_type')} model at {model_dir} takes no images "
@@ -298,7 +343,7 @@ def generate(
     except ContextExceeded as e:
         raise click.BadParameter(str(e), param_hint=f"'--{e.param.replace('_', '-')}'") from e
     try:
-        model = load_model(model_dir)
+        model = load_model(model_dir, specs=specs)
     except CheckpointError as e:
         raise _OneLineError(str(e), 1) from e
 
@@ -469,6 +514,7 @@ def generate(
     show_default=True,
     type=click.Choice(["debug", "info", "warning", "error"]),
 )
+@_specs_option
 def serve(
     model_dir,
     host,
@@ -489,6 +535,7 @@ def serve(
     model_id,
     max_body_bytes,
     log_level,
+    specs,
 ):
     """Serve a model over an OpenAI-compatible HTTP API (chat, completions, streaming)."""
     import logging
@@ -509,6 +556,7 @@ def serve(
         raise click.BadParameter(
             f"must be at most --max-tokens-limit ({max_tokens_limit})", param_hint="'--max-tokens'"
         )
+    _user_specs_or_exit(specs)
     template = None
     if chat_template is not None:
         try:
@@ -545,6 +593,7 @@ def serve(
             prefill_chunk_size=prefill_chunk_size,
             max_concurrency=max_concurrency,
             max_queue=max_queue,
+            specs=specs,
         )
     except CheckpointError as e:
         sock.close()
@@ -663,6 +712,61 @@ def convert(model_dir, out_dir, quantize, bits, group_size, dtype):
 
 
 # --- end convert ----------------------------------------------------------------------------
+
+
+# --- checkpoint (random weights for a spec) -------------------------------------------------
+
+
+@main.command(cls=_GenerateCommand)
+@click.argument("spec", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--out",
+    "out_dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="New directory to write (must not exist, or be empty); appears only when complete.",
+)
+@click.option(
+    "--config",
+    "config_file",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="config.json to build instead of the spec's tiny_config.",
+)
+@click.option(
+    "--seed",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Seed of the random weights: the same seed writes the same weights.",
+)
+def checkpoint(spec, out_dir, config_file, seed):
+    """Write a checkpoint with RANDOM weights for SPEC: config.json (the spec's tiny_config),
+    safetensors and a small tokenizer with a chat template; `mlxc generate --model OUT` runs it.
+    """
+    from mlxc.checkpoint import read_config_file, write_checkpoint
+    from mlxc.compiler.findings import render
+    from mlxc.runtime.loading import CheckpointError
+    from mlxc.runtime.user_specs import SpecError
+
+    try:
+        config = read_config_file(config_file) if config_file else None
+        summary = write_checkpoint(spec, out_dir, config=config, seed=seed)
+    except SpecError as err:
+        click.echo(render(err.findings, "text"), err=True)
+        click.echo(f"error: lint findings in {spec}; nothing written", err=True)
+        sys.exit(1)
+    except CheckpointError as e:
+        raise _OneLineError(str(e), 1) from e
+    click.echo(
+        f"wrote {summary['out']}: spec {summary['spec']}, RANDOM weights (seed {seed}), "
+        f"{summary['parameters'] / 1e6:.2f}M parameters, float32, "
+        f"{summary['bytes'] / 2**20:.1f} MiB; config.json from {summary['config']}; "
+        f"a byte-level tokenizer of {summary['vocab_size']} ids with a chat template"
+    )
+
+
+# --- end checkpoint -------------------------------------------------------------------------
 
 
 if __name__ == "__main__":

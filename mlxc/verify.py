@@ -13,7 +13,6 @@ each row the logits it gets decoding alone.
 
 from __future__ import annotations
 
-import sys
 import types
 from dataclasses import dataclass, field
 
@@ -25,6 +24,7 @@ from mlxc.compiler import build
 from mlxc.runtime import masks
 from mlxc.runtime.batch import BatchCache
 from mlxc.runtime.cache import enforce_max_kv
+from mlxc.runtime.user_specs import load_source
 
 PREFILL_CHUNK = 8
 MAX_KV = 16
@@ -46,14 +46,6 @@ class Report:
     detail: str
     masks_checked: int = 0
     notes: list[str] = field(default_factory=list)
-
-
-def load_source(name: str, source: str) -> types.ModuleType:
-    """Execute generated source as a throwaway module."""
-    module = types.ModuleType(f"mlxc_verify_{name}")
-    sys.modules[module.__name__] = module  # dataclasses resolve annotations through it
-    exec(compile(source, f"<generated {name}>", "exec"), module.__dict__)
-    return module
 
 
 def randomize(model, seed: int = 0) -> None:

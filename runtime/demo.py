@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import string
 import tempfile
 from pathlib import Path
 
@@ -118,25 +119,54 @@ def _bytes_to_unicode() -> dict[int, str]:
     return chars
 
 
-def write_tokenizer(path: Path) -> None:
-    """Byte-level tokenizer: token id = byte value, then the specials; no merges, no training."""
+# Which bytes a vocabulary too small for all 256 keeps, most useful first; the rest are <unk>.
+_BYTE_PRIORITY = ("\n \t\r" + string.ascii_letters + string.digits + string.punctuation).encode()
+
+
+def write_tokenizer(path: Path, vocab_size: int = 256 + len(SPECIALS)) -> dict[str, int]:
+    """Byte-level tokenizer of exactly ``vocab_size`` ids, no merges, no training; returns the
+    ``bos/eos/pad_token_id`` entries of config.json.
+
+    Ids: the bytes (token id = byte value when all 256 fit; else the most useful bytes, in byte
+    order, then ``<unk>`` for the others), then ``SPECIALS``, then reserved ``<|extra_N|>``
+    specials up to ``vocab_size``: every id of the model's vocabulary decodes, and no text
+    encodes to an id past it. The default is the demo's: the 256 bytes and the specials.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    n_bytes = min(256, vocab_size - len(SPECIALS))
+    unk = n_bytes < 256
+    if unk:
+        n_bytes -= 1  # room for <unk>
+    if n_bytes < 1:
+        raise ValueError(
+            f"vocab_size {vocab_size} is too small for a tokenizer: it needs at least "
+            f"{len(SPECIALS) + 2} ids"
+        )
+    rest = [b for b in range(256) if b not in _BYTE_PRIORITY]
+    kept = sorted([*_BYTE_PRIORITY, *rest][:n_bytes])
+    chars = _bytes_to_unicode()
+    vocab = {chars[b]: i for i, b in enumerate(kept)}
+    if unk:
+        vocab["<unk>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>" if unk else None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    assert tok.token_to_id("<s>") == BOS_ID and tok.token_to_id("</s>") == EOS_ID
+    extras = [f"<|extra_{i}|>" for i in range(vocab_size - len(vocab) - len(SPECIALS))]
+    tok.add_special_tokens(["<unk>"] * unk + SPECIALS + extras)
+    assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<s>",
         eos_token="</s>",
         pad_token="<pad>",
+        **({"unk_token": "<unk>"} if unk else {}),
         chat_template=CHAT_TEMPLATE,
     )
     fast.save_pretrained(str(path))
+    ids = {"bos": "<s>", "eos": "</s>", "pad": "<pad>"}
+    return {f"{k}_token_id": tok.token_to_id(t) for k, t in ids.items()}
 
 
 def _weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
@@ -177,5 +207,6 @@ def write_demo(path: Path) -> None:
             w = rng.standard_normal(shape) / shape[1] ** 0.5
         weights[name] = np.ascontiguousarray(w, dtype=np.float32)
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
-    write_tokenizer(path)
+    ids = write_tokenizer(path)
+    assert all(CONFIG[k] == v for k, v in ids.items()), ids
     (path / "config.json").write_text(json.dumps(CONFIG, indent=2) + "\n")

@@ -39,7 +39,7 @@ class CheckpointError(Exception):
 
 
 def model_types() -> dict[str, str]:
-    """Supported HF ``model_type`` -> importable module name (tests patch this)."""
+    """The built-in registry: HF ``model_type`` -> importable module name (tests patch this)."""
     try:
         from mlxc.generated.registry import MODEL_TYPES
     except ImportError:
@@ -47,21 +47,40 @@ def model_types() -> dict[str, str]:
     return {mt: f"mlxc.generated.{name}" for mt, name in MODEL_TYPES.items()}
 
 
-def registry_key(config: dict[str, Any]) -> str | None:
+Specs = str | Path | None  # a directory of your own specs (or one spec file), or None
+
+
+def registry(specs: Specs = None) -> dict[str, str]:
+    """The registry: the built-in one, plus the specs of ``specs`` compiled in memory
+    (``mlxc.runtime.user_specs``). A spec there with lint findings, or serving a model_type
+    the built-in registry serves (R001), raises ``user_specs.SpecError``."""
+    types = model_types()
+    if specs is None:
+        return types
+    from mlxc.runtime.user_specs import compile_specs
+
+    extra = {}
+    for compiled in compile_specs([specs], builtin=types):
+        extra |= compiled.registry()
+    return types | extra
+
+
+def registry_key(config: dict[str, Any], specs: Specs = None) -> str | None:
     """The registry key of a config: ``model_type``, or ``model_type:text_model_type`` where a
     spec serves only one text backbone of a multimodal wrapper (mistral3 + mistral4)."""
     model_type = config.get("model_type")
     text_config = config.get("text_config")
     if isinstance(text_config, dict) and text_config.get("model_type"):
         key = f"{model_type}:{text_config['model_type']}"
-        if key in model_types():
+        if key in registry(specs):
             return key
     return model_type
 
 
-def resolve_module(model_type: str | None) -> ModuleType:
-    """The generated module serving ``model_type``; CheckpointError listing the supported ones."""
-    types = model_types()
+def resolve_module(model_type: str | None, specs: Specs = None) -> ModuleType:
+    """The generated module serving ``model_type`` (``specs``: see :func:`registry`);
+    CheckpointError listing the supported ones."""
+    types = registry(specs)
     if model_type not in types:
         supported = ", ".join(sorted(types)) or "none (run `mlxc build specs/` first)"
         what = "no model_type" if model_type is None else f"unsupported model_type {model_type!r}"
@@ -369,19 +388,23 @@ def _cast(
 # --- public API -----------------------------------------------------------------------------
 
 
-def load_model(path: str | Path, dtype: mx.Dtype | str | None = None) -> nn.Module:
+def load_model(
+    path: str | Path, dtype: mx.Dtype | str | None = None, specs: Specs = None
+) -> nn.Module:
     """Build the generated model for the checkpoint at ``path`` and load its weights.
 
     ``dtype``: None keeps each tensor's checkpoint dtype, except that on a CPU device float16
     and bfloat16 weights become float32; a floating dtype (``mx.float16`` or ``"float16"``)
-    casts every floating weight to it. Raises :class:`CheckpointError` on any problem.
+    casts every floating weight to it. ``specs``: a directory of your own specs, compiled in
+    memory next to the built-in ones (:func:`registry`; ``user_specs.SpecError`` on lint
+    findings). Raises :class:`CheckpointError` on any problem with the checkpoint.
     """
     path = Path(path)
     blas.log_status()  # once per process: which CPU BLAS MLX uses, or how to get a fast one
     target = _target_dtype(dtype)
     config = read_config(path)
     try:
-        module = resolve_module(registry_key(config))
+        module = resolve_module(registry_key(config, specs), specs)
     except CheckpointError as e:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from e
 
@@ -431,9 +454,12 @@ def _find_unreadable(files: list[Path], error: Exception) -> str:
     return f"{error} (files: {', '.join(f.name for f in files)})"
 
 
-def load(path: str | Path, dtype: mx.Dtype | str | None = None) -> tuple[nn.Module, Any]:
-    """``(model, tokenizer)``; the tokenizer is None when the directory has no tokenizer files."""
+def load(
+    path: str | Path, dtype: mx.Dtype | str | None = None, specs: Specs = None
+) -> tuple[nn.Module, Any]:
+    """``(model, tokenizer)``; the tokenizer is None when the directory has no tokenizer files.
+    ``dtype`` and ``specs`` as in :func:`load_model`."""
     from mlxc.runtime.tokenizer import load_tokenizer
 
-    model = load_model(path, dtype=dtype)
+    model = load_model(path, dtype=dtype, specs=specs)
     return model, load_tokenizer(path)

@@ -130,10 +130,12 @@ class Engine:
         model_id: str | None = None,
         chat_template: str | None = None,
         description: str | None = None,
+        specs: str | Path | None = None,
         **scheduler_options: Any,
     ) -> Engine:
         """Load the checkpoint at ``path`` and start the scheduler; CheckpointError when it
-        cannot be served. The model is built on the scheduler thread, which owns MLX."""
+        cannot be served. The model is built on the scheduler thread, which owns MLX.
+        ``specs``: a directory of your own specs, as in ``loading.load_model``."""
         from mlxc.runtime.config import context_length, lookup
         from mlxc.runtime.loading import (
             CheckpointError,
@@ -162,7 +164,7 @@ class Engine:
 
         processor = None
         prompt_tokenizer = copy.deepcopy(tokenizer)
-        module = resolve_module(registry_key(config))
+        module = resolve_module(registry_key(config, specs), specs)
         if getattr(module, "VISION_TOWER", None):
             from mlxc.runtime.processor import load_processor
 
@@ -177,7 +179,7 @@ class Engine:
         engine = cls(
             None,
             tokenizer,
-            load=lambda: load_model(path),
+            load=lambda: load_model(path, specs=specs),
             model_id=name,
             aliases=(str(path),),
             eos_token_ids=eos_token_ids(tokenizer, path),

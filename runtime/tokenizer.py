@@ -27,8 +27,11 @@ def load_tokenizer(path: str | Path) -> Any | None:
     from transformers import AutoTokenizer, PreTrainedConfig  # slow import: only when needed
 
     offline = {"local_files_only": True, "trust_remote_code": False}
+    # A model_type transformers does not know (a spec of your own): skip straight to the retry
+    # below, or transformers warns that it builds a config "of type ``".
+    first = {} if _transformers_knows(path) else {"config": PreTrainedConfig()}
     try:
-        return AutoTokenizer.from_pretrained(str(path), **offline)
+        return AutoTokenizer.from_pretrained(str(path), **first, **offline)
     except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError...
         first_error = e
     # AutoTokenizer also parses config.json, which fails for configs that need remote code
@@ -40,6 +43,18 @@ def load_tokenizer(path: str | Path) -> Any | None:
 
         # Report the first error: it tells more than the retry's.
         raise CheckpointError(f"cannot load the tokenizer in {path}: {first_error}") from e
+
+
+def _transformers_knows(path: Path) -> bool:
+    """Whether transformers has a config class for config.json's model_type (True when there
+    is no readable one: transformers then reports the problem itself)."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return True
+    return not isinstance(model_type, str) or model_type in CONFIG_MAPPING
 
 
 def eos_token_ids(tokenizer: Any, path: str | Path | None = None) -> set[int]:
