@@ -98,6 +98,39 @@ def names(text: str) -> list[tuple[str, int]]:
     ]
 
 
+def param_order(defaults: dict[str, str | None]) -> tuple[list[str], list[list[str]]]:
+    """Params in declaration order, each moved after the params its default expression uses;
+    and the cycles that make this impossible, each as ``[a, b, ..., a]``.
+
+    ``defaults``: every param's default expression, None for a literal default.
+    """
+    uses: dict[str, list[str]] = {}
+    for name, default in defaults.items():
+        try:
+            uses[name] = [n for n, _ in names(default) if n in defaults] if default else []
+        except ExprError:
+            uses[name] = []  # P002 says why
+    order: list[str] = []
+    cycles: list[list[str]] = []
+    state: dict[str, str] = {}
+
+    def visit(name: str, stack: list[str]) -> None:
+        if state.get(name) == "done":
+            return
+        if state.get(name) == "visiting":
+            cycles.append(stack[stack.index(name) :] + [name])
+            return
+        state[name] = "visiting"
+        for used in uses[name]:
+            visit(used, stack + [name])
+        state[name] = "done"
+        order.append(name)
+
+    for name in defaults:
+        visit(name, [])
+    return order, cycles
+
+
 def check(text: str, scope: Scope) -> None:
     """Raise ExprError on bad syntax, a disallowed construct or an undefined name."""
     tree = parse(text)

@@ -12,11 +12,14 @@ from pathlib import Path as FsPath
 
 import pydantic
 
-from mlxc.compiler import expr, schema
+from mlxc.compiler import blocks, expr, schema
 from mlxc.compiler.findings import Finding
+from mlxc.compiler.labels import LABELS, LIVE_WINDOW
+from mlxc.compiler.schema_base import BoolExpr, FloatExpr, IntExpr
 from mlxc.compiler.source import Positions, load_yaml
+from mlxc.compiler.vision import TOWERS
 
-EXPR_TYPES = {schema.IntExpr, schema.FloatExpr, schema.BoolExpr}
+EXPR_TYPES = {IntExpr, FloatExpr, BoolExpr}
 
 
 @dataclass
@@ -47,15 +50,6 @@ class _Reporter:
 # --- schema errors ------------------------------------------------------------------------
 
 
-# Every block `kind`: pydantic puts the discriminator tag into error locations.
-_BLOCK_KINDS = {
-    kind
-    for union in (schema.AttentionBlock, schema.MLPBlock)
-    for model in typing.get_args(typing.get_args(union)[0])
-    for kind in typing.get_args(model.model_fields["kind"].annotation)
-}
-
-
 def _resolve(data, loc) -> tuple[tuple, bool]:
     """Map a pydantic error location onto a path in ``data``, skipping union branch labels.
 
@@ -64,6 +58,7 @@ def _resolve(data, loc) -> tuple[tuple, bool]:
     """
     path: list = []
     node = data
+    kinds = blocks.kind_names()  # pydantic puts the discriminator tag into error locations
     for part in loc:
         if (isinstance(node, dict) and part in node) or (
             isinstance(node, list) and isinstance(part, int) and part < len(node)
@@ -80,7 +75,7 @@ def _resolve(data, loc) -> tuple[tuple, bool]:
             pass  # scalar branch of a union
         elif isinstance(part, str) and part[:1].isupper() and isinstance(node, list):
             return tuple(path), False  # model branch tried on a list
-        elif isinstance(part, str) and part in _BLOCK_KINDS:
+        elif isinstance(part, str) and part in kinds:
             pass  # discriminator tag
         else:
             path.append(part)  # a missing field: keep the name for the message
@@ -223,51 +218,36 @@ def _check_variants(block, loc: tuple, rep: _Reporter) -> None:
             rep.at_value(loc + (i,), "S005", "every variant but the last needs `when`")
 
 
-def _consumed_inputs(raw: dict) -> set[str]:
-    """Inputs an attention block consumes, read from its raw mapping (labels are checked even
-    when other parts of the spec have schema errors)."""
-    kind = raw.get("kind")
-    if kind not in ("gqa", "mla"):
-        return set()
-    used = {"mask"}
-    rope = raw.get("rope")
-    if kind == "mla" or rope is not None:
-        used.add("positions")
-    if isinstance(rope, dict) and rope.get("mrope"):
-        used.add("rope_deltas")
-    if raw.get("sliding_window") is not None:
-        used.add("window")
-    if raw.get("scale") == "llama4":
-        used.add("attn_scale")
-    return used
-
-
 def _check_labels(raw: dict, loc: tuple, rep: _Reporter) -> None:
-    consumed = _consumed_inputs(raw)
+    """Labels of one attention block, read from its raw mapping (labels are checked even when
+    other parts of the spec have schema errors)."""
+    kind = raw.get("kind")
+    block = blocks.BLOCKS["attention"].get(kind) if isinstance(kind, str) else None
+    needs = {} if block is None else {i.name: i.label for i in block.inputs}
+    consumed = set() if block is None else block.consumes(raw)
     inputs = raw.get("inputs") or {}
     if not isinstance(inputs, dict):
         return  # a schema error (S003) already
-    kind = raw.get("kind")
+    known = blocks.known_inputs()
     for name, label in inputs.items():
         at = loc + ("inputs", name)
-        if name not in schema.INPUT_LABELS:
-            known = ", ".join(schema.INPUT_LABELS)
-            rep.at_key(at, "L005", f"unknown attention input '{name}' (known: {known})")
+        if name not in known:
+            rep.at_key(at, "L005", f"unknown attention input '{name}' (known: {', '.join(known)})")
             continue
         if name not in consumed:
             rep.at_key(at, "L005", f"a {kind} block here does not consume '{name}'")
             continue
-        if label not in schema.LABELS:
+        if label not in LABELS:
             rep.at_value(
                 at,
                 "L004",
                 f"'{label}' is not a label: use monotonic-position or live-window",
             )
             continue
-        right = schema.INPUT_LABELS[name]
+        right = needs[name]
         if label == right:
             continue
-        if right == schema.LIVE_WINDOW:
+        if right == LIVE_WINDOW:
             rep.at_value(
                 at,
                 "L001",
@@ -288,7 +268,7 @@ def _check_labels(raw: dict, loc: tuple, rep: _Reporter) -> None:
             where,
             "L003",
             f"{kind} attention consumes '{name}' but has no label for it "
-            f"(add `{name}: {schema.INPUT_LABELS[name]}` under inputs)",
+            f"(add `{name}: {needs[name]}` under inputs)",
         )
 
 
@@ -304,61 +284,28 @@ def _label_findings(data: dict, rep: _Reporter) -> None:
 def _check_supported(spec: schema.Spec, rep: _Reporter) -> None:
     layers = spec.text.layers
     base = ("text", "layers")
-    for part in ("attention", "mlp"):
+    for part in blocks.PARTS:
         for b, loc in _variants(getattr(layers, part), base + (part,)):
-            if isinstance(b, schema.GQA):
-                if b.scale == "llama4":
-                    rep.at_value(loc + ("scale",), "C001", "gqa llama4 scale is not compiled yet")
-                if b.sliding_window is not None:
-                    rep.at_key(
-                        loc + ("sliding_window",), "C001", "sliding windows not compiled yet"
-                    )
-                qwen = spec.vision is not None and spec.vision.tower.startswith("qwen")
-                if b.rope and b.rope.mrope and not qwen:
-                    rep.at_value(
-                        loc + ("rope", "mrope"), "C001", "mrope positions need a qwen vision tower"
-                    )
+            for nc in blocks.kind_of(part, b).not_compiled(b, spec):
+                report = rep.at_key if nc.at_key else rep.at_value
+                report(loc + nc.field, "C001", nc.message)
         kinds = [b.kind for b, _ in _variants(getattr(layers, part), ())]
         if len(kinds) != len(set(kinds)):
             rep.at_key(base + (part,), "C001", f"two {part} variants of the same kind")
-    if layers.deepstack and (spec.vision is None or spec.vision.tower != "qwen3_vit"):
-        rep.at_key(base + ("deepstack",), "C001", "deepstack needs the qwen3_vit tower")
+    if layers.deepstack and (spec.vision is None or not TOWERS[spec.vision.tower].deepstack):
+        towers = " or ".join(name for name, t in TOWERS.items() if t.deepstack)
+        rep.at_key(base + ("deepstack",), "C001", f"deepstack needs the {towers} tower")
     if spec.vision is not None and spec.vision.image_token not in spec.params:
         rep.at_value(
             ("vision", "image_token"), "P001", f"'{spec.vision.image_token}' is not a param"
         )
 
 
-def _param_order(spec: schema.Spec, rep: _Reporter) -> list[str]:
-    """Params in an order where each default comes after what it uses; P003 on cycles."""
-    deps: dict[str, list[str]] = {}
-    for name, p in spec.params.items():
-        uses = []
-        if isinstance(p.default, str) and p.type != "str":
-            try:
-                uses = [n for n, _ in expr.names(p.default) if n in spec.params]
-            except expr.ExprError:
-                pass
-        deps[name] = uses
-    order: list[str] = []
-    state: dict[str, int] = {}
-
-    def visit(name: str, stack: list[str]) -> None:
-        if state.get(name) == 2:
-            return
-        if state.get(name) == 1:
-            cycle = " -> ".join(stack[stack.index(name) :] + [name])
-            rep.at_key(("params", name, "default"), "P003", f"cyclic param defaults: {cycle}")
-            return
-        state[name] = 1
-        for d in deps[name]:
-            visit(d, stack + [name])
-        state[name] = 2
-        order.append(name)
-
-    for name in spec.params:
-        visit(name, [])
-    return order
+def _check_param_cycles(spec: schema.Spec, rep: _Reporter) -> None:
+    _, cycles = expr.param_order({n: p.default_expr for n, p in spec.params.items()})
+    for cycle in cycles:
+        loc = ("params", cycle[0], "default")
+        rep.at_key(loc, "P003", f"cyclic param defaults: {' -> '.join(cycle)}")
 
 
 def _semantic_findings(spec: schema.Spec, rep: _Reporter) -> None:
@@ -366,9 +313,9 @@ def _semantic_findings(spec: schema.Spec, rep: _Reporter) -> None:
     numbers = {n for n, p in spec.params.items() if p.type in expr.NUMBER_TYPES}
     param_scope = expr.Scope(params, numbers=frozenset(numbers))
     for name, p in spec.params.items():
-        if isinstance(p.default, str) and p.type not in ("str", "any"):
-            _check_expr(p.default, param_scope, ("params", name, "default"), rep)
-    _param_order(spec, rep)
+        if p.default_expr is not None:
+            _check_expr(p.default_expr, param_scope, ("params", name, "default"), rep)
+    _check_param_cycles(spec, rep)
 
     layers = spec.text.layers
     lbase = ("text", "layers")
@@ -390,7 +337,7 @@ def _semantic_findings(spec: schema.Spec, rep: _Reporter) -> None:
         in_layers = path[:2] == lbase and path[2:3] != ("repeat",)
         _check_expr(text, layer_scope if in_layers else param_scope, path, rep)
 
-    for part in ("attention", "mlp"):
+    for part in blocks.PARTS:
         block = getattr(layers, part)
         _check_variants(block, lbase + (part,), rep)
         for b, loc in _variants(block, lbase + (part,)):

@@ -1,6 +1,7 @@
 """Every lint rule: a failing fixture under tests/fixtures/lint and the exact line it prints."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ from click.testing import CliRunner
 from mlxc.cli import main
 from mlxc.compiler.findings import RULES
 
+ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "lint"
 F = "tests/fixtures/lint"
 
@@ -64,10 +66,26 @@ def test_rule_fixture_prints_exact_line(name):
     assert f"{F}/{EXPECTED[name]}" in result.output.splitlines()
 
 
+def codes(output: str) -> set[str]:
+    return {line.split(": ", 1)[1].split()[0] for line in output.splitlines()}
+
+
 def test_every_rule_has_a_fixture():
     covered = {line.split(": ", 1)[1].split()[0] for line in EXPECTED.values()}
     covered.add("R001")  # cross-file: test_model_type_served_twice
     assert covered == set(RULES)
+
+
+@pytest.mark.parametrize("rule", RULES.values(), ids=list(RULES))
+def test_each_rules_fixture_shows_it(rule):
+    result = lint(f"{F}/{rule.fixture}")
+    assert result.exit_code == 1, result.output
+    assert rule.code in codes(result.output)
+
+
+def test_every_code_the_compiler_reports_is_a_rule():
+    source = "".join(p.read_text() for p in (ROOT / "compiler").rglob("*.py"))
+    assert set(re.findall(r'"([A-Z]\d{3})"', source)) == set(RULES)
 
 
 def test_model_type_served_twice():
@@ -113,15 +131,16 @@ def test_fixtures_differ_from_ok_only_where_intended():
     # Guard against a fixture that fails for a reason other than the one it is named for.
     for name in EXPECTED:
         result = lint(f"{F}/{name}.yaml")
-        codes = {line.split(": ", 1)[1].split()[0] for line in result.output.splitlines()}
         expected_code = EXPECTED[name].split(": ", 1)[1].split()[0]
-        extra = codes - {expected_code}
+        extra = codes(result.output) - {expected_code}
         if name == "unknown_field":
             extra -= {"S002"}  # renaming a required field also leaves it missing
         assert not extra, (name, result.output)
 
 
-def test_readme_lists_every_rule_with_its_doc():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    for code, doc in RULES.items():
-        assert f"| `{code}` | {doc} |" in readme, code
+def test_readme_rule_table_is_the_rules():
+    # Both ways, in order: every rule with its doc, and no row that is not a rule.
+    section = (ROOT / "README.md").read_text().split("\n## Lint rules\n", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| (.*) \|$", section, re.MULTILINE)
+    assert rows == [(rule.code, rule.doc) for rule in RULES.values()]

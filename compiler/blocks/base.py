@@ -1,0 +1,88 @@
+"""What the compiler knows about one block kind, in one object.
+
+A block kind fills one sublayer slot of a decoder layer (``attention`` or ``mlp``). Its
+``BlockKind`` holds the pydantic schema of its mapping, the attention inputs it consumes with
+the label each needs, what the code generator does not compile yet (C001), its template or
+constructor, and the runtime names the generated module imports for it. Lint, codegen, the
+schema's block unions and the README's block table all read it from the registry
+(``blocks/__init__.py``).
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlxc.compiler.schema_base import Block
+
+
+def _always(raw: dict) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Input:
+    """An input a block may consume, the label it requires, and when the block consumes it.
+
+    ``consumed`` reads the block's raw mapping, so that labels are checked even where other
+    parts of the spec have schema errors; ``when`` says the same in words (README).
+    """
+
+    name: str
+    label: str
+    when: str = ""  # e.g. "`rope`"; "": always
+    consumed: Callable[[dict], bool] = _always
+
+
+@dataclass(frozen=True)
+class NotCompiled:
+    """A construct the schema accepts in this block that the code generator does not compile."""
+
+    field: tuple  # path inside the block
+    message: str
+    at_key: bool = False  # point at the field's key instead of its value
+
+
+class BlockKind:
+    """One block kind. A subclass sets the class attributes and overrides what it compiles."""
+
+    part: typing.ClassVar[str]  # the slot it fills: "attention" or "mlp"
+    schema: typing.ClassVar[type[Block]]  # its mapping; `kind: Literal[...]` names it
+    doc: typing.ClassVar[str]  # one line, for the README's block table
+    inputs: typing.ClassVar[tuple[Input, ...]] = ()
+    # A kind with a template compiles to a class of the generated module named class_name;
+    # the template is rendered with the kind's context() under the name of its part.
+    template: typing.ClassVar[str | None] = None
+    template_dir: typing.ClassVar[Path | None] = None  # None: compiler/templates
+    class_name: typing.ClassVar[str | None] = None
+    kv_cache: typing.ClassVar[bool] = False  # each layer of this kind gets a KVCache
+
+    @property
+    def kind(self) -> str:
+        return typing.get_args(self.schema.model_fields["kind"].annotation)[0]
+
+    def consumes(self, raw: dict) -> set[str]:
+        """The inputs a block, given as its raw mapping, consumes."""
+        return {i.name for i in self.inputs if i.consumed(raw)}
+
+    def not_compiled(self, block, spec) -> Iterable[NotCompiled]:
+        return ()
+
+    def context(self, block, gen) -> dict:
+        """The template's context; it includes ``per_layer``: whether the class reads per-layer
+        fields (its constructor then takes ``layer_idx``)."""
+        raise NotImplementedError(f"{self.kind} has no template")
+
+    def ctor(self, block, gen) -> str | None:
+        """The constructor call of a kind without a template; None: no sublayer at all."""
+        raise NotImplementedError(f"{self.kind} blocks are not compiled")
+
+    def runtime_imports(self, block) -> dict[str, set[str]]:
+        """Runtime names its code uses: module -> names imported from it."""
+        return {}
+
+    def model_context(self, block, gen) -> dict:
+        """Features of the model template this block switches on (codegen.MODEL_FEATURES)."""
+        return {}

@@ -1,0 +1,110 @@
+"""Grouped-query attention (``kind: gqa``): RoPE or MRoPE, optional q/k norm and biases."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from mlxc.compiler.blocks import attention_inputs as inp
+from mlxc.compiler.blocks.base import BlockKind, NotCompiled
+from mlxc.compiler.labels import route
+from mlxc.compiler.schema_base import Block, BoolExpr, IntExpr, Norm, RopeRef, Strict
+from mlxc.compiler.vision import TOWERS
+
+
+class Bias(Strict):
+    qkv: BoolExpr = False
+    o: BoolExpr = False
+
+
+class GQA(Block):
+    kind: Literal["gqa"]
+    heads: IntExpr
+    kv_heads: IntExpr
+    head_dim: IntExpr
+    bias: Bias = Bias()
+    qk_norm: Norm | None = None  # per-head RMSNorm of q and k before RoPE (qwen3)
+    rope: RopeRef | None = None
+    scale: Literal["default", "llama4"] = "default"
+    sliding_window: IntExpr | None = None
+    inputs: dict[str, Any] = Field(default_factory=dict)
+
+
+class GQAKind(BlockKind):
+    part = "attention"
+    schema = GQA
+    doc = "grouped-query attention: RoPE or MRoPE, optional q/k norm and biases"
+    # In the order lint lists the known inputs (L005).
+    inputs = (inp.ROPE_POSITIONS, inp.ROPE_DELTAS, inp.ATTN_SCALE, inp.MASK, inp.WINDOW)
+    template = "attention_gqa.py.j2"
+    class_name = "Attention"
+    kv_cache = True
+
+    def not_compiled(self, b: GQA, spec):
+        if b.scale == "llama4":
+            yield NotCompiled(("scale",), "gqa llama4 scale is not compiled yet")
+        if b.sliding_window is not None:
+            yield NotCompiled(("sliding_window",), "sliding windows not compiled yet", at_key=True)
+        mrope_tower = spec.vision is not None and TOWERS[spec.vision.tower].mrope
+        if b.rope and b.rope.mrope and not mrope_tower:
+            yield NotCompiled(("rope", "mrope"), "mrope positions need a qwen vision tower")
+
+    def context(self, b: GQA, gen) -> dict:
+        values = [b.heads, b.kv_heads, b.head_dim, b.bias.qkv, b.bias.o]
+        rope = None
+        if b.rope is not None:
+            values += [b.rope.dims, b.rope.traditional]
+            rope = {
+                "mrope": b.rope.mrope,
+                "param": b.rope.param,
+                "dims": "self.head_dim" if b.rope.dims is None else gen.py(b.rope.dims),
+                "traditional": gen.py(b.rope.traditional),
+            }
+        qk_norm = None
+        if b.qk_norm is not None:
+            values.append(b.qk_norm.eps)
+            qk_norm = {"eps": gen.py(b.qk_norm.eps)}
+        return {
+            "dim": gen.py(gen.spec.text.embed.dim),
+            "mask": route(b, "mask"),
+            "positions": route(b, "positions") if b.rope is not None else None,
+            "attn_scale": route(b, "attn_scale") if b.scale == "llama4" else None,
+            "per_layer": gen.needs_layer_args(*values),
+            "heads": gen.py(b.heads),
+            "kv_heads": gen.py(b.kv_heads),
+            "head_dim": gen.py(b.head_dim),
+            "qkv_bias": gen.py(b.bias.qkv),
+            "o_bias": gen.py(b.bias.o),
+            "qk_norm": qk_norm,
+            "rope": rope,
+        }
+
+    def runtime_imports(self, b: GQA) -> dict[str, set[str]]:
+        imports = {
+            "mlxc.runtime": {"masks"},
+            "mlxc.runtime.cache": {"KVCache"},
+            "mlxc.runtime.layers": {"attend"},
+        }
+        if b.rope is not None and b.rope.mrope:
+            imports["mlxc.runtime"].add("mrope")
+        elif b.rope is not None:
+            imports["mlxc.runtime.rope"] = {"RoPE"}
+        return imports
+
+    def model_context(self, b: GQA, gen) -> dict:
+        if b.rope is None or not b.rope.mrope:
+            return {}
+        # MRoPE: the text model computes the cos/sin tables once per forward, for every layer.
+        return {
+            "mrope": {
+                "interleaved": b.rope.mrope == "interleaved",
+                "param": b.rope.param,
+                "head_dim": gen.py(b.head_dim, layer=False),
+                "positions": route(b, "positions"),
+                "rope_deltas": route(b, "rope_deltas"),
+            }
+        }
+
+
+KIND = GQAKind()

@@ -1,0 +1,75 @@
+"""Multi-head latent attention (``kind: mla``, DeepSeek-V2 style)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from mlxc.compiler.blocks import attention_inputs as inp
+from mlxc.compiler.blocks.base import BlockKind
+from mlxc.compiler.labels import route
+from mlxc.compiler.schema_base import Block, BoolExpr, FloatExpr, IntExpr, RopeRef
+
+
+class MLA(Block):
+    """Multi-head latent attention (DeepSeek-V2 style). The cache keeps the compressed latent
+    and the shared RoPE key, not per-head K/V; queries are absorbed into the latent space."""
+
+    kind: Literal["mla"]
+    heads: IntExpr
+    q_lora_rank: IntExpr | None = None  # an expression may evaluate to None: no q LoRA
+    kv_lora_rank: IntExpr
+    qk_nope_head_dim: IntExpr
+    qk_rope_head_dim: IntExpr
+    v_head_dim: IntExpr
+    bias: BoolExpr = False  # on q_a_proj, kv_a_proj_with_mqa and o_proj
+    rope: RopeRef
+    scale: Literal["default", "llama4"] = "default"
+    norm_eps: FloatExpr = 1e-6  # q_a_layernorm / kv_a_layernorm (fixed in transformers)
+    inputs: dict[str, Any] = Field(default_factory=dict)
+
+
+class MLAKind(BlockKind):
+    part = "attention"
+    schema = MLA
+    doc = "multi-head latent attention: the cache holds the compressed latent"
+    # `rope` is required, so positions always. As for gqa, lint also asks for a rope_deltas
+    # label under `rope.mrope` (which this template ignores) and a window label under
+    # `sliding_window` (not a field here: S001 too), as it always has.
+    inputs = (inp.POSITIONS, inp.ROPE_DELTAS, inp.ATTN_SCALE, inp.MASK, inp.WINDOW)
+    template = "attention_mla.py.j2"
+    class_name = "LatentAttention"
+    kv_cache = True
+
+    def context(self, b: MLA, gen) -> dict:
+        values = [
+            b.heads, b.q_lora_rank, b.kv_lora_rank, b.qk_nope_head_dim, b.qk_rope_head_dim,
+            b.v_head_dim, b.bias, b.norm_eps, b.rope.traditional,
+        ]  # fmt: skip
+        return {
+            "dim": gen.py(gen.spec.text.embed.dim),
+            "mask": route(b, "mask"),
+            "positions": route(b, "positions"),
+            "attn_scale": route(b, "attn_scale") if b.scale == "llama4" else None,
+            "per_layer": gen.needs_layer_args(*values),
+            "heads": gen.py(b.heads),
+            "q_lora_rank": gen.py(b.q_lora_rank),
+            "kv_lora_rank": gen.py(b.kv_lora_rank),
+            "qk_nope_head_dim": gen.py(b.qk_nope_head_dim),
+            "qk_rope_head_dim": gen.py(b.qk_rope_head_dim),
+            "v_head_dim": gen.py(b.v_head_dim),
+            "bias": gen.py(b.bias),
+            "norm_eps": gen.py(b.norm_eps),
+            "rope": {"param": b.rope.param, "traditional": gen.py(b.rope.traditional)},
+        }
+
+    def runtime_imports(self, b: MLA) -> dict[str, set[str]]:
+        return {
+            "mlxc.runtime": {"masks", "yarn"},  # yarn: the mla rope, softmax and llama4 scales
+            "mlxc.runtime.cache": {"KVCache"},
+            "mlxc.runtime.layers": {"attend"},
+        }
+
+
+KIND = MLAKind()
