@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import Field
@@ -30,14 +31,17 @@ class MLA(Block):
     inputs: dict[str, Any] = Field(default_factory=dict)
 
 
+_WINDOW = dataclasses.replace(inp.WINDOW, when="`sliding_window`, not an mla field (S001)")
+
+
 class MLAKind(BlockKind):
     part = "attention"
     schema = MLA
-    doc = "multi-head latent attention: the cache holds the compressed latent"
+    doc = "multi-head latent attention: the cache holds the compressed latent, queries absorbed"
     # `rope` is required, so positions always. As for gqa, lint also asks for a rope_deltas
     # label under `rope.mrope` (which this template ignores) and a window label under
     # `sliding_window` (not a field here: S001 too), as it always has.
-    inputs = (inp.POSITIONS, inp.ROPE_DELTAS, inp.ATTN_SCALE, inp.MASK, inp.WINDOW)
+    inputs = (inp.POSITIONS, inp.ROPE_DELTAS, inp.ATTN_SCALE, inp.MASK, _WINDOW)
     template = "attention_mla.py.j2"
     class_name = "LatentAttention"
     kv_cache = True
