@@ -46,6 +46,11 @@ def installed_sources() -> list[Path]:
 
     dirs = [directory(p) for p in setuptools["packages"]]
     assert all(d.is_dir() for d in dirs), dirs
+    # Every package folder under the listed roots is listed too: setuptools installs only
+    # those, so a new subpackage left out imports in the editable checkout and nowhere else.
+    roots = [directory(p) for p in package_dir]
+    found = {i.parent for root in roots for i in root.rglob("__init__.py")}
+    assert found <= set(dirs), f"packages missing from pyproject.toml: {sorted(found - set(dirs))}"
     return sorted(f for d in dirs for f in d.glob("*.py"))
 
 
