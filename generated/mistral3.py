@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlxc.runtime import layers, masks
 from mlxc.runtime.cache import KVCache
 from mlxc.runtime.config import read
-from mlxc.runtime.layers import attend
+from mlxc.runtime.layers import AttentionInputs, attend
 from mlxc.runtime.multimodal import ImageFeatures, SequenceCache
 from mlxc.runtime.rope import RoPE, RopeConfig
 from mlxc.runtime.vision import pixtral
@@ -106,7 +106,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
         self.rope = RoPE(self.head_dim, args.rope, traditional=False)
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache, inputs: AttentionInputs) -> mx.array:
+        """``inputs``: what attention reads from the cache, resolved once per forward."""
         B, L, _ = x.shape
         queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
         keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
@@ -114,13 +115,10 @@ class Attention(nn.Module):
         queries = queries.transpose(0, 2, 1, 3)
         keys = keys.transpose(0, 2, 1, 3)
         values = values.transpose(0, 2, 1, 3)
-        # positions are monotonic-position: cache.offset, absolute, never moved by trim_front
-        queries = self.rope(queries, offset=cache.offset)
-        keys = self.rope(keys, offset=cache.offset)
+        queries = self.rope(queries, offset=inputs.offset)
+        keys = self.rope(keys, offset=inputs.offset)
         keys, values = cache.update_and_fetch(keys, values)
-        # mask is live-window: cache.live_len, the keys present after trim_front
-        mask = masks.causal(L, cache.live_len, cache.key_valid())
-        out = attend(queries, keys, values, scale=self.scale, mask=mask)
+        out = attend(queries, keys, values, scale=self.scale, mask=inputs.masks[None])
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -134,8 +132,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.mlp = layers.SwiGLU(args.hidden_size, args.intermediate_size, bias=False)
 
-    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
-        x = x + self.self_attn(self.input_layernorm(x), cache)
+    def __call__(self, x: mx.array, cache: KVCache | None, inputs: AttentionInputs) -> mx.array:
+        x = x + self.self_attn(self.input_layernorm(x), cache, inputs)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x
 
@@ -154,8 +152,18 @@ class TextModel(nn.Module):
         rows = cache.images.take(input_ids, self.image_token_id) if cache.images else None
         if rows is not None:
             h = rows.replace(h, cache.images.embeds)
+        # What attention reads from the cache, read once here for every layer:
+        # positions are monotonic-position: cache.offset, absolute, never moved by trim_front
+        # masks are live-window: cache.live_len, the keys present after trim_front
+        L = input_ids.shape[1]
+        offset = cache.offset
+        n_keys = cache.live_len + L  # each layer appends this chunk's keys first
+        inputs = AttentionInputs(
+            masks={None: masks.causal(L, n_keys, cache.key_valid(L))},  # None: no sliding window
+            offset=offset,
+        )
         for layer, layer_cache in zip(self.layers, cache):
-            h = layer(h, layer_cache)
+            h = layer(h, layer_cache, inputs)
         return self.norm(h)
 
 

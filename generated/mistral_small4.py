@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlxc.runtime import layers, masks, moe, yarn
 from mlxc.runtime.cache import KVCache
 from mlxc.runtime.config import read
-from mlxc.runtime.layers import attend
+from mlxc.runtime.layers import AttentionInputs, attend
 from mlxc.runtime.multimodal import ImageFeatures, SequenceCache
 from mlxc.runtime.rope import RopeConfig
 from mlxc.runtime.vision import pixtral
@@ -168,10 +168,9 @@ class LatentAttention(nn.Module):
         rope = args.rope
         self.rope = yarn.mla_rope(self.qk_rope_head_dim, rope, traditional=args.rope_interleave)
         self.scale = yarn.mla_softmax_scale(qk_head_dim, rope)
-        self.llama4_beta = rope.params.get("llama_4_scaling_beta")
-        self.llama4_period = rope.params.get("original_max_position_embeddings")
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache, inputs: AttentionInputs) -> mx.array:
+        """``inputs``: what attention reads from the cache, resolved once per forward."""
         B, L, _ = x.shape
         if self.q_lora_rank is None:
             q = self.q_proj(x)
@@ -182,20 +181,14 @@ class LatentAttention(nn.Module):
         latent, k_pe = mx.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank], axis=-1)
         latent = self.kv_a_layernorm(latent)[:, None]  # [B, 1, L, kv_lora_rank]: one shared head
         k_pe = k_pe[:, None]
-        # positions are monotonic-position: cache.offset, absolute, never moved by trim_front
-        q_pe = self.rope(q_pe, offset=cache.offset)
-        k_pe = self.rope(k_pe, offset=cache.offset)
+        q_pe = self.rope(q_pe, offset=inputs.offset)
+        k_pe = self.rope(k_pe, offset=inputs.offset)
         queries = mx.concatenate([q_nope, q_pe], axis=-1)
-        # attn_scale is monotonic-position: cache.offset, absolute, never moved by trim_front
-        scale = yarn.llama4_attn_scale(
-            cache.offset, L, self.llama4_beta, self.llama4_period, queries.dtype
-        )
-        if scale is not None:
-            queries = queries * scale
+        if inputs.attn_scale is not None:
+            queries = queries * inputs.attn_scale
         # The cache keeps one shared head: the latent and the rope key, no values.
         cached, _ = cache.update_and_fetch(mx.concatenate([latent, k_pe], axis=-1))
-        # mask is live-window: cache.live_len, the keys present after trim_front
-        mask = masks.causal(L, cache.live_len, cache.key_valid())
+        mask = inputs.masks[None]
         latents = cached[..., : self.kv_lora_rank]
         if L == 1:
             w_k, w_v_t = self.kv_b_halves()
@@ -279,8 +272,8 @@ class DecoderLayer(nn.Module):
                 shared_hidden=args.moe_intermediate_size * args.n_shared_experts,
             )
 
-    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
-        x = x + self.self_attn(self.input_layernorm(x), cache)
+    def __call__(self, x: mx.array, cache: KVCache | None, inputs: AttentionInputs) -> mx.array:
+        x = x + self.self_attn(self.input_layernorm(x), cache, inputs)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x
 
@@ -292,6 +285,8 @@ class TextModel(nn.Module):
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.image_token_id = args.image_token_index
+        self.llama4_beta = args.rope.params.get("llama_4_scaling_beta")
+        self.llama4_period = args.rope.params.get("original_max_position_embeddings")
 
     def __call__(self, input_ids: mx.array, cache: SequenceCache) -> mx.array:
         h = self.embed_tokens(input_ids)
@@ -299,8 +294,22 @@ class TextModel(nn.Module):
         rows = cache.images.take(input_ids, self.image_token_id) if cache.images else None
         if rows is not None:
             h = rows.replace(h, cache.images.embeds)
+        # What attention reads from the cache, read once here for every layer:
+        # positions are monotonic-position: cache.offset, absolute, never moved by trim_front
+        # attn_scale is monotonic-position: cache.offset, absolute, never moved by trim_front
+        # masks are live-window: cache.live_len, the keys present after trim_front
+        L = input_ids.shape[1]
+        offset = cache.offset
+        n_keys = cache.live_len + L  # each layer appends this chunk's keys first
+        inputs = AttentionInputs(
+            masks={None: masks.causal(L, n_keys, cache.key_valid(L))},  # None: no sliding window
+            offset=offset,
+            attn_scale=yarn.llama4_attn_scale(
+                offset, L, self.llama4_beta, self.llama4_period, h.dtype
+            ),
+        )
         for layer, layer_cache in zip(self.layers, cache):
-            h = layer(h, layer_cache)
+            h = layer(h, layer_cache, inputs)
         return self.norm(h)
 
 

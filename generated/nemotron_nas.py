@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlxc.runtime import layers, masks
 from mlxc.runtime.cache import KVCache
 from mlxc.runtime.config import read, round_up
-from mlxc.runtime.layers import attend
+from mlxc.runtime.layers import AttentionInputs, attend
 from mlxc.runtime.multimodal import SequenceCache
 from mlxc.runtime.rope import RoPE, RopeConfig
 from mlxc.runtime.weights import WeightRules
@@ -115,7 +115,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=args.attention_bias)
         self.rope = RoPE(self.head_dim, args.rope, traditional=False)
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache, inputs: AttentionInputs) -> mx.array:
+        """``inputs``: what attention reads from the cache, resolved once per forward."""
         B, L, _ = x.shape
         queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
         keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
@@ -123,13 +124,10 @@ class Attention(nn.Module):
         queries = queries.transpose(0, 2, 1, 3)
         keys = keys.transpose(0, 2, 1, 3)
         values = values.transpose(0, 2, 1, 3)
-        # positions are monotonic-position: cache.offset, absolute, never moved by trim_front
-        queries = self.rope(queries, offset=cache.offset)
-        keys = self.rope(keys, offset=cache.offset)
+        queries = self.rope(queries, offset=inputs.offset)
+        keys = self.rope(keys, offset=inputs.offset)
         keys, values = cache.update_and_fetch(keys, values)
-        # mask is live-window: cache.live_len, the keys present after trim_front
-        mask = masks.causal(L, cache.live_len, cache.key_valid())
-        out = attend(queries, keys, values, scale=self.scale, mask=mask)
+        out = attend(queries, keys, values, scale=self.scale, mask=inputs.masks[None])
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -163,9 +161,9 @@ class DecoderLayer(nn.Module):
             )
         self.has_kv_cache = isinstance(self.self_attn, Attention)
 
-    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache | None, inputs: AttentionInputs) -> mx.array:
         if self.self_attn is not None:
-            x = x + self.self_attn(self.input_layernorm(x), cache)
+            x = x + self.self_attn(self.input_layernorm(x), cache, inputs)
         if self.mlp is not None:
             x = x + self.mlp(self.post_attention_layernorm(x))
         return x
@@ -180,9 +178,19 @@ class TextModel(nn.Module):
 
     def __call__(self, input_ids: mx.array, cache: SequenceCache) -> mx.array:
         h = self.embed_tokens(input_ids)
+        # What attention reads from the cache, read once here for every layer:
+        # positions are monotonic-position: cache.offset, absolute, never moved by trim_front
+        # masks are live-window: cache.live_len, the keys present after trim_front
+        L = input_ids.shape[1]
+        offset = cache.offset
+        n_keys = cache.live_len + L  # each layer appends this chunk's keys first
+        inputs = AttentionInputs(
+            masks={None: masks.causal(L, n_keys, cache.key_valid(L))},  # None: no sliding window
+            offset=offset,
+        )
         caches = iter(cache)
         for layer in self.layers:
-            h = layer(h, next(caches) if layer.has_kv_cache else None)
+            h = layer(h, next(caches) if layer.has_kv_cache else None, inputs)
         return self.norm(h)
 
 

@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlxc.runtime import layers, masks, mrope
 from mlxc.runtime.cache import KVCache
 from mlxc.runtime.config import read
-from mlxc.runtime.layers import attend
+from mlxc.runtime.layers import AttentionInputs, attend
 from mlxc.runtime.multimodal import ImageFeatures, SequenceCache
 from mlxc.runtime.rope import RopeConfig
 from mlxc.runtime.vision import qwen
@@ -116,7 +116,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=True)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
 
-    def __call__(self, x: mx.array, cache: KVCache, rope: tuple[mx.array, mx.array]) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache, inputs: AttentionInputs) -> mx.array:
+        """``inputs``: what attention reads from the cache, resolved once per forward."""
         B, L, _ = x.shape
         queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
         keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
@@ -124,12 +125,9 @@ class Attention(nn.Module):
         queries = queries.transpose(0, 2, 1, 3)
         keys = keys.transpose(0, 2, 1, 3)
         values = values.transpose(0, 2, 1, 3)
-        # positions are monotonic-position: the tables come from cache.offset (TextModel)
-        queries, keys = mrope.apply_cos_sin(queries, keys, *rope)
+        queries, keys = mrope.apply_cos_sin(queries, keys, *inputs.rope)
         keys, values = cache.update_and_fetch(keys, values)
-        # mask is live-window: cache.live_len, the keys present after trim_front
-        mask = masks.causal(L, cache.live_len, cache.key_valid())
-        out = attend(queries, keys, values, scale=self.scale, mask=mask)
+        out = attend(queries, keys, values, scale=self.scale, mask=inputs.masks[None])
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -143,8 +141,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.mlp = layers.SwiGLU(args.hidden_size, args.intermediate_size, bias=False)
 
-    def __call__(self, x: mx.array, cache: KVCache, rope: tuple[mx.array, mx.array]) -> mx.array:
-        x = x + self.self_attn(self.input_layernorm(x), cache, rope)
+    def __call__(self, x: mx.array, cache: KVCache | None, inputs: AttentionInputs) -> mx.array:
+        x = x + self.self_attn(self.input_layernorm(x), cache, inputs)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x
 
@@ -166,18 +164,27 @@ class TextModel(nn.Module):
         rows = cache.images.take(input_ids, self.image_token_id) if cache.images else None
         if rows is not None:
             h = rows.replace(h, cache.images.embeds)
-        # MRoPE positions and rope_deltas are monotonic-position: cache.offset
-        position_ids = cache.rope_state(input_ids, cache.offset)
-        rope = mrope.cos_sin(
-            position_ids,
-            self.rope_head_dim,
-            theta=self.rope_theta,
-            mrope_section=self.mrope_section,
-            interleaved=False,
-            dtype=h.dtype,
+        # What attention reads from the cache, read once here for every layer:
+        # positions and rope_deltas (MRoPE) are monotonic-position: cache.offset
+        # masks are live-window: cache.live_len, the keys present after trim_front
+        L = input_ids.shape[1]
+        offset = cache.offset
+        n_keys = cache.live_len + L  # each layer appends this chunk's keys first
+        position_ids = cache.rope_state(input_ids, offset)
+        inputs = AttentionInputs(
+            masks={None: masks.causal(L, n_keys, cache.key_valid(L))},  # None: no sliding window
+            offset=offset,
+            rope=mrope.cos_sin(
+                position_ids,
+                self.rope_head_dim,
+                theta=self.rope_theta,
+                mrope_section=self.mrope_section,
+                interleaved=False,
+                dtype=h.dtype,
+            ),
         )
         for layer, layer_cache in zip(self.layers, cache):
-            h = layer(h, layer_cache, rope)
+            h = layer(h, layer_cache, inputs)
         return self.norm(h)
 
 

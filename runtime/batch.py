@@ -9,7 +9,7 @@ of every row is written into the same column. Per row:
 - ``offset`` (``monotonic-position``) is an ``mx.array [B]``: the tokens each row has ever
   written. RoPE (``mx.fast.rope`` takes an array offset), MRoPE and the Llama-4 scale read it.
 - ``live_len`` (``live-window``) is the buffer's width: the keys returned to attention and the
-  mask are that wide. ``key_valid()`` says which of those columns each row may attend to.
+  mask are that wide. ``key_valid`` says which of those columns each row may attend to.
 
 Row ``b`` of the buffer, left to right: ``pad[b]`` empty columns (the row is shorter than the
 batch's longest), its ``sink[b]`` attention-sink tokens, ``gap[b]`` columns of tokens trimmed
@@ -32,31 +32,12 @@ from mlxc.runtime.cache import KVCache
 from mlxc.runtime.multimodal import SequenceCache
 
 
-class _Memo:
-    """Arrays derived from the row layout (offsets, key masks), shared by a batch's layers.
-
-    Every layer sees the same layout at the same point of a forward, so each array is built
-    once per step instead of once per layer. Keyed by the layout; only the newest are kept.
-    """
-
-    def __init__(self) -> None:
-        self._arrays: dict[tuple, mx.array] = {}
-
-    def get(self, key: tuple, build) -> mx.array:
-        if key not in self._arrays:
-            if len(self._arrays) >= 8:
-                self._arrays.clear()
-            self._arrays[key] = build()
-        return self._arrays[key]
-
-
 class BatchKVCache:
     """One layer's keys (and values) of several sequences; see the module docstring."""
 
     step = KVCache.step
 
-    def __init__(self, memo: _Memo | None = None) -> None:
-        self.memo = memo or _Memo()
+    def __init__(self) -> None:
         self.keys: mx.array | None = None  # [B, H, capacity, D]
         self.values: mx.array | None = None
         self.width = 0  # columns in use, the same for every row
@@ -70,8 +51,7 @@ class BatchKVCache:
 
     @property
     def offset(self) -> mx.array:
-        offsets = self.offsets
-        return self.memo.get(("offset", offsets.tobytes()), lambda: mx.array(offsets, mx.int32))
+        return mx.array(self.offsets, mx.int32)
 
     @property
     def live_len(self) -> int:
@@ -100,13 +80,14 @@ class BatchKVCache:
         live_values = None if values is None else self.values[..., :end, :]
         return self.keys[..., :end, :], live_values
 
-    def key_valid(self) -> mx.array | None:
-        """``[B, 1, 1, width]``: the columns each row attends to (its sink and recent tokens);
-        None when every row attends to every column (no mask: attention's fast path)."""
+    def key_valid(self, n_new: int = 0) -> mx.array | None:
+        """``[B, 1, 1, width + n_new]``: the columns each row attends to once ``n_new`` more are
+        appended (its sink and recent tokens); None when every row attends to every column (no
+        mask: attention's fast path)."""
         if not (self.pad.any() or self.gap.any()):
             return None
-        layout = (self.width, self.pad.tobytes(), self.sink.tobytes(), self.gap.tobytes())
-        return self.memo.get(("valid", *layout), lambda: mx.array(self._valid())[:, None, None, :])
+        appended = np.ones((len(self.pad), n_new), bool)  # each row's own new tokens
+        return mx.array(np.concatenate([self._valid(), appended], axis=1))[:, None, None, :]
 
     def _valid(self) -> np.ndarray:
         column = np.arange(self.width)[None, :]
@@ -172,7 +153,7 @@ class BatchKVCache:
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only ``rows`` (in that order), then compact if every row wastes ``step``."""
         if not rows:
-            self.__init__(self.memo)
+            self.__init__()
             return
         index = mx.array(rows)
         self.keys = self.keys[index]
@@ -239,9 +220,12 @@ class BatchCache(SequenceCache):
     the ``b``-th sequence added. It goes where a model takes a ``SequenceCache``."""
 
     def __init__(self, n_layers: int, mrope: bool) -> None:
-        memo = _Memo()
-        super().__init__([BatchKVCache(memo) for _ in range(n_layers)])
+        super().__init__([BatchKVCache() for _ in range(n_layers)])
         self.rope_state = BatchPositions() if mrope else None
+
+    def key_valid(self, n_new: int) -> mx.array | None:
+        # Every layer holds its rows in one layout: joined, trimmed and compacted together.
+        return self[0].key_valid(n_new)
 
     @staticmethod
     def accepts(caches: list) -> bool:

@@ -97,10 +97,6 @@ class KVCache:
         self.live_start += n
         return n
 
-    def key_valid(self) -> None:
-        """Every live key is attended to: rows move in lockstep (a decode batch's rows do not,
-        ``BatchKVCache.key_valid``)."""
-
     @property
     def nbytes(self) -> int:
         """Bytes held by the live window (not the spare capacity)."""

@@ -2,12 +2,35 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlxc.runtime import masks
 
 ACTIVATIONS = {"silu": nn.silu, "gelu": nn.gelu, "gelu_approx": nn.gelu_approx, "relu": nn.relu}
+
+
+@dataclass
+class AttentionInputs:
+    """What every attention layer of one forward reads, resolved once from the cache by the
+    generated ``TextModel`` (as mlx-lm builds its mask once per forward); layers read no cache
+    field for them.
+
+    - ``masks`` (``live-window``): one mask per sliding window (key None: no window), sized to
+      the live keys once the chunk is appended. ``attend`` checks it against the keys of each
+      layer's cache.
+    - ``offset`` (``monotonic-position``): absolute position of the chunk's first token, an int
+      or a per-row ``[B]`` array (a decode batch). RoPE starts there.
+    - ``rope``: MRoPE cos/sin tables; ``attn_scale``: the Llama-4 query multiplier. Both come
+      from monotonic positions; None where the model has neither.
+    """
+
+    masks: dict[int | None, mx.array | str | None]
+    offset: int | mx.array | None = None
+    rope: tuple[mx.array, mx.array] | None = None
+    attn_scale: mx.array | None = None
 
 
 def attend(
@@ -44,7 +67,9 @@ class LinearAttention(nn.Module):
         super().__init__()
         self.linear_attn = nn.Linear(dim, dim, bias=bias)
 
-    def __call__(self, x: mx.array, cache: None = None) -> mx.array:
+    def __call__(
+        self, x: mx.array, cache: None = None, inputs: AttentionInputs | None = None
+    ) -> mx.array:
         # Same call shape as attention so decoder layers need no special case; no keys kept.
         return self.linear_attn(x)
 

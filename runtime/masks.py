@@ -1,9 +1,10 @@
 """Attention masks, sized from the live window.
 
-``causal(n_queries, n_keys)`` is called by generated code with ``n_keys = cache.live_len`` (the
-``live-window`` label). Where the new queries are the last ``n_queries`` of the live keys, MLX's
-string mask ``"causal"`` (aligned bottom-right) is exact and takes the fast kernel; an array mask
-is built only when asked for (``mlxc verify`` forces arrays so it can check every width).
+``causal(n_queries, n_keys)`` is called by generated code once per forward, with
+``n_keys = cache.live_len + n_queries`` (the ``live-window`` label: the live keys once the chunk is
+appended). Where the new queries are the last ``n_queries`` of the live keys, MLX's string mask
+``"causal"`` (aligned bottom-right) is exact and takes the fast kernel; an array mask is built
+only when asked for (``mlxc verify`` forces arrays so it can check every width).
 """
 
 from __future__ import annotations

@@ -32,6 +32,16 @@ class SequenceCache(list):
     def offset(self) -> int:
         return self[0].offset
 
+    @property
+    def live_len(self) -> int:
+        """Keys present (``live-window``). One mask per forward is sized from it; ``attend``
+        refuses that mask in any layer whose cache holds another number of keys."""
+        return self[0].live_len
+
+    def key_valid(self, n_new: int) -> mx.array | None:
+        """Which of the keys each row attends to once ``n_new`` more are appended: all of them
+        (None), as a sequence's rows move in lockstep; a decode batch's rows differ."""
+
 
 @dataclass
 class ImageFeatures:

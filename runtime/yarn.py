@@ -20,7 +20,6 @@ Positions for RoPE are absolute too: ``YarnRoPE(x, offset=cache.offset)``.
 from __future__ import annotations
 
 import math
-import threading
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -173,11 +172,6 @@ def mla_softmax_scale(qk_head_dim: int, cfg: RopeConfig) -> float:
     return yarn_softmax_scale(qk_head_dim, cfg.factor, cfg.params.get("mscale_all_dim"))
 
 
-# The scale of the last forward, per thread: every layer of a forward asks for the same one,
-# and building it is ~10 small kernels, a real cost per layer in a kernel-bound decode step.
-_last_scale: dict[int, tuple[tuple, int | mx.array, mx.array]] = {}
-
-
 def llama4_attn_scale(
     offset: int | mx.array,
     L: int,
@@ -191,24 +185,15 @@ def llama4_attn_scale(
     ``offset`` is the ABSOLUTE position of the first query (``cache.offset``): an int, or an
     ``mx.array`` ``[B]`` of per-row offsets (batched decode). The result broadcasts against
     queries ``[B, H, L, D]``: shape ``[1, 1, L, 1]`` for an int offset, ``[B, 1, L, 1]`` for an
-    array. Computed in float32 and returned as ``dtype`` (pass the queries' dtype: a float32
-    scale would promote bf16 queries, and everything after them, to float32).
+    array. Computed in float32 and returned as ``dtype`` (pass the hidden states' dtype, which the
+    queries share: a float32 scale would promote bf16 queries, and all after them, to float32).
     """
     if not beta:
         return None
-    # An array offset is matched by identity: a batch hands every layer the same array.
-    key = (offset if isinstance(offset, int) else id(offset), L, beta, dtype)
-    key += (original_max_position_embeddings,)
-    thread = threading.get_ident()
-    last = _last_scale.get(thread)
-    if last is not None and last[0] == key and (isinstance(offset, int) or last[1] is offset):
-        return last[2]
     positions = mx.arange(L, dtype=mx.float32)
     if isinstance(offset, mx.array):
         positions = offset.astype(mx.float32).reshape(-1, 1) + positions  # [B, L]
     else:
         positions = (positions + offset)[None]  # [1, L]
     scale = 1 + beta * mx.log(1 + mx.floor(positions / original_max_position_embeddings))
-    scale = scale[:, None, :, None].astype(dtype)
-    _last_scale[thread] = (key, offset, scale)  # holding offset keeps its id from reuse
-    return scale
+    return scale[:, None, :, None].astype(dtype)

@@ -16,6 +16,7 @@ from mlx.utils import tree_flatten
 
 from mlxc.runtime import masks
 from mlxc.runtime.cache import KVCache
+from mlxc.runtime.multimodal import SequenceCache
 
 CONFIG = {
     "model_type": "toy",
@@ -60,22 +61,20 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, h, bias=False)
         self.o_proj = nn.Linear(h, h, bias=False)
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache, offset, mask) -> mx.array:
         B, L, _ = x.shape
 
         def heads(t):
             return t.reshape(B, L, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
 
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
-        # monotonic-position for RoPE, live-window for the mask (as generated code routes them).
         q = mx.fast.rope(
-            q, self.head_dim, traditional=False, base=10000.0, scale=1.0, offset=cache.offset
+            q, self.head_dim, traditional=False, base=10000.0, scale=1.0, offset=offset
         )
         k = mx.fast.rope(
-            k, self.head_dim, traditional=False, base=10000.0, scale=1.0, offset=cache.offset
+            k, self.head_dim, traditional=False, base=10000.0, scale=1.0, offset=offset
         )
         k, v = cache.update_and_fetch(k, v)
-        mask = masks.causal(L, cache.live_len, cache.key_valid())
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -89,8 +88,8 @@ class Block(nn.Module):
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
-        x = x + self.self_attn(self.input_layernorm(x), cache)
+    def __call__(self, x: mx.array, cache: KVCache, offset, mask) -> mx.array:
+        x = x + self.self_attn(self.input_layernorm(x), cache, offset, mask)
         return x + self.down_proj(nn.gelu(self.up_proj(self.post_attention_layernorm(x))))
 
 
@@ -115,8 +114,13 @@ class Model(nn.Module):
     ) -> mx.array:
         cache = cache or self.make_cache()
         x = self.model.embed_tokens(input_ids)
+        # Read once for every layer, as generated code does: monotonic-position for RoPE,
+        # live-window for the mask (sized to the keys once this chunk is appended).
+        L = input_ids.shape[1]
+        offset = cache.offset
+        mask = masks.causal(L, cache.live_len + L, cache.key_valid(L))
         for layer, c in zip(self.model.layers, cache):
-            x = layer(x, c)
+            x = layer(x, c, offset, mask)
         x = self.model.norm(x)
         if last_only:
             x = x[:, -1:, :]
@@ -124,8 +128,8 @@ class Model(nn.Module):
             return self.model.embed_tokens.as_linear(x)
         return self.lm_head(x)
 
-    def make_cache(self) -> list[KVCache]:
-        return [KVCache() for _ in self.model.layers]
+    def make_cache(self) -> SequenceCache:
+        return SequenceCache([KVCache() for _ in self.model.layers])
 
     def sanitize(self, weights: dict) -> dict:
         # The same kind of rules a spec declares: drop HF buffers, honour tied embeddings.

@@ -73,15 +73,20 @@ def test_lint_error_writes_nothing(tmp_path):
 
 
 def _attention_calls(path: Path):
-    """(function, keyword or arg index, accessor source) for rope and mask calls."""
+    """(what, source) for the offset rope and attention take, the mask's width, and what
+    TextModel assigns the offset and the key count from."""
     tree = ast.parse(path.read_text())
     found = []
     for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) in ("offset", "n_keys"):
+            found.append((ast.unparse(node.targets[0]), ast.unparse(node.value)))
         if not isinstance(node, ast.Call):
             continue
         func = ast.unparse(node.func)
         if func == "self.rope":
             found += [("rope", ast.unparse(k.value)) for k in node.keywords if k.arg == "offset"]
+        if func == "attend":
+            found += [("attend", ast.unparse(k.value)) for k in node.keywords if k.arg == "mask"]
         if func == "masks.causal":
             found.append(("mask", ast.unparse(node.args[1])))
     return found
@@ -90,13 +95,19 @@ def _attention_calls(path: Path):
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "nemotron_nas"])
 def test_labels_route_to_their_one_accessor(name):
     path = ROOT / "generated" / f"{name}.py"
-    calls = _attention_calls(path)
-    assert ("rope", "cache.offset") in calls and ("mask", "cache.live_len") in calls
-    assert set(calls) == {("rope", "cache.offset"), ("mask", "cache.live_len")}
+    calls = set(_attention_calls(path))
+    # TextModel reads each accessor once; the layers take what it resolved.
+    assert calls == {
+        ("offset", "cache.offset"),
+        ("n_keys", "cache.live_len + L"),
+        ("mask", "n_keys"),
+        ("rope", "inputs.offset"),
+        ("attend", "inputs.masks[None]"),
+    }
     text = path.read_text()
     # Nowhere else does a generated model read either accessor.
-    assert text.count("cache.offset") == sum(1 for c in calls if c[0] == "rope") + 1  # + comment
-    assert text.count("cache.live_len") == 2  # the mask line and its comment
+    assert text.count("cache.offset") == 2  # the assignment and its comment
+    assert text.count("cache.live_len") == 2
 
 
 def test_generated_code_is_ruff_formatted():

@@ -34,7 +34,7 @@ def _spec(name):
 @pytest.mark.parametrize("name", ["llama", "nemotron_nas"])
 def test_verify_catches_mask_sized_from_offset(name):
     spec, source = _spec(name)
-    broken = source.replace("masks.causal(L, cache.live_len,", "masks.causal(L, cache.offset,")
+    broken = source.replace("n_keys = cache.live_len + L", "n_keys = cache.offset + L")
     assert broken != source
     with pytest.raises(MaskWidthError):
         verify_module(name, load_source(name + "_broken", broken), spec.tiny_config)
@@ -42,7 +42,7 @@ def test_verify_catches_mask_sized_from_offset(name):
 
 def test_verify_catches_positions_that_ignore_the_cache():
     spec, source = _spec("qwen3")
-    broken = source.replace("offset=cache.offset", "offset=0")
+    broken = source.replace("offset = cache.offset", "offset = 0")
     with pytest.raises(VerifyError, match="differs from one forward pass"):
         verify_module("qwen3", load_source("qwen3_broken", broken), spec.tiny_config)
 

@@ -302,16 +302,3 @@ def test_mla_recipe_matches_mistral4_attention(q_lora_rank, interleave, case):
     got = np.concatenate([np.array(o) for o in outs], axis=1)
     np.testing.assert_allclose(got, want, atol=ATOL)
     assert np.abs(want).mean() > 0.1
-
-
-def test_llama4_attn_scale_is_built_once_per_forward():
-    """Every layer of a forward asks for the same scale: one build, then the same array."""
-    first = llama4_attn_scale(40, 1, 0.1, 8, mx.bfloat16)
-    assert llama4_attn_scale(40, 1, 0.1, 8, mx.bfloat16) is first
-    assert first.dtype == mx.bfloat16
-    assert llama4_attn_scale(41, 1, 0.1, 8, mx.bfloat16) is not first  # the next step
-    offsets = mx.array([3, 9])
-    rows = llama4_attn_scale(offsets, 1, 0.1, 8)
-    assert llama4_attn_scale(offsets, 1, 0.1, 8) is rows
-    # An equal but different array (another batch) is built anew, never matched by value.
-    assert llama4_attn_scale(mx.array([3, 9]), 1, 0.1, 8) is not rows

@@ -1,0 +1,42 @@
+"""Every generated model resolves its attention inputs once per forward (TextModel), not once
+per layer: one mask, one set of MRoPE tables, one Llama-4 scale, whatever the layer count."""
+
+from __future__ import annotations
+
+import importlib
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+import yaml
+
+from mlxc.runtime import masks, mrope, yarn
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECS = sorted(p.stem for p in (ROOT / "specs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_attention_inputs_are_built_once_per_forward(name, monkeypatch):
+    module = importlib.import_module(f"mlxc.generated.{name}")
+    config = yaml.safe_load((ROOT / "specs" / f"{name}.yaml").read_text())["tiny_config"]
+    model = module.Model(module.ModelArgs.from_config(config))
+    calls = Counter()
+
+    def counting(name, fn):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    for owner, fn in [(masks, "causal"), (mrope, "cos_sin"), (yarn, "llama4_attn_scale")]:
+        monkeypatch.setattr(owner, fn, counting(fn, getattr(owner, fn)))
+    cache = model.make_cache()
+    assert len(cache) >= 2  # several attention layers share what was built
+    model(mx.array([[1, 2, 3]]), cache=cache)
+    model(mx.array([[4]]), cache=cache)
+    assert calls["causal"] == 2
+    assert calls["cos_sin"] in (0, 2) and calls["llama4_attn_scale"] in (0, 2)
+    assert calls["cos_sin"] or calls["llama4_attn_scale"] or name not in ("qwen2_vl", "mistral4")
