@@ -40,7 +40,7 @@ MODEL_IMPORTS = {
     "mlxc.runtime": {"layers", "masks"},
     "mlxc.runtime.cache": {"KVCache"},
     "mlxc.runtime.config": {"read"},
-    "mlxc.runtime.layers": {"attend"},
+    "mlxc.runtime.layers": {"AttentionInputs", "attend"},  # TextModel resolves the inputs
     "mlxc.runtime.multimodal": {"SequenceCache"},
     "mlxc.runtime.rope": {"RopeConfig"},
     "mlxc.runtime.weights": {"WeightRules"},
