@@ -285,13 +285,10 @@ def model_context(spec: schema.Spec, source: str, spec_label: str) -> dict:
         "drop": tuple_field("drop", spec.weights.drop),
     }
     # Compiling everything above registered the helpers it needs.
-    ctx["uses_math"], ctx["uses_round_up"] = gen.uses_math, gen.uses_round_up
+    ctx["uses_math"] = gen.uses_math
     if gen.uses_round_up:
         imports["mlxc.runtime.config"].add("round_up")
     ctx["runtime_imports"] = _import_lines(imports)
-    # model.py.j2 still spells its runtime imports out, switched by these flags.
-    ctx["uses_rope"] = "RoPE" in imports["mlxc.runtime.rope"]
-    ctx["uses_yarn"] = "yarn" in imports["mlxc.runtime"]
     return ctx
 
 
