@@ -13,9 +13,6 @@ directory renamed into place: it appears complete or not at all.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +20,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlxc.runtime import demo, loading
+from mlxc.runtime.convert import new_directory
 from mlxc.runtime.loading import CheckpointError
 from mlxc.runtime.user_specs import compile_specs
 from mlxc.verify import randomize
@@ -74,8 +72,7 @@ def write_checkpoint(
     # What the loader will do to these names: they must come back unchanged, strictly.
     loading._check_weights(model, model.sanitize(dict(weights)), {}, f"{where}, renamed")
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.resolve().parent))
-    try:
+    with new_directory(out, CheckpointError) as tmp:  # out is absent or empty: checked above
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         try:
             token_ids = demo.write_tokenizer(tmp, vocab_size)
@@ -87,15 +84,6 @@ def write_checkpoint(
             config.setdefault("architectures", spec.serves.architectures[:1])
         config.setdefault("torch_dtype", "float32")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        if out.exists():
-            out.rmdir()  # checked empty above
-        tmp.rename(out)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise CheckpointError(f"cannot write {out}: {e}") from e
-        raise
     return {
         "out": str(out),
         "spec": spec.name,

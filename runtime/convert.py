@@ -23,6 +23,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,25 @@ READ_AS_MATRIX = ("kv_b_proj",)
 # Files of a checkpoint directory that are weights or rewritten here; everything else is copied.
 _NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _NOT_COPIED_NAMES = ("config.json", INDEX_FILE, "pytorch_model.bin.index.json")
+
+
+@contextmanager
+def new_directory(out: Path, error: type[Exception]) -> Iterator[Path]:
+    """A temporary directory beside ``out`` to fill: renamed to ``out`` (absent, or empty as
+    the caller checked) when the block ends, removed if it raises. ``out`` appears whole or
+    not at all; an OSError becomes ``error`` naming ``out``."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.resolve().parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise error(f"cannot write {out}: {e}") from e
+        raise
 
 
 class ConvertError(CheckpointError):
@@ -205,20 +226,10 @@ def convert(
         new_config["quantization_config"] = dict(quant)  # mlx-lm writes both
     weights = dict(tree_flatten(model.parameters()))
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.resolve().parent))
-    try:
+    with new_directory(out, ConvertError) as tmp:
         files = _save_weights(weights, tmp)
         (tmp / "config.json").write_text(json.dumps(new_config, indent=2, sort_keys=True) + "\n")
         copied = _copy_side_files(model_dir, tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        if out.exists():
-            out.rmdir()  # checked empty above
-        tmp.rename(out)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise ConvertError(f"cannot write {out}: {e}") from e
-        raise
     quantized = sum(1 for _, m in model.named_modules() if hasattr(m, "scales"))
     return {
         "out": str(out),
