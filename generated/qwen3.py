@@ -151,6 +151,9 @@ class TextModel(nn.Module):
 
 
 class Model(nn.Module):
+    cache_policy = CACHE_POLICY  # the runtime reads these off the model (runtime.cache, processor)
+    vision_tower = VISION_TOWER
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args

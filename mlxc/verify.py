@@ -136,7 +136,7 @@ def verify_module(
     rng = np.random.default_rng(1)
     vision, image = None, None
     if image_token is not None:
-        vision, count = vision_inputs(module.VISION_TOWER, config, rng)
+        vision, count = vision_inputs(model.vision_tower, config, rng)
         image = (getattr(args, image_token), count)
     chunks = _schedule(rng, vocab, image)
     notes = [] if vision is None else ["one image in the first chunks"]

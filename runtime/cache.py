@@ -10,7 +10,6 @@ Two quantities that a bounded cache separates, and that generated code reads by 
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import mlx.core as mx
@@ -121,13 +120,13 @@ def cache_arrays(caches: list) -> list[mx.array]:
 
 
 def cache_policy(model: Any) -> str:
-    """The generated module's ``CACHE_POLICY`` ("pooled-kv" when it declares none)."""
-    module = sys.modules.get(type(model).__module__)
-    return getattr(module, "CACHE_POLICY", "pooled-kv")
+    """The model's ``cache_policy`` (a class attribute of every generated ``Model``; "pooled-kv"
+    for a model that declares none)."""
+    return getattr(model, "cache_policy", "pooled-kv")
 
 
 def trimmable(model: Any, caches: list) -> list:
-    """The caches the runtime may trim: none of a model that owns its state (``CACHE_POLICY``
+    """The caches the runtime may trim: none of a model that owns its state (``cache_policy``
     "model-owned"), else every cache that has ``trim_front``."""
     if cache_policy(model) == "model-owned":
         return []

@@ -553,16 +553,14 @@ class PixtralProcessor(Processor):
 
 
 def vision_tower(model_module_or_tower: Any) -> str | None:
-    """The ``VISION_TOWER`` of a generated module, of a model instance's module, or the tower
-    name itself (None: a text-only model)."""
+    """The ``VISION_TOWER`` of a generated module (the processor is chosen before the model
+    loads), the ``vision_tower`` of a model built from one, or the tower name itself (None: a
+    text-only model)."""
     if model_module_or_tower is None or isinstance(model_module_or_tower, str):
         return model_module_or_tower
     if isinstance(model_module_or_tower, ModuleType):
         return getattr(model_module_or_tower, "VISION_TOWER", None)
-    import sys
-
-    module = sys.modules.get(type(model_module_or_tower).__module__)
-    return getattr(module, "VISION_TOWER", None)
+    return getattr(type(model_module_or_tower), "vision_tower", None)
 
 
 def load_processor(

@@ -210,7 +210,7 @@ class CachePool:
     Used from the scheduler thread only. A sequence's caches are its own while it prefills;
     ``join`` moves them into ``batch`` (row ``b`` belongs to ``batch_keys[b]``). ``enforce`` is
     the one call site of ``enforce_max_kv`` in the server; model-owned caches
-    (``CACHE_POLICY = "model-owned"``) are never trimmed and never batched.
+    (the model's ``cache_policy`` is "model-owned") are never trimmed and never batched.
     """
 
     def __init__(self, model: nn.Module | None, max_kv_size: int | None, kv_sink: int) -> None:

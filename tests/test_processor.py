@@ -519,6 +519,8 @@ def test_processor_for_a_model_or_module(qwen_dirs):
     assert proc.vision_tower(module) == "qwen2_vit"
     assert proc.vision_tower(importlib.import_module("mlxc.generated.llama")) is None
     assert proc.vision_tower("pixtral") == "pixtral"
+    # A model built from a generated module carries its tower as a class attribute.
+    assert proc.vision_tower(module.Model.__new__(module.Model)) == "qwen2_vit"
     with pytest.raises(ValueError, match="no image preprocessing"):
         proc.load_processor(qwen_dirs["qwen2_vl"], None, "siglip")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import queue
 import sys
 import time
-import types
 from pathlib import Path
 
 import mlx.core as mx
@@ -366,11 +365,8 @@ def test_submit_validates(make_scheduler):
 # --- model-owned caches --------------------------------------------------------------------------
 
 
-def test_model_owned_caches_are_never_trimmed(model, make_scheduler, monkeypatch):
-    module = types.ModuleType("owned_toy")
-    module.CACHE_POLICY = "model-owned"
-    monkeypatch.setitem(sys.modules, "owned_toy", module)
-    Owned = type("Owned", (toy.Model,), {"__module__": "owned_toy"})
+def test_model_owned_caches_are_never_trimmed(model, make_scheduler):
+    Owned = type("Owned", (toy.Model,), {"cache_policy": "model-owned"})
     owned = Owned(model.args)
     owned.update(model.parameters())
     assert cache_policy(owned) == "model-owned" and cache_policy(model) == "pooled-kv"
