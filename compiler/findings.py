@@ -62,6 +62,13 @@ RULES: dict[str, Rule] = {
             "spec name differs from its file name (it names the generated module)",
             "name_mismatch.yaml",
         ),
+        Rule("X001", "`extends` names no spec in the spec's directory", "extends_unknown.yaml"),
+        Rule("X002", "specs that extend each other in a cycle", "extends_cycle.yaml"),
+        Rule(
+            "X003",
+            "`extends` names a spec in another directory (a base is a file stem, same directory)",
+            "extends_outside.yaml",
+        ),
         Rule(
             "C001",
             "construct the schema accepts but the code generator does not compile yet",

@@ -12,11 +12,11 @@ from pathlib import Path as FsPath
 
 import pydantic
 
-from mlxc.compiler import blocks, expr, schema
+from mlxc.compiler import blocks, expr, extends, schema
 from mlxc.compiler.findings import Finding
 from mlxc.compiler.labels import LABELS, LIVE_WINDOW
 from mlxc.compiler.schema_base import BoolExpr, FloatExpr, IntExpr
-from mlxc.compiler.source import Positions, load_yaml
+from mlxc.compiler.source import Positions
 from mlxc.compiler.vision import TOWERS
 
 EXPR_TYPES = {IntExpr, FloatExpr, BoolExpr}
@@ -40,11 +40,13 @@ class _Reporter:
         line, col = self.positions.value(loc)
         if col_shift:
             col += col_shift + (1 if tuple(loc) in self.positions.quoted else 0)
-        self.findings.append(Finding(self.path, line, col, code, message))
+        path = self.positions.value_file(loc) or self.path  # an inherited value: its base file
+        self.findings.append(Finding(path, line, col, code, message))
 
     def at_key(self, loc, code: str, message: str) -> None:
         line, col = self.positions.key(loc)
-        self.findings.append(Finding(self.path, line, col, code, message))
+        path = self.positions.key_file(loc) or self.path
+        self.findings.append(Finding(path, line, col, code, message))
 
 
 # --- schema errors ------------------------------------------------------------------------
@@ -353,9 +355,14 @@ def _semantic_findings(spec: schema.Spec, rep: _Reporter) -> None:
 
 
 def check_source(text: str, path: str) -> Checked:
-    data, positions, findings = load_yaml(text, path)
+    """Check the spec ``text`` at ``path`` (its ``extends:`` base is read from path's directory).
+
+    ``Checked.source`` is the text the generated header hashes: ``text``, then its bases' texts.
+    """
+    loaded = extends.load(text, path)
+    data, positions = loaded.data, loaded.positions
     rep = _Reporter(path, positions)
-    rep.findings.extend(findings)
+    rep.findings.extend(loaded.findings)
     spec = None
     if data is not None and not isinstance(data, dict):
         rep.at_value((), "S003", "a spec must be a mapping at the top level")
@@ -366,17 +373,12 @@ def check_source(text: str, path: str) -> Checked:
             _semantic_findings(valid, rep)
         if not rep.findings:
             spec = valid
-    return Checked(path, spec, positions, sorted(set(rep.findings)), text)
+    return Checked(path, spec, positions, sorted(set(rep.findings)), loaded.source)
 
 
 def check_file(path: FsPath) -> Checked:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raw = path.read_bytes()
-        line = raw.count(b"\n", 0, err.start) + 1
-        col = err.start - raw.rfind(b"\n", 0, err.start)
-        finding = Finding(str(path), line, col, "Y001", f"not UTF-8 text ({err.reason})")
+    text, finding = extends.read(path)
+    if finding is not None:
         return Checked(str(path), None, Positions(), [finding], "")
     return check_source(text, str(path))
 
@@ -403,6 +405,10 @@ def spec_files(paths: list[str]) -> list[FsPath]:
 def check_all(paths: list[str]) -> list[Checked]:
     """Check every spec under ``paths``, plus the rules that span specs (R001)."""
     checked = [check_file(f) for f in spec_files(paths)]
+    seen: set[Finding] = set()
+    for c in checked:  # a finding in a base shows once, not once more per spec extending it
+        c.findings = [f for f in c.findings if f not in seen]
+        seen.update(c.findings)
     served: dict[str, str] = {}
     for c in checked:
         if c.spec is None:

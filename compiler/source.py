@@ -68,18 +68,33 @@ class Positions:
     values: dict[Path, tuple[int, int]] = field(default_factory=dict)
     keys: dict[Path, tuple[int, int]] = field(default_factory=dict)
     quoted: set[Path] = field(default_factory=set)
+    # The file a value (and its key) was written in, for values inherited through `extends:`;
+    # a path not here was written in the spec's own file.
+    files: dict[Path, str] = field(default_factory=dict)
 
-    def value(self, path: Path) -> tuple[int, int]:
-        """Position of the value at ``path``, or of its nearest existing ancestor."""
+    def _nearest(self, path: Path) -> Path:
         path = tuple(path)
         while path and path not in self.values:
             path = path[:-1]
-        return self.values.get(path, (1, 1))
+        return path
+
+    def value(self, path: Path) -> tuple[int, int]:
+        """Position of the value at ``path``, or of its nearest existing ancestor."""
+        return self.values.get(self._nearest(path), (1, 1))
 
     def key(self, path: Path) -> tuple[int, int]:
         """Position of the mapping key naming ``path`` (falls back to the value)."""
         path = tuple(path)
         return self.keys.get(path) or self.value(path)
+
+    def value_file(self, path: Path) -> str | None:
+        """The file holding ``value(path)``; None for the spec's own file."""
+        return self.files.get(self._nearest(path))
+
+    def key_file(self, path: Path) -> str | None:
+        """The file holding ``key(path)``; None for the spec's own file."""
+        path = tuple(path)
+        return self.files.get(path) if path in self.keys else self.value_file(path)
 
 
 class _Builder:

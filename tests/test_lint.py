@@ -52,6 +52,11 @@ EXPECTED = {
     "name_mismatch": "name_mismatch.yaml:1:7: R002 spec name 'something_else' must match its "
     "file name",
     "not_compiled": "not_compiled.yaml:21:7: C001 sliding windows not compiled yet",
+    "extends_unknown": "extends_unknown.yaml:2:10: X001 extends 'no_such_spec': no spec "
+    "no_such_spec.yaml in tests/fixtures/lint",
+    "extends_cycle": "extends_cycle.yaml:2:10: X002 extends cycle: extends_cycle -> extends_cycle",
+    "extends_outside": "extends_outside.yaml:2:10: X003 extends '../specs_elsewhere/ok': a base "
+    "is a spec of the same directory, named by its file stem",
 }
 
 
