@@ -256,32 +256,16 @@ def generate(
     import time
 
     # MLX and transformers load here, not at CLI start-up: lint and build never need them.
-    from mlxc.runtime.config import context_length
     from mlxc.runtime.generate import (
         DEFAULT_KV_SINK,
         ContextExceeded,
         completion_budget,
         generate_tokens,
     )
-    from mlxc.runtime.loading import (
-        CheckpointError,
-        load_model,
-        read_config,
-        registry_key,
-        resolve_module,
-    )
-    from mlxc.runtime.processor import (
-        ImageInputError,
-        load_image,
-        load_processor,
-    )
+    from mlxc.runtime.loading import CheckpointError, load_checkpoint
+    from mlxc.runtime.processor import ImageInputError, load_image
     from mlxc.runtime.sample import make_sampler
-    from mlxc.runtime.tokenizer import (
-        StreamingDetokenizer,
-        encode_prompt,
-        eos_token_ids,
-        load_tokenizer,
-    )
+    from mlxc.runtime.tokenizer import StreamingDetokenizer, encode_prompt
 
     kv_sink = DEFAULT_KV_SINK if kv_sink is None else kv_sink
     if max_kv_size is not None and max_kv_size <= kv_sink:
@@ -297,31 +281,25 @@ def generate(
         except (OSError, RuntimeError) as e:
             raise _OneLineError(f"cannot write the demo checkpoint: {e}") from e
         click.echo(f"warning: {demo.no_model_warning('generating with', model_dir)}", err=True)
-    try:
-        config = read_config(model_dir)  # "not a checkpoint" before "no tokenizer"
-        module = resolve_module(registry_key(config, specs), specs)
-        tower = getattr(module, "VISION_TOWER", None)
-        if images and tower is None:  # fail before loading weights
+    pil_images = []
+
+    def refuse_images(config, module) -> None:  # before the tokenizer and the weights load
+        if images and getattr(module, "VISION_TOWER", None) is None:
             raise click.BadParameter(
                 f"the {config.get('model_type')} model at {model_dir} takes no images "
                 "(it has no vision tower)",
                 param_hint="'--image'",
             )
         try:
-            pil_images = [load_image(p) for p in images]
+            pil_images.extend(load_image(p) for p in images)
         except ImageInputError as e:
             raise click.BadParameter(str(e), param_hint="'--image'") from e
-        tokenizer = load_tokenizer(model_dir)
-        if tokenizer is None:
-            raise CheckpointError(
-                f"no tokenizer in {model_dir} (tokenizer.json, tokenizer_config.json or "
-                "tokenizer.model): copy the tokenizer files of the model there"
-            )
-        # A VL model renders every prompt, with images or without, through its processor (and
-        # its chat template), as the server does.
-        processor = load_processor(model_dir, tokenizer, tower) if tower else None
+
+    try:
+        checkpoint = load_checkpoint(model_dir, specs=specs, before_tokenizer=refuse_images)
     except (CheckpointError, ValueError) as e:  # ValueError: inconsistent processor files
         raise _OneLineError(str(e), 1) from e
+    tokenizer, processor = checkpoint.tokenizer, checkpoint.processor
 
     template = False if no_chat_template else None
     vision_inputs = None
@@ -338,12 +316,12 @@ def generate(
     # Before the weights load: a prompt or --max-tokens past the context fails at once.
     try:
         max_tokens = completion_budget(
-            len(ids), max_tokens, _DEFAULT_MAX_TOKENS, context_length(config), max_kv_size
+            len(ids), max_tokens, _DEFAULT_MAX_TOKENS, checkpoint.context_length, max_kv_size
         )
     except ContextExceeded as e:
         raise click.BadParameter(str(e), param_hint=f"'--{e.param.replace('_', '-')}'") from e
     try:
-        model = load_model(model_dir, specs=specs)
+        model = checkpoint.load_model()
     except CheckpointError as e:
         raise _OneLineError(str(e), 1) from e
 
@@ -356,7 +334,7 @@ def generate(
         prefill_chunk_size=prefill_chunk_size,
         max_kv_size=max_kv_size,
         kv_sink=kv_sink,
-        eos_token_ids=eos_token_ids(tokenizer, model_dir),
+        eos_token_ids=checkpoint.eos_token_ids,
         vision_inputs=vision_inputs,
     )
     detok = StreamingDetokenizer(tokenizer)

@@ -13,9 +13,12 @@ the culprit (file, tensor, config entry) and says what to do.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path, PurePath
 from types import ModuleType
 from typing import Any
@@ -25,7 +28,7 @@ from mlx import nn
 from mlx.utils import tree_flatten
 
 from mlxc.runtime import blas, fp8
-from mlxc.runtime.config import ConfigError, recording_reads
+from mlxc.runtime.config import ConfigError, context_length, lookup, recording_reads
 
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_LISTED = 10  # tensor names listed per kind of mismatch; the rest are counted
@@ -463,3 +466,99 @@ def load(
 
     model = load_model(path, dtype=dtype, specs=specs)
     return model, load_tokenizer(path)
+
+
+# --- a checkpoint up to its weights ---------------------------------------------------------
+
+
+class ProcessorFilesError(ValueError):
+    """The processor files of a VL checkpoint do not fit it (``load_processor``'s ValueError)."""
+
+
+@dataclass
+class Checkpoint:
+    """What ``mlxc generate`` and the server read of a checkpoint before its weights: config,
+    generated module, tokenizer, processor (None for a text model) and the numbers they take
+    from them. The model itself loads apart, through :meth:`load_model`: the server builds it
+    on its scheduler thread (MLX streams are per thread), generate only once the prompt fits."""
+
+    path: Path
+    config: dict[str, Any]
+    module: ModuleType
+    tokenizer: Any
+    processor: Any  # built on prompt_tokenizer
+    prompt_tokenizer: Any  # the tokenizer itself, or the copy asked for (prompt workers)
+    eos_token_ids: set[int]
+    context_length: int | None
+    vocab_size: int | None
+    specs: Specs = None
+
+    @property
+    def vision_tower(self) -> str | None:
+        """The module's ``VISION_TOWER`` (None: a text-only model)."""
+        return getattr(self.module, "VISION_TOWER", None)
+
+    def load_model(self, dtype: mx.Dtype | str | None = None) -> nn.Module:
+        """The model with its weights (:func:`load_model`)."""
+        return load_model(self.path, dtype=dtype, specs=self.specs)
+
+
+def _config_int(config: dict[str, Any], key: str) -> int | None:
+    for prefix in ("", "text_config."):
+        value = lookup(config, prefix + key, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    specs: Specs = None,
+    chat_template: str | None = None,
+    tokenizer_hint: str = "copy the tokenizer files of the model there",
+    copy_tokenizer: bool = False,
+    before_tokenizer: Callable[[dict[str, Any], ModuleType], None] | None = None,
+) -> Checkpoint:
+    """Read the checkpoint at ``path`` up to its weights: config.json, the generated module
+    (``specs`` as in :func:`load_model`), then ``before_tokenizer(config, module)`` if given
+    (checks to fail before any slow load), the tokenizer (``tokenizer_hint`` ends the "no
+    tokenizer" error), and a VL model's processor (``chat_template`` as in ``load_processor``).
+    ``copy_tokenizer``: the processor and ``prompt_tokenizer`` get a deep copy of the tokenizer
+    (the server encodes prompts in worker threads). Raises CheckpointError, and
+    :class:`ProcessorFilesError` (a ValueError) when the processor files do not fit."""
+    from mlxc.runtime.tokenizer import eos_token_ids, load_tokenizer
+
+    path = Path(path)
+    config = read_config(path)  # "not a checkpoint" before anything else
+    module = resolve_module(registry_key(config, specs), specs)
+    if before_tokenizer is not None:
+        before_tokenizer(config, module)
+    tokenizer = load_tokenizer(path)
+    if tokenizer is None:
+        raise CheckpointError(
+            f"no tokenizer in {path} (tokenizer.json, tokenizer_config.json or "
+            f"tokenizer.model): {tokenizer_hint}"
+        )
+    prompt_tokenizer = copy.deepcopy(tokenizer) if copy_tokenizer else tokenizer
+    processor = None
+    # A VL model renders every prompt, with images or without, through its processor.
+    if tower := getattr(module, "VISION_TOWER", None):
+        from mlxc.runtime.processor import load_processor
+
+        try:
+            processor = load_processor(path, prompt_tokenizer, tower, chat_template=chat_template)
+        except ValueError as e:
+            raise ProcessorFilesError(str(e)) from e
+    return Checkpoint(
+        path=path,
+        config=config,
+        module=module,
+        tokenizer=tokenizer,
+        processor=processor,
+        prompt_tokenizer=prompt_tokenizer,
+        eos_token_ids=eos_token_ids(tokenizer, path),
+        context_length=context_length(config),
+        vocab_size=_config_int(config, "vocab_size"),
+        specs=specs,
+    )

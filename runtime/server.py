@@ -136,59 +136,34 @@ class Engine:
         """Load the checkpoint at ``path`` and start the scheduler; CheckpointError when it
         cannot be served. The model is built on the scheduler thread, which owns MLX.
         ``specs``: a directory of your own specs, as in ``loading.load_model``."""
-        from mlxc.runtime.config import context_length, lookup
-        from mlxc.runtime.loading import (
-            CheckpointError,
-            load_model,
-            read_config,
-            registry_key,
-            resolve_module,
-        )
-        from mlxc.runtime.tokenizer import eos_token_ids, load_tokenizer
+        from mlxc.runtime.loading import CheckpointError, ProcessorFilesError, load_checkpoint
 
         path = Path(path)
-        config = read_config(path)
-        tokenizer = load_tokenizer(path)
-        if tokenizer is None:
-            raise CheckpointError(
-                f"no tokenizer in {path} (tokenizer.json, tokenizer_config.json or "
-                "tokenizer.model): the server needs one to read prompts"
+        try:
+            checkpoint = load_checkpoint(
+                path,
+                specs=specs,
+                chat_template=chat_template,
+                tokenizer_hint="the server needs one to read prompts",
+                copy_tokenizer=True,
             )
-
-        def config_int(key: str) -> int | None:
-            for prefix in ("", "text_config."):
-                value = lookup(config, prefix + key, None)
-                if isinstance(value, int) and not isinstance(value, bool):
-                    return value
-            return None
-
-        processor = None
-        prompt_tokenizer = copy.deepcopy(tokenizer)
-        module = resolve_module(registry_key(config, specs), specs)
-        if getattr(module, "VISION_TOWER", None):
-            from mlxc.runtime.processor import load_processor
-
-            try:
-                processor = load_processor(
-                    path, prompt_tokenizer, module, chat_template=chat_template
-                )
-            except ValueError as e:
-                raise CheckpointError(f"{path}: cannot read its image processor: {e}") from e
+        except ProcessorFilesError as e:
+            raise CheckpointError(f"{path}: cannot read its image processor: {e}") from e
 
         name = model_id or path.resolve().name
         engine = cls(
             None,
-            tokenizer,
-            load=lambda: load_model(path, specs=specs),
+            checkpoint.tokenizer,
+            load=checkpoint.load_model,
             model_id=name,
             aliases=(str(path),),
-            eos_token_ids=eos_token_ids(tokenizer, path),
-            context_length=context_length(config),
-            vocab_size=config_int("vocab_size"),
+            eos_token_ids=checkpoint.eos_token_ids,
+            context_length=checkpoint.context_length,
+            vocab_size=checkpoint.vocab_size,
             chat_template=chat_template,
             description=description,
-            processor=processor,
-            prompt_tokenizer=prompt_tokenizer,
+            processor=checkpoint.processor,
+            prompt_tokenizer=checkpoint.prompt_tokenizer,
             **scheduler_options,
         )
         engine.start()  # loads the model; raises CheckpointError here, not at the first request
