@@ -27,22 +27,36 @@ After every prefill chunk and every decode step the pool calls ``enforce_max_kv`
 that ran (never on ``model-owned`` ones); in the decode batch each row is trimmed on its own. A
 failure in one sequence's forward ends that request with a :class:`Failed` event and frees its
 caches; the others carry on. A failure of the batched decode forward ends the requests in it.
+
+This module holds the step: the cache pool, the tick and the forwards. Requests, their events
+and the admission queue (everything other threads touch) are in ``runtime.admission``; turning
+a sampled token into a request's events (detokenizing, stop strings) is ``runtime.output``.
+Callers import the request and event names from here (re-exported, see ``__all__``).
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx import nn
 
+from mlxc.runtime.admission import (
+    AdmissionQueue,
+    Delta,
+    Event,
+    Failed,
+    Finished,
+    QueueFull,
+    Request,
+    SamplingParams,
+    SchedulerStopped,
+)
 from mlxc.runtime.batch import BatchCache
 from mlxc.runtime.cache import (
     cache_arrays,
@@ -52,90 +66,24 @@ from mlxc.runtime.cache import (
     trimmable,
 )
 from mlxc.runtime.generate import DEFAULT_KV_SINK, as_model_inputs, prefill_chunks
+from mlxc.runtime.output import SequenceOutput, StopMatcher
 from mlxc.runtime.sample import greedy, make_sampler
-from mlxc.runtime.tokenizer import StreamingDetokenizer
+
+__all__ = [
+    "CachePool",
+    "Delta",
+    "Event",
+    "Failed",
+    "Finished",
+    "QueueFull",
+    "Request",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerStopped",
+    "StopMatcher",
+]
 
 log = logging.getLogger("mlxc.serve")
-
-
-class QueueFull(Exception):
-    """``max_queue`` requests already wait for a slot: answer 429, do not queue."""
-
-
-class SchedulerStopped(Exception):
-    """The scheduler is shut down (or its thread died) and takes no more requests."""
-
-
-# --- requests and the events they receive ----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks, tests)
-
-
-# A request receives any number of Delta events, then exactly one Finished or Failed.
-
-
-@dataclass
-class Delta:
-    text: str  # may be "" (a token that ends mid-character, or text held back by `stop`)
-    token: int
-
-
-@dataclass
-class Finished:
-    reason: str  # "stop" (EOS or a stop string) or "length" (max_tokens)
-    text: str  # the text held back until the end
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass
-class Failed:
-    message: str
-    shutdown: bool = False  # the server is shutting down (the request itself was fine)
-
-
-Event = Delta | Finished | Failed
-
-
-class Request:
-    """A submitted generation. ``cancel()`` may be called from any thread, any time."""
-
-    def __init__(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        emit: Callable[[Event], None],
-        wake: Callable[[], None],
-        model_inputs: dict[str, Any] | None = None,
-    ) -> None:
-        self.id = request_id
-        self.prompt_ids = prompt_ids
-        self.params = params
-        self.emit = emit
-        # Extra keyword inputs of the first prefill chunk's forward: a VL model's pixel_values
-        # and grids (the model keeps the image features on its SequenceCache for later chunks).
-        self.model_inputs = model_inputs or {}
-        self._wake = wake
-        self._cancelled = threading.Event()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def cancel(self) -> None:
-        """Stop generating and free the slot (a no-op once the request has finished)."""
-        self._cancelled.set()
-        self._wake()
 
 
 def _run_then_park(work: list[Callable[[], None]]) -> None:
@@ -155,43 +103,6 @@ def _run_then_park(work: list[Callable[[], None]]) -> None:
     finally:
         del main
         threading.Event().wait()
-
-
-# --- stop strings ------------------------------------------------------------------------------
-
-
-class StopMatcher:
-    """Cuts the text stream at the first stop string, holding back a possible partial match.
-
-    ``feed`` returns the text safe to emit and whether a stop string was hit (the text then ends
-    just before it). Text that could be the start of a stop string waits for the next delta.
-    """
-
-    def __init__(self, stops: Iterable[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        if not self.stops:
-            return text, False
-        self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending = self.pending[: min(hits)], ""
-            return out, True
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.pending)), hold, -1):
-                if self.pending.endswith(s[:k]):
-                    hold = k
-                    break
-        cut = len(self.pending) - hold
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
 
 
 # --- cache pool --------------------------------------------------------------------------------
@@ -280,7 +191,9 @@ class CachePool:
 class _Sequence:
     """A running request's generation state (scheduler thread only)."""
 
-    def __init__(self, request: Request, caches: list, tokenizer: Any) -> None:
+    def __init__(
+        self, request: Request, caches: list, tokenizer: Any, eos_token_ids: frozenset[int]
+    ) -> None:
         p = request.params
         self.request = request
         self.caches = caches
@@ -288,9 +201,8 @@ class _Sequence:
         self.prefilled = 0  # prompt tokens already forwarded
         self.batched = False  # its caches are a row of the pool's decode batch
         self.last_token: int | None = None  # input of the next decode step
-        self.generated = 0
-        self.detok = StreamingDetokenizer(tokenizer)
-        self.stops = StopMatcher(p.stop)
+        # Its text and events: detokenizer, stop strings, completion tokens.
+        self.output = SequenceOutput(tokenizer, p, len(request.prompt_ids), eos_token_ids)
 
     @property
     def prefilling(self) -> bool:
@@ -329,25 +241,26 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.prefill_chunk_size = prefill_chunk_size
-        self.max_concurrency = max_concurrency
-        self.max_queue = max_queue
         self.pool = CachePool(model, max_kv_size, kv_sink)
 
-        self._cond = threading.Condition()
-        self._waiting: deque[Request] = deque()  # guarded by _cond
-        self._stopping = False  # guarded by _cond
-        self._slots_taken = 0  # guarded by _cond: admitted requests not yet released
+        # Waiting requests, slots, counters, the stats snapshot: shared with other threads.
+        self._queue = AdmissionQueue(max_concurrency, max_queue)
         self._running: list[_Sequence] = []  # scheduler thread only
         self._prefill_queue: deque[_Sequence] = deque()  # round-robin order of prefills
         # The batched decode step queued but not read yet: (its rows, their tokens [B]).
         self._inflight: tuple[list[_Sequence], mx.array] | None = None
-        self._ids = itertools.count(1)
-        self._counts = dict.fromkeys(("completed", "failed", "cancelled", "rejected"), 0)
-        self._snapshot = {"running": 0, "pool_sequences": 0, "pool_batched": 0, "pool_bytes": 0}
         self._thread: threading.Thread | None = None
         self._done = threading.Event()  # the loop (or the failed load) is over
 
     # --- any thread ---------------------------------------------------------------------------
+
+    @property
+    def max_concurrency(self) -> int:
+        return self._queue.max_concurrency
+
+    @property
+    def max_queue(self) -> int:
+        return self._queue.max_queue
 
     def start(self) -> None:
         """Start the scheduler thread (idempotent).
@@ -389,9 +302,7 @@ class Scheduler:
     def request_stop(self) -> None:
         """Begin shutting down without waiting (signal handlers): the loop ends after its
         current step, and running and waiting requests end with a Failed(shutdown) event."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
+        self._queue.request_stop()
 
     def stop(self, timeout: float | None = 10.0) -> None:
         """``request_stop``, then wait (up to ``timeout`` seconds) for the loop to end."""
@@ -418,74 +329,38 @@ class Scheduler:
         Raises QueueFull when ``max_queue`` requests already wait, SchedulerStopped after
         ``stop``. ``emit`` must not block; an exception from it cancels the request.
         """
-        if not prompt_ids:
-            raise ValueError("the prompt is empty: generation needs at least one token")
-        if params.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
-        with self._cond:
-            if self._stopping or (self._thread is not None and self._done.is_set()):
-                raise SchedulerStopped("the scheduler is not running")
-            self._purge_cancelled()
-            free_slots = max(self.max_concurrency - self._slots_taken, 0)
-            if len(self._waiting) >= self.max_queue + free_slots:
-                self._counts["rejected"] += 1
-                raise QueueFull(
-                    f"{len(self._waiting)} requests are already waiting (--max-queue "
-                    f"{self.max_queue}); retry later"
-                )
-            request = Request(
-                f"req-{next(self._ids)}", list(prompt_ids), params, emit, self._wake, model_inputs
-            )
-            self._waiting.append(request)
-            self._cond.notify_all()
-        return request
+        return self._queue.submit(prompt_ids, params, emit, model_inputs, self._ended)
 
     def stats(self) -> dict[str, Any]:
-        with self._cond:
-            waiting = sum(not r.cancelled for r in self._waiting)
-            return {
-                "running": self._snapshot["running"],
-                "waiting": waiting,
-                "max_concurrency": self.max_concurrency,
-                "max_queue": self.max_queue,
-                "pool": {
-                    "sequences": self._snapshot["pool_sequences"],
-                    "batched": self._snapshot["pool_batched"],  # rows of the decode batch
-                    "bytes": self._snapshot["pool_bytes"],
-                    "peak_bytes": self.pool.peak_bytes,
-                    "max_kv_size": self.pool.max_kv_size,
-                    "kv_sink": self.pool.kv_sink,
-                    "trims": self.pool.trims,
-                },
-                "requests": dict(self._counts),
-            }
+        snapshot, waiting, counts = self._queue.read_stats()
+        return {
+            "running": snapshot["running"],
+            "waiting": waiting,
+            "max_concurrency": self.max_concurrency,
+            "max_queue": self.max_queue,
+            "pool": {
+                "sequences": snapshot["pool_sequences"],
+                "batched": snapshot["pool_batched"],  # rows of the decode batch
+                "bytes": snapshot["pool_bytes"],
+                "peak_bytes": self.pool.peak_bytes,
+                "max_kv_size": self.pool.max_kv_size,
+                "kv_sink": self.pool.kv_sink,
+                "trims": self.pool.trims,
+            },
+            "requests": counts,
+        }
 
-    def _wake(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
-
-    def _purge_cancelled(self) -> None:
-        # Caller holds _cond. A cancelled waiting request gives its queue place back at once.
-        if any(r.cancelled for r in self._waiting):
-            kept = [r for r in self._waiting if not r.cancelled]
-            self._counts["cancelled"] += len(self._waiting) - len(kept)
-            self._waiting = deque(kept)
+    def _ended(self) -> bool:
+        """The scheduler thread was started and its loop (or its load) is over."""
+        return self._thread is not None and self._done.is_set()
 
     # --- scheduler thread -----------------------------------------------------------------------
 
     def _loop(self) -> None:
         while True:
-            with self._cond:
-                self._purge_cancelled()
-                while not self._stopping and not self._waiting and not self._running:
-                    self._cond.wait()
-                    self._purge_cancelled()
-                if self._stopping:
-                    break
-                admitted = []
-                while self._waiting and self._slots_taken < self.max_concurrency:
-                    admitted.append(self._waiting.popleft())
-                    self._slots_taken += 1
+            admitted = self._queue.admit(busy=bool(self._running))
+            if admitted is None:  # request_stop
+                break
             for request in admitted:
                 self._admit(request)
             try:
@@ -499,13 +374,13 @@ class Scheduler:
 
     def _admit(self, request: Request) -> None:
         try:
-            seq = _Sequence(request, self.pool.allocate(request.id), self.tokenizer)
+            caches = self.pool.allocate(request.id)
+            seq = _Sequence(request, caches, self.tokenizer, self.eos_token_ids)
         except Exception as e:  # noqa: BLE001 - a bad request must not stop the loop
             self.pool.release(request.id)
-            self._send(request, Failed(f"cannot start generation: {e}"))
-            self._count("failed")
-            with self._cond:
-                self._slots_taken -= 1
+            request.send(Failed(f"cannot start generation: {e}"))
+            self._queue.count("failed")
+            self._queue.release_slot()
             return
         self._running.append(seq)
         self._prefill_queue.append(seq)
@@ -513,7 +388,7 @@ class Scheduler:
     def _tick(self) -> None:
         for seq in [s for s in self._running if s.request.cancelled]:
             self._release(seq)
-            self._count("cancelled")
+            self._queue.count("cancelled")
 
         # A sequence whose prompt is done decodes in the batch from now on.
         joining = [s for s in self._running if not (s.prefilling or s.batched)]
@@ -644,65 +519,27 @@ class Scheduler:
         return [token], token
 
     def _accept(self, seq: _Sequence, token: int) -> None:
-        params = seq.request.params
-        if token in self.eos_token_ids and not params.ignore_eos:
-            self._finish(seq, "stop")
-            return
-        seq.generated += 1
-        delta = seq.detok.add(token)
-        text, hit = seq.stops.feed(delta)
-        if hit:
-            self._finish(seq, "stop", final_text=text)
-            return
-        self._send(seq.request, Delta(text, token))
-        if seq.generated >= params.max_tokens:
-            self._finish(seq, "length")
+        if seq.output.accept(token, seq.request.send):
+            self._release(seq)  # it sent Finished
+            self._queue.count("completed")
         else:
             seq.last_token = token
-
-    def _finish(self, seq: _Sequence, reason: str, final_text: str | None = None) -> None:
-        if final_text is None:
-            # EOS or max_tokens: flush what the detokenizer and the stop matcher hold back.
-            tail = seq.detok.finalize()
-            final_text, hit = seq.stops.feed(tail)
-            if hit:
-                reason = "stop"
-            else:
-                final_text += seq.stops.flush()
-        self._send(
-            seq.request,
-            Finished(reason, final_text, len(seq.request.prompt_ids), seq.generated),
-        )
-        self._release(seq)
-        self._count("completed")
 
     def _fail(self, seq: _Sequence, error: BaseException) -> None:
         log.warning("request %s failed: %s: %s", seq.request.id, type(error).__name__, error)
         log.debug("traceback of request %s", seq.request.id, exc_info=error)
-        self._send(seq.request, Failed(f"generation failed: {type(error).__name__}: {error}"))
+        seq.request.send(Failed(f"generation failed: {type(error).__name__}: {error}"))
         self._release(seq)
-        self._count("failed")
+        self._queue.count("failed")
 
     def _release(self, seq: _Sequence) -> None:
         if seq in self._running:
             self._running.remove(seq)
-            with self._cond:
-                self._slots_taken -= 1
+            self._queue.release_slot()
         if seq in self._prefill_queue:
             self._prefill_queue.remove(seq)
         self.pool.release(seq.request.id)
         seq.caches = []
-
-    def _send(self, request: Request, event: Event) -> None:
-        try:
-            request.emit(event)
-        except Exception as e:  # noqa: BLE001 - the listener is gone (closed loop): stop
-            log.debug("request %s: emit failed (%s); cancelling", request.id, e)
-            request._cancelled.set()
-
-    def _count(self, what: str) -> None:
-        with self._cond:
-            self._counts[what] += 1
 
     def _publish(self) -> None:
         snapshot = {
@@ -711,15 +548,12 @@ class Scheduler:
             "pool_batched": len(self.pool.batch_keys),
             "pool_bytes": self.pool.nbytes(),
         }
-        with self._cond:
-            self._snapshot = snapshot
+        self._queue.publish(snapshot)
 
     def _shutdown(self) -> None:
-        with self._cond:
-            waiting, self._waiting = list(self._waiting), deque()
-        for request in waiting:
-            self._send(request, Failed("the server is shutting down", shutdown=True))
+        for request in self._queue.drain():
+            request.send(Failed("the server is shutting down", shutdown=True))
         for seq in list(self._running):
-            self._send(seq.request, Failed("the server is shutting down", shutdown=True))
+            seq.request.send(Failed("the server is shutting down", shutdown=True))
             self._release(seq)
         self._publish()

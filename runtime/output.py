@@ -1,0 +1,101 @@
+"""Per-sequence output of the scheduler: sampled token ids become a request's events.
+
+A running sequence's text is its own business, apart from the step that samples its tokens
+(``runtime.scheduler``): :class:`SequenceOutput` feeds each token to a
+``StreamingDetokenizer``, cuts the text at the first stop string (:class:`StopMatcher`), counts
+completion tokens against ``max_tokens``, and turns each token into the :class:`Delta` and
+:class:`Finished` events of ``runtime.admission``. It holds no MLX state and runs on the
+scheduler thread only (the detokenizer uses the scheduler's tokenizer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from mlxc.runtime.admission import Delta, Event, Finished, SamplingParams
+from mlxc.runtime.tokenizer import StreamingDetokenizer
+
+
+class StopMatcher:
+    """Cuts the text stream at the first stop string, holding back a possible partial match.
+
+    ``feed`` returns the text safe to emit and whether a stop string was hit (the text then ends
+    just before it). Text that could be the start of a stop string waits for the next delta.
+    """
+
+    def __init__(self, stops: Iterable[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.pending)), hold, -1):
+                if self.pending.endswith(s[:k]):
+                    hold = k
+                    break
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class SequenceOutput:
+    """One sequence's detokenizer, stop strings and completion-token count.
+
+    ``accept`` takes each sampled token in order and sends the events it makes: a Delta, and a
+    Finished once the sequence ends (EOS unless ``ignore_eos``, a stop string, ``max_tokens``).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        params: SamplingParams,
+        prompt_tokens: int,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        self.params = params
+        self.prompt_tokens = prompt_tokens
+        self.eos_token_ids = eos_token_ids
+        self.generated = 0
+        self.detok = StreamingDetokenizer(tokenizer)
+        self.stops = StopMatcher(params.stop)
+
+    def accept(self, token: int, send: Callable[[Event], None]) -> bool:
+        """Send this token's events; True when it ended the sequence (Finished was sent)."""
+        if token in self.eos_token_ids and not self.params.ignore_eos:
+            send(self._finished("stop"))
+            return True
+        self.generated += 1
+        delta = self.detok.add(token)
+        text, hit = self.stops.feed(delta)
+        if hit:
+            send(self._finished("stop", final_text=text))
+            return True
+        send(Delta(text, token))
+        if self.generated >= self.params.max_tokens:
+            send(self._finished("length"))
+            return True
+        return False
+
+    def _finished(self, reason: str, final_text: str | None = None) -> Finished:
+        if final_text is None:
+            # EOS or max_tokens: flush what the detokenizer and the stop matcher hold back.
+            tail = self.detok.finalize()
+            final_text, hit = self.stops.feed(tail)
+            if hit:
+                reason = "stop"
+            else:
+                final_text += self.stops.flush()
+        return Finished(reason, final_text, self.prompt_tokens, self.generated)
