@@ -519,9 +519,10 @@ def serve(
     import logging
     from pathlib import Path
 
+    from mlxc.runtime.engine import Engine
     from mlxc.runtime.generate import DEFAULT_KV_SINK
     from mlxc.runtime.loading import CheckpointError
-    from mlxc.runtime.server import Engine, bind, create_app, run
+    from mlxc.runtime.server import bind, create_app, run
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     log = logging.getLogger("mlxc.serve")

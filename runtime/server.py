@@ -5,6 +5,13 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/mo
 with ``data: [DONE]``. Every error is OpenAI-shaped: ``{"error": {"message", "type", "param",
 "code"}}``; bad input is rejected before anything is queued, so it changes no state.
 
+Layout: ``runtime.engine`` holds the :class:`Engine` (model, tokenizers, processor, scheduler,
+prompt workers), ``runtime.api_schemas`` the request schemas, :class:`APIError` and
+:class:`Limits`; this module the app: request preparation, the disconnect watcher, the JSON and
+SSE replies, and binding and running it. The app's settings live on ``app.state`` (``engine``,
+``settings``); the API key check and the size-limited body read are FastAPI dependencies
+(:func:`check_auth` on every ``/v1`` route, :func:`read_body` on the completion routes).
+
 Request path: Host/Origin guard (``runtime.http_guard``) -> API key -> body (size-limited) ->
 in a worker thread: JSON -> pydantic schema (strict types) -> prompt ids (chat template, or the
 raw prompt) -> context and ``max_tokens`` checks -> ``Scheduler.submit`` -> events from the
@@ -26,379 +33,75 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import copy
 import json
 import logging
 import re
 import secrets
 import socket
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-if TYPE_CHECKING:
-    from mlxc.runtime.processor import Prompt
-
-from mlxc.runtime.scheduler import (
-    Failed,
-    Finished,
-    QueueFull,
-    SamplingParams,
-    Scheduler,
-    SchedulerStopped,
+from mlxc.runtime.api_schemas import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_IMAGES,
+    DEFAULT_MAX_REQUEST_PIXELS,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_MAX_TOKENS_LIMIT,
+    MAX_STOP_STRINGS,
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ImagePart,
+    ImageURL,
+    Limits,
+    SamplingRequest,
+    StreamOptions,
+    TextPart,
+    validation_error,
 )
+from mlxc.runtime.engine import PROMPT_WORKERS, Engine, PromptError
+from mlxc.runtime.scheduler import Failed, Finished, QueueFull, SchedulerStopped
+
+__all__ = [  # what mlxc.runtime.server has always offered, wherever it now lives
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_IMAGES",
+    "DEFAULT_MAX_REQUEST_PIXELS",
+    "DEFAULT_MAX_TOKENS",
+    "DEFAULT_MAX_TOKENS_LIMIT",
+    "MAX_STOP_STRINGS",
+    "PROMPT_WORKERS",
+    "APIError",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "Engine",
+    "ImagePart",
+    "ImageURL",
+    "Limits",
+    "PromptError",
+    "StreamOptions",
+    "TextPart",
+    "bind",
+    "create_app",
+    "run",
+]
 
 log = logging.getLogger("mlxc.serve")
 
-DEFAULT_MAX_TOKENS = 512
-# No request may hold a slot for ever: under --max-kv-size the context no longer bounds it.
-DEFAULT_MAX_TOKENS_LIMIT = 32768
-DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # room for base64 images; a text prompt needs far less
-DEFAULT_MAX_IMAGES = 8
-# Pixels of all of a request's images, read from their headers before any is decoded: 64 Mpx
-# (8 images of 8 Mpx, 4K each) is 256 MiB decoded as RGBA.
-DEFAULT_MAX_REQUEST_PIXELS = 64 * 2**20
-MAX_STOP_STRINGS = 16
-PROMPT_WORKERS = 2  # threads that turn request bodies into prompts
-INT64 = (-(2**63), 2**63 - 1)
 
-
-# --- the engine: model + tokenizer + scheduler ---------------------------------------------------
-
-
-class PromptError(ValueError):
-    """A request that cannot be turned into prompt ids (answered 400)."""
-
-
-class Engine:
-    """What the server serves: one model, its tokenizer and chat template, its scheduler."""
-
-    def __init__(
-        self,
-        model: Any,
-        tokenizer: Any,
-        *,
-        model_id: str,
-        aliases: tuple[str, ...] = (),
-        eos_token_ids: set[int] | frozenset[int] = frozenset(),
-        context_length: int | None = None,
-        vocab_size: int | None = None,
-        chat_template: str | None = None,
-        description: str | None = None,
-        processor: Any = None,
-        prompt_tokenizer: Any = None,
-        **scheduler_options: Any,
-    ) -> None:
-        self.model_id = model_id
-        self.names = {model_id, *aliases}
-        self.context_length = context_length
-        self.vocab_size = vocab_size
-        self.chat_template = chat_template  # overrides the tokenizer's (--chat-template)
-        self.description = description
-        # Image processor of a VL model (None: text only); it encodes with prompt_tokenizer.
-        self.processor = processor
-        self.created = int(time.time())
-        # Prompts are encoded in worker threads, on a copy of the tokenizer: Hugging Face
-        # tokenizers are not safe under concurrent use, and sharing the scheduler's would make
-        # every stream's detokenizing wait while a long prompt is encoded.
-        self.prompt_tokenizer = prompt_tokenizer or copy.deepcopy(tokenizer)
-        self._prompt_lock = threading.Lock()  # the workers take turns on prompt_tokenizer
-        self.workers: ThreadPoolExecutor | None = None  # made by start(), on the server's side
-        self.preparing = 0  # requests in the workers now (event loop only; /health shows it)
-        self.scheduler = Scheduler(
-            model, tokenizer, eos_token_ids=eos_token_ids, **scheduler_options
-        )
-
-    @classmethod
-    def from_path(
-        cls,
-        path: str | Path,
-        *,
-        model_id: str | None = None,
-        chat_template: str | None = None,
-        description: str | None = None,
-        specs: str | Path | None = None,
-        **scheduler_options: Any,
-    ) -> Engine:
-        """Load the checkpoint at ``path`` and start the scheduler; CheckpointError when it
-        cannot be served. The model is built on the scheduler thread, which owns MLX.
-        ``specs``: a directory of your own specs, as in ``loading.load_model``."""
-        from mlxc.runtime.loading import CheckpointError, ProcessorFilesError, load_checkpoint
-
-        path = Path(path)
-        try:
-            checkpoint = load_checkpoint(
-                path,
-                specs=specs,
-                chat_template=chat_template,
-                tokenizer_hint="the server needs one to read prompts",
-                copy_tokenizer=True,
-            )
-        except ProcessorFilesError as e:
-            raise CheckpointError(f"{path}: cannot read its image processor: {e}") from e
-
-        name = model_id or path.resolve().name
-        engine = cls(
-            None,
-            checkpoint.tokenizer,
-            load=checkpoint.load_model,
-            model_id=name,
-            aliases=(str(path),),
-            eos_token_ids=checkpoint.eos_token_ids,
-            context_length=checkpoint.context_length,
-            vocab_size=checkpoint.vocab_size,
-            chat_template=chat_template,
-            description=description,
-            processor=checkpoint.processor,
-            prompt_tokenizer=checkpoint.prompt_tokenizer,
-            **scheduler_options,
-        )
-        engine.start()  # loads the model; raises CheckpointError here, not at the first request
-        return engine
-
-    @property
-    def max_kv_size(self) -> int | None:
-        return self.scheduler.pool.max_kv_size
-
-    def start(self) -> None:
-        if self.workers is None:
-            self.workers = ThreadPoolExecutor(PROMPT_WORKERS, thread_name_prefix="mlxc-prompt")
-        self.scheduler.start()
-
-    def stop(self) -> None:
-        self.scheduler.stop()
-        if self.workers is not None:
-            self.workers.shutdown(wait=False, cancel_futures=True)
-            self.workers = None
-
-    # Prompt building: called in the worker threads (never on the event loop).
-
-    def encode_chat_with_images(self, messages: list[dict], images: list) -> Prompt:
-        """Through the processor: prompt ids with the image placeholders expanded, and the
-        vision inputs (numpy; None without images)."""
-        try:
-            with self._prompt_lock:
-                return self.processor.encode(messages, images)
-        except ValueError as e:  # the template (named), or placeholder/image count problems
-            raise PromptError(str(e)) from e
-
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        from mlxc.runtime.tokenizer import render_chat_template
-
-        tok = self.prompt_tokenizer
-        if not (self.chat_template or getattr(tok, "chat_template", None)):
-            raise PromptError(
-                "this model has no chat template: start the server with --chat-template FILE, "
-                "or send a raw prompt to /v1/completions"
-            )
-        source = "--chat-template" if self.chat_template else None  # None: the tokenizer's
-        try:
-            with self._prompt_lock:
-                rendered = render_chat_template(
-                    tok, messages, chat_template=self.chat_template, source=source
-                )
-                # The template writes BOS and the other special tokens itself (as `mlxc
-                # generate` does): do not add them twice.
-                return list(tok.encode(rendered, add_special_tokens=False))
-        except ValueError as e:  # ChatTemplateError names the template
-            raise PromptError(str(e)) from e
-
-    def encode_text(self, text: str) -> list[int]:
-        from mlxc.runtime.tokenizer import encode_prompt
-
-        with self._prompt_lock:
-            return encode_prompt(self.prompt_tokenizer, text, chat_template=False)
-
-
-# --- errors --------------------------------------------------------------------------------------
-
-
-class APIError(Exception):
-    """An OpenAI-shaped error response."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type,
-            param,
-            code,
-        )
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-    def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
-
-
-def _validation_error(e: ValidationError | RequestValidationError) -> APIError:
-    errors = e.errors()
-    described = []
-    for err in errors[:3]:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        described.append(f"{loc}: {err['msg']}" if loc else err["msg"])
-    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
-    first = [p for p in (errors[0].get("loc", ()) if errors else ()) if p != "body"]
-    param = str(first[0]) if first else None
-    return APIError(400, "invalid request: " + "; ".join(described) + more, param=param)
-
-
-# --- request schemas ------------------------------------------------------------------------------
-
-
-class _Schema(BaseModel):
-    # Strict: "5" is not an int, 1.0 is not an int, "true" is not a bool. Unknown fields (the
-    # many OpenAI options this server does not use) are ignored.
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class TextPart(_Schema):
-    type: Literal["text"]
-    text: str
-
-
-class ImageURL(_Schema):
-    url: str
-    detail: str | None = None
-
-
-class ImagePart(_Schema):
-    type: Literal["image_url"]
-    image_url: ImageURL
-
-
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
-
-
-class ChatMessage(_Schema):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-
-
-class StreamOptions(_Schema):
-    include_usage: bool = False
-
-
-class _Sampling(_Schema):
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)  # -1 (vLLM) or 0: no top-k filter
-    seed: int | None = Field(default=None, ge=INT64[0], le=INT64[1])
-    stop: str | list[str] | None = None
-    n: int | None = 1
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # vLLM extension: generate exactly max_tokens tokens
-
-    def params(self, max_tokens: int) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=0.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=max(self.top_k or 0, 0),
-            seed=self.seed,
-            stop=tuple(stop),
-            ignore_eos=self.ignore_eos,
-        )
-
-    def check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise APIError(
-                400, f"n={self.n} is not supported: this server returns one choice (n=1)", param="n"
-            )
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if len(stops) > MAX_STOP_STRINGS:
-            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
-
-
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if not self.messages:
-            raise APIError(400, "messages must hold at least one message", param="messages")
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool | None = False
-    best_of: int | None = None
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.logprobs is not None:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
-        if self.echo:
-            raise APIError(400, "echo is not supported", param="echo")
-        if self.best_of not in (None, 1):
-            raise APIError(
-                400, "best_of is not supported (one choice per request)", param="best_of"
-            )
-
-
-# --- prompt building (in the worker threads) ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one request may ask of the server (the ``mlxc serve`` flags of the same names)."""
-
-    default_max_tokens: int = DEFAULT_MAX_TOKENS  # --max-tokens
-    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_images: int = DEFAULT_MAX_IMAGES  # --max-images-per-request
-    max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
-            raise ValueError(
-                f"the default max_tokens ({self.default_max_tokens}) must be between 1 and "
-                f"the max_tokens limit ({self.max_tokens_limit})"
-            )
+# --- request preparation (in the worker threads) --------------------------------------------------
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -566,7 +269,7 @@ class _Job:
     """A request made ready for the scheduler."""
 
     kind: str  # "chat" or "text"
-    req: _Sampling
+    req: SamplingRequest
     prompt_ids: list[int]
     vision: dict | None
     max_tokens: int
@@ -579,7 +282,7 @@ def _prepare(engine: Engine, kind: str, body: bytes, limits: Limits) -> _Job:
     try:
         req = schema.model_validate(data)
     except ValidationError as e:
-        raise _validation_error(e) from None
+        raise validation_error(e) from None
     except RecursionError:
         raise APIError(400, "the body is not valid here: its JSON is nested too deeply") from None
     _check_model(engine, req.model)
@@ -601,7 +304,7 @@ def _prepare(engine: Engine, kind: str, body: bytes, limits: Limits) -> _Job:
     return _Job(kind, req, prompt_ids, vision, max_tokens)
 
 
-# --- the app --------------------------------------------------------------------------------------
+# --- replies ---------------------------------------------------------------------------------------
 
 
 class _SSEResponse(StreamingResponse):
@@ -732,6 +435,192 @@ class _Reply:
         yield "data: [DONE]\n\n"
 
 
+# --- the app --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """What :func:`create_app` was told beyond the engine (``app.state.settings``)."""
+
+    api_key: str | None
+    limits: Limits
+
+
+async def _engine(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+async def _settings(request: Request) -> _Settings:
+    return request.app.state.settings
+
+
+EngineDep = Annotated[Engine, Depends(_engine)]
+SettingsDep = Annotated[_Settings, Depends(_settings)]
+
+
+async def check_auth(request: Request, settings: SettingsDep) -> None:
+    """The ``--api-key`` check (401 otherwise); a no-op without a key."""
+    api_key = settings.api_key
+    if api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(
+        token.strip().encode(), api_key.encode()
+    ):
+        raise APIError(
+            401,
+            "missing or wrong API key: send the header 'Authorization: Bearer KEY' with "
+            "the server's --api-key",
+            code="invalid_api_key",
+        )
+
+
+async def read_body(request: Request, settings: SettingsDep) -> bytes:
+    """The request body, 413 as soon as it is over ``--max-body-bytes`` (declared or read)."""
+    max_body_bytes = settings.limits.max_body_bytes
+    declared = request.headers.get("content-length")
+    too_big = APIError(
+        413,
+        f"request body over the {max_body_bytes} byte limit",
+        code="request_too_large",
+    )
+    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        raise too_big
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_body_bytes:
+            raise too_big
+    return bytes(body)
+
+
+Body = Annotated[bytes, Depends(read_body)]
+
+
+def _submit(engine: Engine, job: _Job):
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+
+    def emit(event) -> None:  # scheduler thread -> event loop
+        loop.call_soon_threadsafe(events.put_nowait, event)
+
+    params = job.req.params(job.max_tokens)
+    try:
+        handle = engine.scheduler.submit(job.prompt_ids, params, emit, model_inputs=job.vision)
+    except QueueFull as e:
+        raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from e
+    except SchedulerStopped as e:
+        raise APIError(503, str(e), type="server_error") from e
+    return handle, events
+
+
+async def _complete(engine: Engine, limits: Limits, kind: str, body: bytes) -> Response:
+    """Prepare the request in a worker, queue it; answer JSON, or SSE when it streams."""
+    loop = asyncio.get_running_loop()
+    engine.preparing += 1
+    try:
+        job = await loop.run_in_executor(engine.workers, _prepare, engine, kind, body, limits)
+    finally:
+        engine.preparing -= 1
+    handle, events = _submit(engine, job)
+    reply = _Reply(engine, kind)
+    if job.req.stream:
+        return _SSEResponse(reply.stream(events, job.req.include_usage), handle)
+    try:
+        parts = []
+        while True:
+            event = await events.get()
+            if isinstance(event, Failed):
+                raise _failure(event)
+            parts.append(event.text)
+            if isinstance(event, Finished):
+                return JSONResponse(reply.whole("".join(parts), event))
+    finally:
+        handle.cancel()  # client gone or error: free the slot (a no-op once finished)
+
+
+def _model_card(engine: Engine) -> dict[str, Any]:
+    card = {
+        "id": engine.model_id,
+        "object": "model",
+        "created": engine.created,
+        "owned_by": "mlxc",
+        "max_model_len": engine.context_length,
+    }
+    if engine.description:
+        card["description"] = engine.description
+    return card
+
+
+# Every /v1 route checks the API key first (before the body is read).
+_v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_auth)])
+
+
+@_v1.post("/chat/completions")
+async def chat_completions(request: Request, body: Body, engine: EngineDep, settings: SettingsDep):
+    return await _unless_disconnected(request, _complete(engine, settings.limits, "chat", body))
+
+
+@_v1.post("/completions")
+async def completions(request: Request, body: Body, engine: EngineDep, settings: SettingsDep):
+    return await _unless_disconnected(request, _complete(engine, settings.limits, "text", body))
+
+
+@_v1.get("/models")
+async def models(engine: EngineDep):
+    return {"object": "list", "data": [_model_card(engine)]}
+
+
+@_v1.get("/models/{name:path}")
+async def model(name: str, engine: EngineDep):
+    _check_model(engine, name)
+    return _model_card(engine)
+
+
+_open = APIRouter()  # no API key: load balancers and the tests poll it
+
+
+@_open.get("/health")
+async def health(engine: EngineDep):
+    alive = engine.scheduler.alive
+    body = {
+        "status": "ok" if alive else "error",
+        "model": engine.model_id,
+        "preparing": engine.preparing,  # requests being parsed, rendered and tokenized
+        **engine.scheduler.stats(),
+    }
+    return JSONResponse(body, status_code=200 if alive else 503)
+
+
+async def _api_error(request: Request, e: APIError) -> JSONResponse:
+    return e.response()
+
+
+async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+    return validation_error(e).response()
+
+
+async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    return APIError(e.status_code, str(e.detail), type=kind).response()
+
+
+async def _crash(request: Request, e: Exception) -> JSONResponse:
+    log.exception("unhandled error in %s %s", request.method, request.url.path)
+    return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").response()
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    engine: Engine = app.state.engine
+    engine.start()
+    try:
+        yield
+    finally:
+        engine.stop()
+
+
 def create_app(
     engine: Engine,
     *,
@@ -759,162 +648,21 @@ def create_app(
         max_images=max_images,
         max_request_pixels=max_request_pixels,
     )
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        engine.start()
-        try:
-            yield
-        finally:
-            engine.stop()
-
-    app = FastAPI(title="mlxc", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="mlxc", lifespan=_lifespan, docs_url=None, redoc_url=None)
     app.state.engine = engine
+    app.state.settings = _Settings(api_key=api_key, limits=limits)
     app.add_middleware(
         HostOriginGuard,
         bind_host=bind_host,
         allowed_hosts=allowed_hosts,
         allowed_origins=allowed_origins,
     )
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return e.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-        return _validation_error(e).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return APIError(e.status_code, str(e.detail), type=kind).response()
-
-    @app.exception_handler(Exception)
-    async def _crash(request: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error in %s %s", request.method, request.url.path)
-        return APIError(
-            500, f"internal error: {type(e).__name__}: {e}", type="server_error"
-        ).response()
-
-    def check_auth(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(
-            token.strip().encode(), api_key.encode()
-        ):
-            raise APIError(
-                401,
-                "missing or wrong API key: send the header 'Authorization: Bearer KEY' with "
-                "the server's --api-key",
-                code="invalid_api_key",
-            )
-
-    async def read_body(request: Request) -> bytes:
-        declared = request.headers.get("content-length")
-        too_big = APIError(
-            413,
-            f"request body over the {max_body_bytes} byte limit",
-            code="request_too_large",
-        )
-        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-            raise too_big
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > max_body_bytes:
-                raise too_big
-        return bytes(body)
-
-    def submit(job: _Job):
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-
-        def emit(event) -> None:  # scheduler thread -> event loop
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
-        params = job.req.params(job.max_tokens)
-        try:
-            handle = engine.scheduler.submit(job.prompt_ids, params, emit, model_inputs=job.vision)
-        except QueueFull as e:
-            raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from e
-        except SchedulerStopped as e:
-            raise APIError(503, str(e), type="server_error") from e
-        return handle, events
-
-    async def complete(kind: str, body: bytes) -> Response:
-        """Prepare the request in a worker, queue it; answer JSON, or SSE when it streams."""
-        loop = asyncio.get_running_loop()
-        engine.preparing += 1
-        try:
-            job = await loop.run_in_executor(engine.workers, _prepare, engine, kind, body, limits)
-        finally:
-            engine.preparing -= 1
-        handle, events = submit(job)
-        reply = _Reply(engine, kind)
-        if job.req.stream:
-            return _SSEResponse(reply.stream(events, job.req.include_usage), handle)
-        try:
-            parts = []
-            while True:
-                event = await events.get()
-                if isinstance(event, Failed):
-                    raise _failure(event)
-                parts.append(event.text)
-                if isinstance(event, Finished):
-                    return JSONResponse(reply.whole("".join(parts), event))
-        finally:
-            handle.cancel()  # client gone or error: free the slot (a no-op once finished)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        check_auth(request)
-        body = await read_body(request)
-        return await _unless_disconnected(request, complete("chat", body))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        check_auth(request)
-        body = await read_body(request)
-        return await _unless_disconnected(request, complete("text", body))
-
-    def model_card() -> dict[str, Any]:
-        card = {
-            "id": engine.model_id,
-            "object": "model",
-            "created": engine.created,
-            "owned_by": "mlxc",
-            "max_model_len": engine.context_length,
-        }
-        if engine.description:
-            card["description"] = engine.description
-        return card
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        check_auth(request)
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{name:path}")
-    async def model(name: str, request: Request):
-        check_auth(request)
-        _check_model(engine, name)
-        return model_card()
-
-    @app.get("/health")
-    async def health():
-        # Open without the API key: load balancers and the tests poll it.
-        alive = engine.scheduler.alive
-        body = {
-            "status": "ok" if alive else "error",
-            "model": engine.model_id,
-            "preparing": engine.preparing,  # requests being parsed, rendered and tokenized
-            **engine.scheduler.stats(),
-        }
-        return JSONResponse(body, status_code=200 if alive else 503)
-
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _crash)
+    app.include_router(_v1)
+    app.include_router(_open)
     return app
 
 

@@ -1,0 +1,168 @@
+"""What ``mlxc serve`` serves: :class:`Engine`, one model with its tokenizers, its image
+processor (a VL model), its scheduler and the prompt workers.
+
+The scheduler thread owns MLX and the model, and detokenizes with the tokenizer it was given.
+Prompts are encoded in ``Engine.workers`` (threads of the server's side, never the event loop) on
+a copy of that tokenizer, so no stream waits on another request's preprocessing. The HTTP app
+over it is ``runtime.server``.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mlxc.runtime.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from mlxc.runtime.processor import Prompt
+
+PROMPT_WORKERS = 2  # threads that turn request bodies into prompts
+
+
+class PromptError(ValueError):
+    """A request that cannot be turned into prompt ids (answered 400)."""
+
+
+class Engine:
+    """What the server serves: one model, its tokenizer and chat template, its scheduler."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        model_id: str,
+        aliases: tuple[str, ...] = (),
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        context_length: int | None = None,
+        vocab_size: int | None = None,
+        chat_template: str | None = None,
+        description: str | None = None,
+        processor: Any = None,
+        prompt_tokenizer: Any = None,
+        **scheduler_options: Any,
+    ) -> None:
+        self.model_id = model_id
+        self.names = {model_id, *aliases}
+        self.context_length = context_length
+        self.vocab_size = vocab_size
+        self.chat_template = chat_template  # overrides the tokenizer's (--chat-template)
+        self.description = description
+        # Image processor of a VL model (None: text only); it encodes with prompt_tokenizer.
+        self.processor = processor
+        self.created = int(time.time())
+        # Prompts are encoded in worker threads, on a copy of the tokenizer: Hugging Face
+        # tokenizers are not safe under concurrent use, and sharing the scheduler's would make
+        # every stream's detokenizing wait while a long prompt is encoded.
+        self.prompt_tokenizer = prompt_tokenizer or copy.deepcopy(tokenizer)
+        self._prompt_lock = threading.Lock()  # the workers take turns on prompt_tokenizer
+        self.workers: ThreadPoolExecutor | None = None  # made by start(), on the server's side
+        self.preparing = 0  # requests in the workers now (event loop only; /health shows it)
+        self.scheduler = Scheduler(
+            model, tokenizer, eos_token_ids=eos_token_ids, **scheduler_options
+        )
+
+    @classmethod
+    def from_path(
+        cls,
+        path: str | Path,
+        *,
+        model_id: str | None = None,
+        chat_template: str | None = None,
+        description: str | None = None,
+        specs: str | Path | None = None,
+        **scheduler_options: Any,
+    ) -> Engine:
+        """Load the checkpoint at ``path`` and start the scheduler; CheckpointError when it
+        cannot be served. The model is built on the scheduler thread, which owns MLX.
+        ``specs``: a directory of your own specs, as in ``loading.load_model``."""
+        from mlxc.runtime.loading import CheckpointError, ProcessorFilesError, load_checkpoint
+
+        path = Path(path)
+        try:
+            checkpoint = load_checkpoint(
+                path,
+                specs=specs,
+                chat_template=chat_template,
+                tokenizer_hint="the server needs one to read prompts",
+                copy_tokenizer=True,
+            )
+        except ProcessorFilesError as e:
+            raise CheckpointError(f"{path}: cannot read its image processor: {e}") from e
+
+        name = model_id or path.resolve().name
+        engine = cls(
+            None,
+            checkpoint.tokenizer,
+            load=checkpoint.load_model,
+            model_id=name,
+            aliases=(str(path),),
+            eos_token_ids=checkpoint.eos_token_ids,
+            context_length=checkpoint.context_length,
+            vocab_size=checkpoint.vocab_size,
+            chat_template=chat_template,
+            description=description,
+            processor=checkpoint.processor,
+            prompt_tokenizer=checkpoint.prompt_tokenizer,
+            **scheduler_options,
+        )
+        engine.start()  # loads the model; raises CheckpointError here, not at the first request
+        return engine
+
+    @property
+    def max_kv_size(self) -> int | None:
+        return self.scheduler.pool.max_kv_size
+
+    def start(self) -> None:
+        if self.workers is None:
+            self.workers = ThreadPoolExecutor(PROMPT_WORKERS, thread_name_prefix="mlxc-prompt")
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+        if self.workers is not None:
+            self.workers.shutdown(wait=False, cancel_futures=True)
+            self.workers = None
+
+    # Prompt building: called in the worker threads (never on the event loop).
+
+    def encode_chat_with_images(self, messages: list[dict], images: list) -> Prompt:
+        """Through the processor: prompt ids with the image placeholders expanded, and the
+        vision inputs (numpy; None without images)."""
+        try:
+            with self._prompt_lock:
+                return self.processor.encode(messages, images)
+        except ValueError as e:  # the template (named), or placeholder/image count problems
+            raise PromptError(str(e)) from e
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        from mlxc.runtime.tokenizer import render_chat_template
+
+        tok = self.prompt_tokenizer
+        if not (self.chat_template or getattr(tok, "chat_template", None)):
+            raise PromptError(
+                "this model has no chat template: start the server with --chat-template FILE, "
+                "or send a raw prompt to /v1/completions"
+            )
+        source = "--chat-template" if self.chat_template else None  # None: the tokenizer's
+        try:
+            with self._prompt_lock:
+                rendered = render_chat_template(
+                    tok, messages, chat_template=self.chat_template, source=source
+                )
+                # The template writes BOS and the other special tokens itself (as `mlxc
+                # generate` does): do not add them twice.
+                return list(tok.encode(rendered, add_special_tokens=False))
+        except ValueError as e:  # ChatTemplateError names the template
+            raise PromptError(str(e)) from e
+
+    def encode_text(self, text: str) -> list[int]:
+        from mlxc.runtime.tokenizer import encode_prompt
+
+        with self._prompt_lock:
+            return encode_prompt(self.prompt_tokenizer, text, chat_template=False)
