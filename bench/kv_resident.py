@@ -70,8 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     last = samples[-1]
     tail = [s for s in samples if s["tokens"] >= n]
     lines = [
-        f"### Resident KV under --max-kv-size {n}: {args.arch} {args.size} "
-        f"({mx.device_info().get('device_name', '?')}, mlx {mx.__version__})",
+        (
+            f"### Resident KV under --max-kv-size {n}: {args.arch} {args.size} "
+            f"({mx.device_info().get('device_name', '?')}, mlx {mx.__version__})"
+        ),
         "",
         "| tokens | live KV MiB | allocated KV MiB | MLX active MiB |",
         "|---|---|---|---|",
@@ -85,11 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     growth = max(s["active_bytes"] for s in tail) - full["active_bytes"]
     lines += [
         "",
-        f"From the first full window ({full['tokens']} tokens) to {last['tokens']} tokens "
-        f"({last['tokens'] / n:.1f}x N): allocated KV "
-        f"{full['allocated_kv_bytes'] / 2**20:.2f} -> max "
-        f"{max(s['allocated_kv_bytes'] for s in tail) / 2**20:.2f} MiB; MLX active memory grew "
-        f"by at most {growth / 2**20:.2f} MiB.",
+        (
+            f"From the first full window ({full['tokens']} tokens) to {last['tokens']} tokens "
+            f"({last['tokens'] / n:.1f}x N): allocated KV "
+            f"{full['allocated_kv_bytes'] / 2**20:.2f} -> max "
+            f"{max(s['allocated_kv_bytes'] for s in tail) / 2**20:.2f} MiB; MLX active memory grew "
+            f"by at most {growth / 2**20:.2f} MiB."
+        ),
     ]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 
 from mlxc.runtime import layers, masks, mrope
 from mlxc.runtime.cache import KVCache

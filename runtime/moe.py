@@ -48,7 +48,7 @@ from __future__ import annotations
 import re
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 
 from mlxc.runtime.layers import ACTIVATIONS, SwiGLU
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 
 from mlxc.runtime.config import ConfigError, lookup
 

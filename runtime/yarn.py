@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 
 from mlxc.runtime.rope import RoPE, RopeConfig
 

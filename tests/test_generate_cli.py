@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -114,7 +115,7 @@ def test_prefill_chunks_cover_the_prompt_with_the_last_token_alone_on_a_cpu(n, c
     bounds = prefill_chunks(n, chunk)
     assert bounds[0][0] == 0 and bounds[-1][1] == n
     assert all(a < b <= a + chunk for a, b in bounds)
-    assert all(b == c for (_, b), (c, _) in zip(bounds, bounds[1:]))  # contiguous
+    assert all(b == c for (_, b), (c, _) in itertools.pairwise(bounds))  # contiguous
     assert bounds[-1] == (n - 1, n)  # the CPU plan: the last token alone
 
 

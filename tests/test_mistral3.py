@@ -8,6 +8,7 @@ logits by 1e-2 or more.
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import mlx.core as mx
@@ -175,7 +176,7 @@ def test_chunked_prefill_inside_an_image_and_decode_equal_transformers(checkpoin
     first_image = int(np.argmax(ids[0] == IMG))
     cuts = [0, first_image + 3, first_image + 9, ids.shape[1] - 2, ids.shape[1]]
     cache, parts = model.make_cache(), []
-    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+    for i, (a, b) in enumerate(itertools.pairwise(cuts)):
         kwargs = {"pixel_values": mx.array(pv), "image_sizes": mx.array(sizes)} if i == 0 else {}
         parts.append(np.array(model(mx.array(ids[:, a:b]), cache=cache, **kwargs)))
     for t in range(decode.shape[1]):
@@ -186,7 +187,7 @@ def test_chunked_prefill_inside_an_image_and_decode_equal_transformers(checkpoin
 def test_both_weight_layouts_load_to_the_same_model(checkpoint, tmp_path):
     # save_pretrained writes the hub (transformers 4) names; the in-memory transformers 5 names
     # (what mlx-vlm-style converters may write) must load the same.
-    hf, path = checkpoint
+    _, path = checkpoint
     weights = load_file(str(path / "model.safetensors"))
     assert any(k.startswith("language_model.model.") for k in weights)
     to_new = {

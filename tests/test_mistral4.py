@@ -45,30 +45,30 @@ def make_checkpoint(path, *, q_lora_rank=32, rope=ROPE, seed=0, **overrides):
     Mistral4Config fields (other tests reuse this with their own widths and token ids)."""
     from transformers import Mistral4Config, Mistral4ForCausalLM
 
-    fields = dict(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=128,
-        q_lora_rank=q_lora_rank,
-        kv_lora_rank=24,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=8,
-        v_head_dim=12,
-        head_dim=16,
-        n_routed_experts=6,
-        num_experts_per_tok=2,
-        moe_intermediate_size=24,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        norm_topk_prob=True,
-        routed_scaling_factor=1.5,
-        max_position_embeddings=64,
-        rope_parameters=dict(rope),
-        tie_word_embeddings=False,
-    )
+    fields = {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "vocab_size": 128,
+        "q_lora_rank": q_lora_rank,
+        "kv_lora_rank": 24,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 12,
+        "head_dim": 16,
+        "n_routed_experts": 6,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 24,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5,
+        "max_position_embeddings": 64,
+        "rope_parameters": dict(rope),
+        "tie_word_embeddings": False,
+    }
     model = Mistral4ForCausalLM(Mistral4Config(**(fields | overrides))).eval()
     rerandomise(model, seed)
     model.save_pretrained(path)

@@ -8,6 +8,8 @@ position ids itself from the input ids and the grids.
 
 from __future__ import annotations
 
+import itertools
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -130,7 +132,7 @@ def test_chunked_prefill_inside_images_and_decode_equal_full(checkpoint):
     first = int(np.argmax(ids[0] == IMAGE))
     cuts = [0, first + 5, first + 11, ids.shape[1] - 3, ids.shape[1]]
     cache, parts = model.make_cache(), []
-    for i, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+    for i, (lo, hi) in enumerate(itertools.pairwise(cuts)):
         vision = (pv, grid) if i == 0 else (None, None)
         parts.append(ours(model, ids[:, lo:hi], *vision, cache=cache))
     for t in range(decode.shape[1]):

@@ -40,7 +40,7 @@ def image_message(image_path, text: str, url: str | None = None) -> dict:
 
 
 def test_crash_scenario_421_with_an_image_before_the_trims(served):
-    path, image, server = served
+    _, image, server = served
     with server.client() as c:
         body = {"messages": [image_message(image, LONG)], "max_tokens": 24, "ignore_eos": True}
         r = c.post("/v1/chat/completions", json=body)

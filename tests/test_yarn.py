@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx import nn
 
 from mlxc.runtime import masks
 from mlxc.runtime.cache import KVCache

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
+from mlx import nn
 
 from mlxc.runtime.config import ConfigError, lookup, read
 from mlxc.runtime.layers import ACTIVATIONS, SwiGLU
