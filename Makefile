@@ -18,8 +18,11 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(BIN)/pytest -q
 
-# What CI runs after the tests: specs lint clean, generated/ in sync, the bounded-cache schedule.
+# What CI runs after the tests: the code lint-clean and formatted (the pinned ruff), specs lint
+# clean, generated/ in sync, the bounded-cache schedule.
 check: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mlxc lint specs/
 	$(BIN)/mlxc build specs/ --check
 	$(BIN)/mlxc verify specs/
