@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlxc.compiler import build
 from mlxc.runtime import masks
 from mlxc.runtime.batch import BatchCache
-from mlxc.runtime.cache import enforce_max_kv
+from mlxc.runtime.cache import cache_arrays, enforce_max_kv
 from mlxc.runtime.user_specs import load_source
 
 PREFILL_CHUNK = 8
@@ -204,10 +204,10 @@ def _batched_decode_error(model, rng, vocab, vision, image) -> float:
                 extra = vision if (has_image and i == 0) else {}
                 model(mx.array(tokens[None, i : min(i + PREFILL_CHUNK, n)]), cache=cache, **extra)
                 enforce_max_kv(cache, MAX_KV, keep)
-            mx.eval([c.keys for c in cache])
+            mx.eval(cache_arrays(cache))
             pair.append(cache)
         rows.append((tokens[n:], *pair))
-    batch = BatchCache(len(rows[0][1]), mrope=getattr(rows[0][1], "rope_state", None) is not None)
+    batch = BatchCache.like(rows[0][1])
     members = [0, 1]
     batch.extend([rows[r][2] for r in members])
     err = 0.0

@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxc.runtime.cache import KVCache
+from mlxc.runtime.cache import KVCache, LayerCache
 from mlxc.runtime.multimodal import SequenceCache
 
 
@@ -36,6 +36,7 @@ class BatchKVCache:
     """One layer's keys (and values) of several sequences; see the module docstring."""
 
     step = KVCache.step
+    trimmable = True
 
     def __init__(self) -> None:
         self.keys: mx.array | None = None  # [B, H, capacity, D]
@@ -47,7 +48,7 @@ class BatchKVCache:
         self.gap = np.zeros(0, np.int64)  # [B] trimmed columns after the sink
         self.trimmed = np.zeros(0, bool)  # [B] whether the row's sink is fixed by a trim
 
-    # --- the KVCache contract, per row ---------------------------------------------------------
+    # --- the LayerCache protocol, per row ------------------------------------------------------
 
     @property
     def offset(self) -> mx.array:
@@ -120,6 +121,12 @@ class BatchKVCache:
             self.keys.shape[0] * self.keys.shape[2]
         )
         return int(self.row_live_len.sum()) * per_column
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.keys, self.values) if a is not None]
+
+    def batch_layer(self) -> None:
+        return None  # already a batch
 
     # --- rows joining and leaving -------------------------------------------------------------
 
@@ -216,12 +223,20 @@ class BatchPositions:
 
 
 class BatchCache(SequenceCache):
-    """The caches of every decoding sequence: one ``BatchKVCache`` per layer, row ``b`` being
-    the ``b``-th sequence added. It goes where a model takes a ``SequenceCache``."""
+    """The caches of every decoding sequence: one batch layer per layer (what each layer's cache
+    kind gives as its ``batch_layer``), row ``b`` being the ``b``-th sequence added. It goes
+    where a model takes a ``SequenceCache``."""
 
-    def __init__(self, n_layers: int, mrope: bool) -> None:
-        super().__init__([BatchKVCache() for _ in range(n_layers)])
+    def __init__(self, layers: list[LayerCache], mrope: bool) -> None:
+        super().__init__(layers)
         self.rope_state = BatchPositions() if mrope else None
+
+    @classmethod
+    def like(cls, caches: list[LayerCache]) -> BatchCache:
+        """An empty batch for sequences whose caches are like ``caches`` (see ``accepts``)."""
+        return cls(
+            [c.batch_layer() for c in caches], getattr(caches, "rope_state", None) is not None
+        )
 
     def key_valid(self, n_new: int) -> mx.array | None:
         # Every layer holds its rows in one layout: joined, trimmed and compacted together.
@@ -229,14 +244,16 @@ class BatchCache(SequenceCache):
 
     @staticmethod
     def accepts(caches: list) -> bool:
-        """Whether a sequence's caches can join a batch: plain KV caches, and positions that
-        continue as plain offsets (every image token already seen)."""
-        if not caches or not all(type(c) is KVCache for c in caches):
+        """Whether a sequence's caches can join a batch: every layer's cache kind has a batch
+        layer, and positions continue as plain offsets (every image token already seen)."""
+        if not caches or not all(
+            isinstance(c, LayerCache) and c.batch_layer() is not None for c in caches
+        ):
             return False
         state = getattr(caches, "rope_state", None)
         return state is None or state.grids is None
 
-    def extend(self, sequences: list[list[KVCache]]) -> None:
+    def extend(self, sequences: list[list[LayerCache]]) -> None:
         """Add each sequence's caches as a new row (see ``accepts``)."""
         for layer, batch in enumerate(self):
             batch.extend([caches[layer] for caches in sequences])

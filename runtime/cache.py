@@ -1,6 +1,8 @@
-"""KV cache with a monotonic offset and a trimmable live window.
+"""The layer-cache protocol, and the KV cache with a monotonic offset and a trimmable live window.
 
-Two quantities that a bounded cache separates, and that generated code reads by label:
+``LayerCache`` is what the runtime (generation, the scheduler's pool, the decode batch and
+``mlxc verify``) asks of any layer's cache; a new cache kind plugs in by satisfying it. Two
+quantities that a bounded cache separates, and that generated code reads by label:
 
 - ``offset``   (``monotonic-position``): tokens ever written. RoPE, MRoPE and the Llama-4
   attention scale read it. It never decreases, ``trim_front`` included.
@@ -10,10 +12,49 @@ Two quantities that a bounded cache separates, and that generated code reads by 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import mlx.core as mx
 import numpy as np
+
+
+@runtime_checkable
+class LayerCache(Protocol):
+    """One layer's cache of one sequence (or of a decode batch's rows), of any kind.
+
+    The runtime reads capabilities, never concrete types: ``trimmable`` says whether
+    ``enforce_max_kv`` may trim it (full KV: yes; a window bounds itself; recurrent state never),
+    ``batch_layer`` whether and how its rows join a decode batch. The README's cache contract
+    lists these members (tests/test_cache.py checks it).
+    """
+
+    trimmable: ClassVar[bool]
+
+    @property
+    def offset(self) -> Any:
+        """``monotonic-position``: tokens ever written (``[B]`` in a decode batch)."""
+
+    @property
+    def live_len(self) -> int:
+        """``live-window``: key columns present, what a mask is sized from."""
+
+    @property
+    def row_live_len(self) -> Any:
+        """Tokens present per row, what ``max_kv_size`` bounds (``live_len`` for one sequence)."""
+
+    def trim_front(self, n: Any, keep: int = 0) -> Any:
+        """Drop the oldest ``n`` tokens after ``keep`` sinks (per row); ``offset`` unchanged."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the state it holds for its live tokens."""
+
+    def arrays(self) -> list[mx.array]:
+        """Every array it holds (what to evaluate after a prefill chunk)."""
+
+    def batch_layer(self) -> LayerCache | None:
+        """An empty decode-batch layer whose ``extend`` takes caches of this kind as rows (and
+        ``keep_rows`` lets them leave); None: this kind decodes alone."""
 
 
 class KVCache:
@@ -25,6 +66,7 @@ class KVCache:
     """
 
     step = 256
+    trimmable = True  # full KV: --max-kv-size trims it
 
     def __init__(self) -> None:
         self.keys: mx.array | None = None
@@ -104,6 +146,14 @@ class KVCache:
         held = self.keys.nbytes + (0 if self.values is None else self.values.nbytes)
         return held // self.keys.shape[2] * self.live_len
 
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.keys, self.values) if a is not None]
+
+    def batch_layer(self) -> LayerCache:
+        from mlxc.runtime.batch import BatchKVCache  # batch builds on this module
+
+        return BatchKVCache()
+
 
 def check_kv_limits(max_kv_size: int | None, kv_sink: int) -> None:
     """ValueError unless ``kv_sink >= 0`` and ``max_kv_size`` (when set) leaves room past it."""
@@ -115,8 +165,16 @@ def check_kv_limits(max_kv_size: int | None, kv_sink: int) -> None:
 
 def cache_arrays(caches: list) -> list[mx.array]:
     """Every array the caches hold: what to evaluate after a prefill chunk whose logits nobody
-    reads (works for model-owned state too)."""
-    return [v for c in caches for v in vars(c).values() if isinstance(v, mx.array)]
+    reads (model-owned state outside the protocol: the arrays among its attributes)."""
+    return [
+        a
+        for c in caches
+        for a in (
+            c.arrays()
+            if isinstance(c, LayerCache)
+            else [v for v in vars(c).values() if isinstance(v, mx.array)]
+        )
+    ]
 
 
 def cache_policy(model: Any) -> str:
@@ -127,14 +185,14 @@ def cache_policy(model: Any) -> str:
 
 def trimmable(model: Any, caches: list) -> list:
     """The caches the runtime may trim: none of a model that owns its state (``cache_policy``
-    "model-owned"), else every cache that has ``trim_front``."""
+    "model-owned"), else every cache whose kind is ``trimmable``."""
     if cache_policy(model) == "model-owned":
         return []
-    return [c for c in caches if hasattr(c, "trim_front")]
+    return [c for c in caches if getattr(c, "trimmable", False)]
 
 
-def enforce_max_kv(caches: list[KVCache], max_kv_size: int | None, keep: int = 0) -> int:
-    """Trim every cache whose live length passed ``max_kv_size``; return the most dropped.
+def enforce_max_kv(caches: list[LayerCache], max_kv_size: int | None, keep: int = 0) -> int:
+    """Trim every trimmable cache whose live length passed ``max_kv_size``; the most dropped.
 
     The one place the bounded-cache rule lives: generation, ``mlxc verify`` and the scheduler
     call it after every prefill chunk and every decode step.
@@ -144,6 +202,8 @@ def enforce_max_kv(caches: list[KVCache], max_kv_size: int | None, keep: int = 0
     check_kv_limits(max_kv_size, keep)
     dropped = 0
     for cache in caches:
+        if not cache.trimmable:
+            continue  # a kind that bounds itself (window) or is never trimmed (recurrent state)
         # Per row: the rows of a decode batch (runtime.batch) have different lengths.
         excess = np.maximum(np.asarray(cache.row_live_len) - max_kv_size, 0)
         if excess.any():

@@ -153,8 +153,7 @@ class CachePool:
         """Move these sequences' caches into the decode batch (see ``batchable``)."""
         caches = [self._caches.pop(k) for k in keys]
         if self.batch is None:
-            mrope = getattr(caches[0], "rope_state", None) is not None
-            self.batch = BatchCache(len(caches[0]), mrope=mrope)
+            self.batch = BatchCache.like(caches[0])
         self.batch.extend(caches)
         self.batch_keys += keys
 

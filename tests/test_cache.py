@@ -84,3 +84,33 @@ def test_causal_array_mask_is_bottom_right_aligned():
     assert masks.causal(1, 4) is None
     with pytest.raises(ValueError):
         masks.causal(5, 4)
+
+
+def _protocol_members() -> set[str]:
+    from mlxc.runtime.cache import LayerCache
+
+    # Its methods and properties, and its annotated attributes (trimmable).
+    names = set(vars(LayerCache)) | set(LayerCache.__annotations__)
+    return {n for n in names if not n.startswith("_")}
+
+
+def test_readme_cache_contract_lists_the_protocol_members():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = readme.split("\n## The KV cache contract\n", 1)[1].split("```\nLayerCache\n", 1)[1]
+    block = block.split("```", 1)[0]
+    listed = set(re.findall(r"^  (\w+)", block, re.MULTILINE))
+    assert listed == _protocol_members()
+
+
+def test_kv_caches_satisfy_the_protocol():
+    from mlxc.runtime.batch import BatchKVCache
+    from mlxc.runtime.cache import LayerCache
+
+    cache = KVCache()
+    cache.update_and_fetch(*kv(3))
+    assert isinstance(cache, LayerCache) and cache.trimmable
+    assert len(cache.arrays()) == 2 and isinstance(cache.batch_layer(), BatchKVCache)
+    assert BatchKVCache().batch_layer() is None  # a batch's rows do not join another batch
