@@ -141,7 +141,7 @@ class Engine:
             raise PromptError(str(e)) from e
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        from mlxc.runtime.tokenizer import render_chat_template
+        from mlxc.runtime.tokenizer import OVERRIDE_SOURCE, render_chat_template
 
         tok = self.prompt_tokenizer
         if not (self.chat_template or getattr(tok, "chat_template", None)):
@@ -149,7 +149,7 @@ class Engine:
                 "this model has no chat template: start the server with --chat-template FILE, "
                 "or send a raw prompt to /v1/completions"
             )
-        source = "--chat-template" if self.chat_template else None  # None: the tokenizer's
+        source = OVERRIDE_SOURCE if self.chat_template else None  # None: the tokenizer's
         try:
             with self._prompt_lock:
                 rendered = render_chat_template(

@@ -43,7 +43,11 @@ from typing import Any, BinaryIO
 import numpy as np
 from PIL import Image
 
-from mlxc.runtime.tokenizer import render_chat_template, tokenizer_template_source
+from mlxc.runtime.tokenizer import (
+    OVERRIDE_SOURCE,
+    render_chat_template,
+    tokenizer_template_source,
+)
 
 QWEN_TOWERS = ("qwen2_vit", "qwen2_5_vit", "qwen3_vit")
 PIXTRAL_TOWERS = ("pixtral",)
@@ -200,9 +204,6 @@ def _processor_template(path: Path) -> tuple[str, str] | None:
     if jinja.is_file():
         return jinja.read_text(), "chat_template.jinja"
     return None
-
-
-OVERRIDE_SOURCE = "--chat-template"
 
 
 def chat_template_for(

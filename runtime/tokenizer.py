@@ -82,6 +82,10 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+# How errors name a chat template given on the command line (`mlxc serve --chat-template`).
+OVERRIDE_SOURCE = "--chat-template"
+
+
 class ChatTemplateError(ValueError):
     """A chat template failed to render the messages (its ``raise_exception(...)``, or a template
     that cannot take them, e.g. a text-only one given image parts). The message names the
