@@ -83,6 +83,7 @@ class Variant:
     when: str | None  # Python condition, None for the fallback
     kind: str
     ctor: str | None  # constructor call, None for a no-op sublayer
+    cache_line: str | None = None  # attention of a model whose layers cache differently
 
 
 @dataclass
@@ -167,10 +168,6 @@ class _Gen:
         return out
 
 
-def _class_tuple(names: list[str]) -> str:
-    return names[0] if len(names) == 1 else "(" + ", ".join(names) + ")"
-
-
 def _calls(text: str):
     return [n for n in ast.walk(expr.parse(text)) if isinstance(n, ast.Call)]
 
@@ -207,7 +204,6 @@ def model_context(spec: schema.Spec, source: str, spec_label: str) -> dict:
     imports = {module: set(names) for module, names in MODEL_IMPORTS.items()}
     features = dict.fromkeys(MODEL_FEATURES)
     classes: list[str] = []  # classes that kinds with a template compile to, rendered
-    cached: list[str] = []  # those classes whose layers hold a KVCache
     attentions: list[dict] = []  # the contexts of the attention classes
     sublayers = []
     for part in blocks.PARTS:
@@ -222,7 +218,6 @@ def model_context(spec: schema.Spec, source: str, spec_label: str) -> dict:
                 ctx = kind.context(b, gen)
                 attentions += [ctx] if part == "attention" else []
                 classes.append(env.get_template(kind.template).render({part: ctx}).rstrip("\n"))
-                cached += [kind.class_name] if kind.kv_cache else []
                 args = "args, layer_idx" if ctx["per_layer"] else "args"
                 ctor = f"{kind.class_name}({args})"
             else:
@@ -235,9 +230,16 @@ def model_context(spec: schema.Spec, source: str, spec_label: str) -> dict:
                 if features[key] is None:
                     features[key] = value
         sublayers.append(sub)
-    all_cached = all(
-        blocks.kind_of("attention", b).kv_cache for b in blocks.variants(layers.attention)
-    )
+    # make_cache is built per layer from each attention variant's cache kind; when every
+    # variant caches the same way, every layer gets that class and the loop needs no test.
+    caches = [blocks.kind_of("attention", b).cache for b in blocks.variants(layers.attention)]
+    uniform = caches[0].runtime if len({c.runtime for c in caches}) == 1 else None
+    for v, c in zip(sublayers[0].variants, caches):
+        if c.runtime is not None:
+            imports.setdefault(c.runtime[0], set()).add(c.runtime[1])
+        if uniform is None:
+            cls = "None" if c.runtime is None else c.runtime[1]
+            v.cache_line = f"self.new_cache = {cls}  # cache kind {c.name}"
 
     vision = None
     if spec.vision is not None:
@@ -256,7 +258,6 @@ def model_context(spec: schema.Spec, source: str, spec_label: str) -> dict:
         "layer_fields": gen.layer_fields(),
         "for_each": layers.for_each,
         "attention_classes": classes,
-        "cached_classes": _class_tuple(cached),
         "attentions": attentions,  # TextModel resolves their routed inputs once
         "vision": vision,
         "vision_block": env.get_template(vision["template"]).render(vision=vision).rstrip("\n")
@@ -269,7 +270,10 @@ def model_context(spec: schema.Spec, source: str, spec_label: str) -> dict:
             for sub in sublayers
             for v in sub.variants
         ),
-        "all_cached": all_cached,
+        "all_cached": uniform is not None,
+        "layer_cache": None if uniform is None else uniform[1],
+        # Derived: every cache kind is a LayerCache the pool runs; model-owned is an opt-out.
+        "cache_policy": spec.cache or "pooled-kv",
         "n_layers": gen.py(layers.repeat, layer=False)
         if layers.repeat is not None
         else "len(args.layer_args)",

@@ -146,7 +146,8 @@ class Spec(Strict):
     name: Name = Field(pattern=r"^[a-z][a-z0-9_]*$")  # the generated module's name
     doc: str
     serves: Serves
-    cache: Literal["pooled-kv", "model-owned"] = "pooled-kv"
+    # None: derived from the layers' cache kinds (codegen); kept so that specs may still say it.
+    cache: Literal["pooled-kv", "model-owned"] | None = None
     params: dict[Name, Param]
     text: TextModel
     vision: Vision | None = None

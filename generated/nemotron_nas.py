@@ -140,12 +140,15 @@ class DecoderLayer(nn.Module):
         if layer_args.attention_no_op:
             self.input_layernorm = None
             self.self_attn = None
+            self.new_cache = None  # cache kind none
         elif layer_args.attention_linear:
             self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
             self.self_attn = layers.LinearAttention(args.hidden_size, bias=args.attention_bias)
+            self.new_cache = None  # cache kind none
         else:
             self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
             self.self_attn = Attention(args, layer_idx)
+            self.new_cache = KVCache  # cache kind full-kv
         if layer_args.ffn_no_op:
             self.post_attention_layernorm = None
             self.mlp = None
@@ -159,7 +162,6 @@ class DecoderLayer(nn.Module):
                 round_up(int(2 * layer_args.ffn_mult * args.hidden_size / 3), 256),
                 bias=args.mlp_bias,
             )
-        self.has_kv_cache = isinstance(self.self_attn, Attention)
 
     def __call__(self, x: mx.array, cache: KVCache | None, inputs: AttentionInputs) -> mx.array:
         if self.self_attn is not None:
@@ -190,7 +192,7 @@ class TextModel(nn.Module):
         )
         caches = iter(cache)
         for layer in self.layers:
-            h = layer(h, next(caches) if layer.has_kv_cache else None, inputs)
+            h = layer(h, next(caches) if layer.new_cache else None, inputs)
         return self.norm(h)
 
 
@@ -226,7 +228,7 @@ class Model(nn.Module):
         return self.lm_head(h)
 
     def make_cache(self) -> SequenceCache:
-        return SequenceCache([KVCache() for layer in self.model.layers if layer.has_kv_cache])
+        return SequenceCache([layer.new_cache() for layer in self.model.layers if layer.new_cache])
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         return WEIGHT_RULES.apply(weights, tied_lm_head=self.args.tie_word_embeddings)

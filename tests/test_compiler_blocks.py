@@ -14,7 +14,7 @@ from mlx import nn
 from pydantic import Field
 
 from mlxc.compiler import blocks, build, codegen, lint
-from mlxc.compiler.blocks.base import BlockKind, Input, NotCompiled
+from mlxc.compiler.blocks.base import FULL_KV, BlockKind, Input, NotCompiled
 from mlxc.compiler.labels import LIVE_WINDOW, route
 from mlxc.compiler.schema_base import Block, IntExpr
 from mlxc.compiler.vision import TOWERS
@@ -126,7 +126,7 @@ class ToyKind(BlockKind):
     inputs = (Input("mask", LIVE_WINDOW),)
     template = "attention_toy.py.j2"
     class_name = "ToyAttention"
-    kv_cache = True
+    cache = FULL_KV
 
     def not_compiled(self, b: Toy, spec):
         if b.window is not None:
@@ -236,3 +236,31 @@ def test_an_unregistered_kind_is_unknown():
         "S004 unknown kind 'toy' (expected 'gqa', 'mla', 'linear', 'none')",
         "L005 a toy block here does not consume 'mask'",
     ]
+
+
+def test_each_kind_declares_what_its_layers_cache():
+    # make_cache is built per layer from these; mlp kinds cache nothing.
+    caches = {name: kind.cache.name for name, kind in blocks.BLOCKS["attention"].items()}
+    assert caches == {"gqa": "full-kv", "mla": "full-kv", "linear": "none", "none": "none"}
+    assert {kind.cache.name for kind in blocks.BLOCKS["mlp"].values()} == {"none"}
+
+
+def test_cache_policy_is_derived_unless_the_spec_says_it():
+    [checked] = lint.check_all([str(ROOT / "tests" / "fixtures" / "lint" / "ok.yaml")])
+    assert checked.spec.cache is None  # ok.yaml has no `cache:`
+    assert codegen.model_context(checked.spec, OK_SPEC, "ok.yaml")["cache_policy"] == "pooled-kv"
+    owned = checked.spec.model_copy(update={"cache": "model-owned"})
+    assert codegen.model_context(owned, OK_SPEC, "ok.yaml")["cache_policy"] == "model-owned"
+
+
+def test_nemotron_nas_layers_build_their_own_caches():
+    from mlxc.runtime.cache import KVCache
+
+    module = load_source(
+        "nemotron_nas_caches", (ROOT / "generated" / "nemotron_nas.py").read_text()
+    )
+    [checked] = lint.check_all([str(ROOT / "specs" / "nemotron_nas.yaml")])
+    model = module.Model(module.ModelArgs.from_config(checked.spec.tiny_config))
+    kinds = [layer.new_cache for layer in model.model.layers]
+    assert kinds == [KVCache, None, None, KVCache, KVCache]  # attention, no-op, linear, ...
+    assert [type(c) for c in model.make_cache()] == [KVCache] * 3

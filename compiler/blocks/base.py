@@ -45,6 +45,19 @@ class NotCompiled:
     at_key: bool = False  # point at the field's key instead of its value
 
 
+@dataclass(frozen=True)
+class CacheKind:
+    """What a layer caches between forwards: the ``runtime.cache.LayerCache`` class its generated
+    ``make_cache`` builds for it (None: nothing, and the layer has no entry in the cache list)."""
+
+    name: str
+    runtime: tuple[str, str] | None  # (module, class)
+
+
+FULL_KV = CacheKind("full-kv", ("mlxc.runtime.cache", "KVCache"))  # trimmed by --max-kv-size
+NO_CACHE = CacheKind("none", None)
+
+
 class BlockKind:
     """One block kind. A subclass sets the class attributes and overrides what it compiles."""
 
@@ -57,7 +70,7 @@ class BlockKind:
     template: typing.ClassVar[str | None] = None
     template_dir: typing.ClassVar[Path | None] = None  # None: compiler/templates
     class_name: typing.ClassVar[str | None] = None
-    kv_cache: typing.ClassVar[bool] = False  # each layer of this kind gets a KVCache
+    cache: typing.ClassVar[CacheKind] = NO_CACHE  # what each layer of this kind caches
 
     @property
     def kind(self) -> str:

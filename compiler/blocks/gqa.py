@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from mlxc.compiler.blocks import attention_inputs as inp
-from mlxc.compiler.blocks.base import BlockKind, NotCompiled
+from mlxc.compiler.blocks.base import FULL_KV, BlockKind, NotCompiled
 from mlxc.compiler.labels import route
 from mlxc.compiler.schema_base import Block, BoolExpr, IntExpr, Norm, RopeRef, Strict
 from mlxc.compiler.vision import TOWERS
@@ -39,7 +39,7 @@ class GQAKind(BlockKind):
     inputs = (inp.ROPE_POSITIONS, inp.ROPE_DELTAS, inp.ATTN_SCALE, inp.MASK, inp.WINDOW)
     template = "attention_gqa.py.j2"
     class_name = "Attention"
-    kv_cache = True
+    cache = FULL_KV
 
     def not_compiled(self, b: GQA, spec):
         if b.scale == "llama4":

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from mlxc.compiler.blocks import attention_inputs as inp
-from mlxc.compiler.blocks.base import BlockKind
+from mlxc.compiler.blocks.base import FULL_KV, BlockKind
 from mlxc.compiler.labels import route
 from mlxc.compiler.schema_base import Block, BoolExpr, FloatExpr, IntExpr, RopeRef
 
@@ -44,7 +44,7 @@ class MLAKind(BlockKind):
     inputs = (inp.POSITIONS, inp.ROPE_DELTAS, inp.ATTN_SCALE, inp.MASK, _WINDOW)
     template = "attention_mla.py.j2"
     class_name = "LatentAttention"
-    kv_cache = True
+    cache = FULL_KV
 
     def context(self, b: MLA, gen) -> dict:
         values = [
