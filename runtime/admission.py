@@ -135,7 +135,7 @@ class AdmissionQueue:
         self._slots_taken = 0  # guarded by _cond: admitted requests not yet released
         self._ids = itertools.count(1)
         self._counts = dict.fromkeys(("completed", "failed", "cancelled", "rejected"), 0)
-        self._snapshot = {"running": 0, "pool_sequences": 0, "pool_batched": 0, "pool_bytes": 0}
+        self._snapshot = {"pool_sequences": 0, "pool_batched": 0, "pool_bytes": 0}
 
     # --- any thread ---------------------------------------------------------------------------
 
@@ -181,11 +181,14 @@ class AdmissionQueue:
         with self._cond:
             self._cond.notify_all()
 
-    def read_stats(self) -> tuple[dict[str, int], int, dict[str, int]]:
-        """(the last published snapshot, requests waiting and not cancelled, the counters)."""
+    def read_stats(self) -> tuple[dict[str, int], int, int, dict[str, int]]:
+        """(the last published snapshot, requests waiting and not cancelled, requests admitted
+        and not released, the counters). The last three are exact at this instant: a request
+        leaves the queue and takes its slot under one lock, so between submit and release it is
+        always counted in one of them (the snapshot is published once per tick, after it)."""
         with self._cond:
             waiting = sum(not r.cancelled for r in self._waiting)
-            return self._snapshot, waiting, dict(self._counts)
+            return self._snapshot, waiting, self._slots_taken, dict(self._counts)
 
     def _purge_cancelled(self) -> None:
         # Caller holds _cond. A cancelled waiting request gives its queue place back at once.

@@ -331,9 +331,9 @@ class Scheduler:
         return self._queue.submit(prompt_ids, params, emit, model_inputs, self._ended)
 
     def stats(self) -> dict[str, Any]:
-        snapshot, waiting, counts = self._queue.read_stats()
+        snapshot, waiting, running, counts = self._queue.read_stats()
         return {
-            "running": snapshot["running"],
+            "running": running,
             "waiting": waiting,
             "max_concurrency": self.max_concurrency,
             "max_queue": self.max_queue,
@@ -542,7 +542,6 @@ class Scheduler:
 
     def _publish(self) -> None:
         snapshot = {
-            "running": len(self._running),
             "pool_sequences": len(self.pool),
             "pool_batched": len(self.pool.batch_keys),
             "pool_bytes": self.pool.nbytes(),
