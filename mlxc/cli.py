@@ -6,6 +6,8 @@ import sys
 
 import click
 
+from mlxc.runtime import serve_defaults
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="mlxc")
@@ -423,14 +425,14 @@ def generate(
 )
 @click.option(
     "--max-tokens",
-    default=512,
+    default=serve_defaults.DEFAULT_MAX_TOKENS,
     show_default=True,
     type=click.IntRange(min=1),
     help="Completion length for requests that set no max_tokens.",
 )
 @click.option(
     "--max-tokens-limit",
-    default=32768,
+    default=serve_defaults.DEFAULT_MAX_TOKENS_LIMIT,
     show_default=True,
     type=click.IntRange(min=1),
     help="Largest max_tokens a request may ask for (400 above), so no request holds a slot "
@@ -438,14 +440,14 @@ def generate(
 )
 @click.option(
     "--max-images-per-request",
-    default=8,
+    default=serve_defaults.DEFAULT_MAX_IMAGES,
     show_default=True,
     type=click.IntRange(min=0),
     help="Images one chat request may carry (400 above).",
 )
 @click.option(
     "--max-request-pixels",
-    default=64 * 2**20,
+    default=serve_defaults.DEFAULT_MAX_REQUEST_PIXELS,
     show_default=True,
     type=click.IntRange(min=1),
     help="Pixels of all of a request's images together, read from their headers before any "
@@ -481,7 +483,7 @@ def generate(
 @click.option("--model-id", default=None, help="Model name in the API (default: directory name).")
 @click.option(
     "--max-body-bytes",
-    default=32 * 1024 * 1024,
+    default=serve_defaults.DEFAULT_MAX_BODY_BYTES,
     show_default=True,
     type=click.IntRange(min=1024),
     help="Largest request body accepted (413 above).",

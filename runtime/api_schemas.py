@@ -13,15 +13,14 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mlxc.runtime.scheduler import SamplingParams
+from mlxc.runtime.serve_defaults import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_IMAGES,
+    DEFAULT_MAX_REQUEST_PIXELS,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_MAX_TOKENS_LIMIT,
+)
 
-DEFAULT_MAX_TOKENS = 512
-# No request may hold a slot for ever: under --max-kv-size the context no longer bounds it.
-DEFAULT_MAX_TOKENS_LIMIT = 32768
-DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # room for base64 images; a text prompt needs far less
-DEFAULT_MAX_IMAGES = 8
-# Pixels of all of a request's images, read from their headers before any is decoded: 64 Mpx
-# (8 images of 8 Mpx, 4K each) is 256 MiB decoded as RGBA.
-DEFAULT_MAX_REQUEST_PIXELS = 64 * 2**20
 MAX_STOP_STRINGS = 16
 INT64 = (-(2**63), 2**63 - 1)
 
