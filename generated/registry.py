@@ -6,6 +6,7 @@ text; it takes precedence over a plain ``outer`` key.
 """
 
 MODEL_TYPES = {
+    "gemma3_text": "gemma3_text",
     "llama": "llama",
     "mistral": "llama",
     "mistral3:ministral": "mistral3",

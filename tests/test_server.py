@@ -53,8 +53,17 @@ def make_mistral4(path: Path, seed: int = 0) -> Path:
 
 KEY = "sekrit-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def make_gemma3_text(path: Path, seed: int = 0) -> Path:
+    from test_gemma3 import make_gemma3_text
+
+    return make_gemma3_text(path, seed)
+
+
 ARCHS = {
     "llama": ckpt.make_llama,
+    "gemma3_text": make_gemma3_text,
     "qwen2": ckpt.make_qwen2,
     "qwen3": ckpt.make_qwen3,
     "nemotron_nas": ckpt.make_nemotron_nas,

@@ -32,7 +32,6 @@ class GQA(Block):
     # full attention then). Its cache keeps only those (cache kind windowed-kv).
     sliding_window: IntExpr | None = None
     sinks: BoolExpr = False  # learned per-head sink logits (gpt-oss)
-    softcap: FloatExpr | None = None  # scores -> softcap * tanh(scores / softcap); may be null
     inputs: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -58,7 +57,7 @@ class GQAKind(BlockKind):
 
     def context(self, b: GQA, gen) -> dict:
         values = [b.heads, b.kv_heads, b.head_dim, b.bias.qkv, b.bias.o]
-        values += [b.scaling, b.sliding_window, b.sinks, b.softcap]
+        values += [b.scaling, b.sliding_window, b.sinks]
         rope = None
         if b.rope is not None:
             values += [b.rope.dims, b.rope.traditional]
@@ -89,7 +88,6 @@ class GQAKind(BlockKind):
             "window": gen.py_optional(b.sliding_window),
             "window_route": route(b, "window") if b.sliding_window is not None else None,
             "sinks": gen.py(b.sinks),
-            "softcap": gen.py_optional(b.softcap),
         }
 
     def runtime_imports(self, b: GQA) -> dict[str, set[str]]:
