@@ -18,6 +18,7 @@ MODEL_TYPES = {
     "qwen2_5_vl": "qwen2_5_vl",
     "qwen2_vl": "qwen2_vl",
     "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
     "qwen3_vl": "qwen3_vl",
     "qwen3_vl_moe": "qwen3_vl_moe",
 }
