@@ -7,9 +7,10 @@ text; it takes precedence over a plain ``outer`` key.
 
 MODEL_TYPES = {
     "llama": "llama",
+    "ministral3": "ministral3",
     "mistral": "llama",
     "mistral3:ministral": "mistral3",
-    "mistral3:ministral3": "mistral3",
+    "mistral3:ministral3": "ministral3_vl",
     "mistral3:mistral": "mistral3",
     "mistral3:mistral4": "mistral_small4",
     "mistral4": "mistral4",
