@@ -142,6 +142,14 @@ def test_yarn_matters(tmp_path):
     assert np.abs(yarn - default).max() > 1e-2
 
 
+def test_yarn_attention_factor_from_the_factor(tmp_path):
+    """Without mscale/mscale_all_dim, yarn's cos/sin factor is 0.1 ln(factor) + 1 (the released
+    configs give 1): the path llama, qwen2 and qwen3 yarn configs take through the same rope."""
+    rope = {k: v for k, v in ROPE.items() if k not in ("mscale", "mscale_all_dim")}
+    hf = make_checkpoint(tmp_path, seed=5, rope=rope)
+    np.testing.assert_allclose(logits(tmp_path, IDS[:1]), reference(hf, IDS[:1]), atol=ATOL)
+
+
 def test_a_sliding_window_is_refused_naming_the_key(tmp_path):
     make_checkpoint(tmp_path, sliding_window=8)
     with pytest.raises(
