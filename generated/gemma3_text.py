@@ -24,7 +24,7 @@ from mlxc.runtime.cache import KVCache, attention_cache
 from mlxc.runtime.config import read
 from mlxc.runtime.layers import AttentionInputs, attend
 from mlxc.runtime.multimodal import SequenceCache
-from mlxc.runtime.rope import RoPE, RopeConfig
+from mlxc.runtime.rope import RopeConfig, make_rope
 from mlxc.runtime.weights import WeightRules
 
 SPEC = "gemma3_text"
@@ -119,7 +119,7 @@ class SlidingAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=args.attention_bias)
         self.q_norm = layers.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.k_norm = layers.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
-        self.rope = RoPE(self.head_dim, args.rope_local, traditional=False)
+        self.rope = make_rope(self.head_dim, args.rope_local, traditional=False)
 
     def new_cache(self) -> KVCache:
         """Cache kind windowed-kv: only the keys the window can still see."""
@@ -159,7 +159,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=args.attention_bias)
         self.q_norm = layers.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.k_norm = layers.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
-        self.rope = RoPE(self.head_dim, args.rope, traditional=False)
+        self.rope = make_rope(self.head_dim, args.rope, traditional=False)
 
     def __call__(self, x: mx.array, cache: KVCache, inputs: AttentionInputs) -> mx.array:
         """``inputs``: what attention reads from the cache, resolved once per forward."""

@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx import nn
 
 from mlxc.runtime.config import ConfigError, lookup
+from mlxc.runtime.yarn import YarnRoPE
 
 
 @dataclass(frozen=True)
@@ -111,3 +112,10 @@ class RoPE(nn.Module):
             offset=offset,
             freqs=self._periods,
         )
+
+
+def make_rope(dims: int, cfg: RopeConfig, traditional: bool = False) -> RoPE | YarnRoPE:
+    """The rope of one attention layer, any kind: ``YarnRoPE`` for yarn, else ``RoPE``."""
+    if cfg.kind == "yarn":
+        return YarnRoPE.from_config(dims, cfg, traditional)
+    return RoPE(dims, cfg, traditional=traditional)

@@ -61,9 +61,23 @@ def make_gemma3_text(path: Path, seed: int = 0) -> Path:
     return make_gemma3_text(path, seed)
 
 
+def make_qwen3_moe(path: Path, seed: int = 0) -> Path:
+    from test_qwen3_moe import make_qwen3_moe
+
+    return make_qwen3_moe(path, seed)
+
+
+def make_ministral3(path: Path, seed: int = 0) -> Path:
+    from test_ministral3 import make_ministral3
+
+    return make_ministral3(path, seed)
+
+
 ARCHS = {
     "llama": ckpt.make_llama,
     "gemma3_text": make_gemma3_text,
+    "qwen3_moe": make_qwen3_moe,
+    "ministral3": make_ministral3,
     "qwen2": ckpt.make_qwen2,
     "qwen3": ckpt.make_qwen3,
     "nemotron_nas": ckpt.make_nemotron_nas,

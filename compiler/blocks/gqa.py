@@ -46,8 +46,9 @@ class GQAKind(BlockKind):
     cache = FULL_KV
 
     def not_compiled(self, b: GQA, spec):
-        if b.scale == "llama4":
-            yield NotCompiled(("scale",), "gqa llama4 scale is not compiled yet")
+        if b.scale == "llama4" and b.rope is None:
+            # its beta and period are read from the rope param
+            yield NotCompiled(("scale",), "the llama4 scale needs a rope")
         mrope_tower = spec.vision is not None and TOWERS[spec.vision.tower].mrope
         if b.rope and b.rope.mrope and not mrope_tower:
             yield NotCompiled(("rope", "mrope"), "mrope positions need a qwen vision tower")
@@ -101,7 +102,9 @@ class GQAKind(BlockKind):
         if b.rope is not None and b.rope.mrope:
             imports["mlxc.runtime"].add("mrope")
         elif b.rope is not None:
-            imports["mlxc.runtime.rope"] = {"RoPE"}
+            imports["mlxc.runtime.rope"] = {"make_rope"}
+        if b.scale == "llama4":
+            imports["mlxc.runtime"].add("yarn")  # TextModel's yarn.llama4_attn_scale
         return imports
 
     def model_context(self, b: GQA, gen) -> dict:
