@@ -38,7 +38,10 @@ class GQA(Block):
 class GQAKind(BlockKind):
     part = "attention"
     schema = GQA
-    doc = "grouped-query attention: RoPE or MRoPE, optional q/k norm and biases"
+    doc = (
+        "grouped-query attention: RoPE (yarn too) or MRoPE, optional q/k norm and biases, "
+        "sliding window, sinks, Llama-4 query scale"
+    )
     # In the order lint lists the known inputs (L005).
     inputs = (inp.ROPE_POSITIONS, inp.ROPE_DELTAS, inp.ATTN_SCALE, inp.MASK, inp.WINDOW)
     template = "attention_gqa.py.j2"
