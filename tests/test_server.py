@@ -312,6 +312,24 @@ def test_greedy_matches_mlxc_generate_with_trims(arch):
     assert body["usage"]["completion_tokens"] == n
 
 
+def test_concurrent_requests_decode_batched_as_alone(arch):
+    """Three prompts of different lengths at once (one long enough to be trimmed, and to run
+    past any sliding window): they decode as rows of one batch, and each answer equals the one
+    it gets alone."""
+    _, _, server = arch
+    prompts = [LONG, SHORT, " ".join(LONG.split()[:40])]
+    with server.client() as c:
+        alone = [chat(c, p, max_tokens=12, ignore_eos=True).json() for p in prompts]
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda p: chat(c, p, max_tokens=12, ignore_eos=True), prompts))
+    for a, t in zip(alone, together):
+        assert t.status_code == 200, t.text
+        assert t.json()["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
+    health = server.wait_idle()
+    assert health["requests"]["failed"] == 0
+    assert health["pool"]["peak_batched"] >= 2  # the rows did decode together
+
+
 def test_no_trim_is_byte_identical_without_max_kv_size(arch, api):
     """25 prompt + 30 generated tokens stay under --max-kv-size 64: nothing is trimmed, and the
     output is byte-identical to generation with no bound at all."""
