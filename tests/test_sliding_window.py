@@ -45,16 +45,20 @@ def test_attention_over_the_window_equals_attention_over_every_key(rng, chunk):
             outs.append(np.array(attend(q, keys, values, scale=0.5, mask=mask)))
         np.testing.assert_allclose(outs[0], outs[1], atol=1e-6)
         assert windowed.offset == full.offset == start + chunk  # positions stay monotonic
-        # Between forwards: at least what the next query needs, at most window - 1 + slack.
-        assert min(W - 1, windowed.offset) <= windowed.live_len < W - 1 + windowed.slack
+        # Between forwards: live, what the next query may see; held, below window - 1 + slack.
+        assert windowed.live_len == min(W - 1, windowed.offset)
+        assert windowed.live_len <= windowed.held < W - 1 + windowed.slack
 
 
 def test_the_window_bounds_itself_and_max_kv_leaves_it(rng):
     cache = WindowedKVCache(W)
     cache.update_and_fetch(*kv(rng, 30))
     assert isinstance(cache, LayerCache) and not cache.trimmable and cache.window == W
-    assert cache.live_len == W - 1 and cache.nbytes == 2 * (W - 1) * H * D * 4
+    assert cache.live_len == cache.held == W - 1 and cache.nbytes == 2 * (W - 1) * H * D * 4
     assert enforce_max_kv([cache], 2) == 0 and cache.live_len == W - 1
+    keys, _ = cache.update_and_fetch(*kv(rng, 1))
+    assert keys.shape[2] == W  # a decode step attends to exactly the window
+    assert masks.causal(1, W - 1 + 1, window=W) is None  # ... with no mask
     assert isinstance(cache.batch_layer(), BatchWindowedKVCache)
     assert cache.key_valid(1) is None
     with pytest.raises(ValueError, match="at least 1"):
