@@ -1,0 +1,158 @@
+"""Gemma 3's vision side against transformers (CPU, float32): the SigLIP tower + Gemma-3
+projector (``Gemma3Model.get_image_features``), the image preprocessing and prompt expansion
+(``Gemma3ImageProcessorPil`` + ``Gemma3Processor``), and the bidirectional image-attention
+overlay (transformers' ``create_masks_for_vision_model``)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+
+from mlxc.runtime.vision import siglip
+
+ATOL = 1e-4
+IMAGE, PATCH, MM_TOKENS = 16, 4, 4  # a 4x4 patch grid pooled 2x2 to 4 tokens
+
+
+def rerandomise(model: torch.nn.Module, seed: int) -> None:
+    """transformers' init is near zero (hides bugs): give every parameter real variance."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:  # LayerNorm weights around 1, Gemma's offset weights and biases ~0
+                base = 1.0 if "layer_norm" in name or "layernorm" in name else 0.0
+                p.copy_(base + 0.3 * torch.randn(p.shape, generator=g))
+            else:
+                fan_in = p[0].numel()
+                p.copy_(torch.randn(p.shape, generator=g) / fan_in**0.5)
+
+
+# Key for key the hub google/gemma-3-4b-it config.json (sizes shrunk); text_config trimmed to
+# what the vision side reads plus the layout keys.
+def gemma3_config(**vision):
+    from transformers import Gemma3Config
+
+    config = Gemma3Config(
+        vision_config={
+            "hidden_size": 32,
+            "image_size": IMAGE,
+            "intermediate_size": 48,
+            "model_type": "siglip_vision_model",
+            "num_attention_heads": 4,
+            "num_hidden_layers": 2,
+            "patch_size": PATCH,
+            "vision_use_head": False,
+            **vision,
+        },
+        text_config={
+            "hidden_size": 24,
+            "intermediate_size": 32,
+            "model_type": "gemma3_text",
+            "num_attention_heads": 2,
+            "num_hidden_layers": 1,
+            "num_key_value_heads": 1,
+            "head_dim": 12,
+            "vocab_size": 300,
+            "sliding_window": 8,
+        },
+        boi_token_index=255,
+        eoi_token_index=256,
+        image_token_index=262,
+        mm_tokens_per_image=MM_TOKENS,
+        eos_token_id=[1, 106],
+        initializer_range=0.02,
+    )
+    config._attn_implementation = "eager"
+    return config
+
+
+def build_hf(seed: int, **vision):
+    from transformers import Gemma3ForConditionalGeneration
+
+    model = Gemma3ForConditionalGeneration(gemma3_config(**vision)).eval()
+    rerandomise(model, seed)
+    return model
+
+
+def hub_names(state: dict) -> dict:
+    """transformers-5 module names -> the hub (transformers-4) checkpoint names."""
+    out = {}
+    for k, v in state.items():
+        k = k.replace("model.vision_tower.", "vision_tower.vision_model.")
+        out[k.replace("model.multi_modal_projector.", "multi_modal_projector.")] = v
+    return out
+
+
+def build_mlx(config: dict, weights: dict, prefix: str):
+    args = siglip.Gemma3ProjectorArgs.from_config(config)
+    tower = siglip.SiglipVisionModel(args.vision)
+    projector = siglip.Gemma3MultiModalProjector(args)
+    weights = siglip.sanitize({k: mx.array(v.numpy()) for k, v in weights.items()})
+    for name, module in (("vision_tower.", tower), ("multi_modal_projector.", projector)):
+        part = [
+            (k[len(prefix + name) :], v) for k, v in weights.items() if k.startswith(prefix + name)
+        ]
+        module.load_weights(part, strict=True)
+    return tower, projector
+
+
+def saved_names(model, tmp_path) -> dict:
+    from safetensors.torch import load_file
+
+    model.save_pretrained(tmp_path)
+    return load_file(str(tmp_path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("variant", ["t5-modules", "t5-saved", "hub"])
+def test_image_features_match_transformers(variant, tmp_path, rng):
+    # vision_use_head on in the saved-file variant: its head tensors must be dropped.
+    hf = build_hf(seed=3, vision_use_head=variant == "t5-saved", hidden_act="gelu_pytorch_tanh")
+    config = hf.config.to_dict()
+    state = hf.state_dict()
+    if variant == "t5-modules":
+        tower, projector = build_mlx(config, state, "model.")
+    elif variant == "t5-saved":
+        saved = saved_names(hf, tmp_path)
+        assert any(k.startswith("vision_tower.embeddings.") for k in saved)
+        assert any(k.startswith("vision_tower.head.") for k in saved)
+        tower, projector = build_mlx(config, saved, "")
+    else:
+        tower, projector = build_mlx(config, hub_names(state), "")
+
+    pixel_values = rng.standard_normal((3, 3, IMAGE, IMAGE)).astype(np.float32)
+    with torch.no_grad():
+        want = hf.model.get_image_features(torch.from_numpy(pixel_values)).pooler_output
+    want = want.reshape(-1, want.shape[-1]).numpy()
+    got = np.array(siglip.image_features(tower, projector, mx.array(pixel_values)))
+    assert got.shape == (3 * MM_TOKENS, 24) == want.shape
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+
+
+def test_pool_of_one_and_exact_gelu(rng):
+    """mm_tokens_per_image == the patch count (no pooling) and another activation."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    config = gemma3_config(hidden_act="gelu")
+    config.mm_tokens_per_image = (IMAGE // PATCH) ** 2
+    hf = Gemma3ForConditionalGeneration(config).eval()
+    rerandomise(hf, seed=5)
+    tower, projector = build_mlx(config.to_dict(), hf.state_dict(), "model.")
+    pixel_values = rng.standard_normal((1, 3, IMAGE, IMAGE)).astype(np.float32)
+    with torch.no_grad():
+        want = hf.model.get_image_features(torch.from_numpy(pixel_values)).pooler_output[0]
+    got = np.array(siglip.image_features(tower, projector, pixel_values))
+    np.testing.assert_allclose(got, want.numpy(), atol=ATOL, rtol=0)
+
+
+def test_config_errors():
+    config = gemma3_config().to_dict()
+    with pytest.raises(siglip.ConfigError, match="mm_tokens_per_image"):
+        siglip.Gemma3ProjectorArgs.from_config({**config, "mm_tokens_per_image": 3})
+    with pytest.raises(siglip.ConfigError, match="mm_tokens_per_image"):
+        siglip.Gemma3ProjectorArgs.from_config({**config, "mm_tokens_per_image": 9})  # 3 ∤ 4
+    args = siglip.Gemma3ProjectorArgs.from_config(config)
+    tower = siglip.SiglipVisionModel(args.vision)
+    with pytest.raises(ValueError, match="image_size"):
+        tower(mx.zeros((1, 3, IMAGE + PATCH, IMAGE)))
