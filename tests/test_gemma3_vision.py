@@ -5,6 +5,8 @@ overlay (transformers' ``create_masks_for_vision_model``)."""
 
 from __future__ import annotations
 
+import itertools
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -156,3 +158,116 @@ def test_config_errors():
     tower = siglip.SiglipVisionModel(args.vision)
     with pytest.raises(ValueError, match="image_size"):
         tower(mx.zeros((1, 3, IMAGE + PATCH, IMAGE)))
+
+
+# --- image attention ------------------------------------------------------------------------
+
+IMG_ID = 9
+# text, image of 4, text, image of 3 (Gemma 3 always wraps an image in boi/eoi text tokens)
+LAYOUT = [2, 5, IMG_ID, IMG_ID, IMG_ID, IMG_ID, 6, 7, 5, IMG_ID, IMG_ID, IMG_ID, 6, 8]
+
+
+def hf_masks(ids: list[int], window: int) -> dict[str, np.ndarray]:
+    """transformers' Gemma 3 prefill masks for the whole prompt, ``[T, T]`` bool."""
+    from transformers import Gemma3TextConfig
+    from transformers.models.gemma3.modeling_gemma3 import (
+        create_masks_for_vision_model,
+        get_block_sequence_ids_for_mask,
+    )
+
+    config = Gemma3TextConfig(
+        hidden_size=8,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_hidden_layers=2,
+        sliding_window=window,
+        vocab_size=16,
+    )
+    config._attn_implementation = "sdpa"
+    token_type_ids = torch.tensor([[int(t == IMG_ID) for t in ids]])
+    T = len(ids)
+    out = create_masks_for_vision_model(
+        config=config,
+        inputs_embeds=torch.zeros(1, T, 8),
+        attention_mask=None,
+        cache=None,
+        position_ids=torch.arange(T)[None],
+        block_sequence_ids=get_block_sequence_ids_for_mask(token_type_ids),
+    )
+    return {k: v[0, 0].numpy() for k, v in out.items()}
+
+
+def chunk_mask(ids, start, end, window):
+    """What a TextModel builds for chunk [start, end) with every earlier key live."""
+    from mlxc.runtime import image_attention, masks
+
+    is_image = mx.array([[t == IMG_ID for t in ids[start:end]]])
+    L = end - start
+    mask = image_attention.with_images(masks.causal(L, end, window=window), is_image, end, window)
+    if isinstance(mask, str) or mask is None:
+        mask = mx.arange(end)[None, :] <= mx.arange(end - L, end)[:, None]
+    return np.broadcast_to(np.array(mask), (1, 1, L, end))[0, 0]
+
+
+@pytest.mark.parametrize("window", [3, 5, 100])
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 14])
+def test_image_overlay_matches_transformers(window, chunk):
+    from mlxc.runtime import image_attention
+    from mlxc.runtime.generate import prefill_chunks
+
+    want = hf_masks(LAYOUT, window)
+    spans = image_attention.image_spans(LAYOUT, IMG_ID)
+    assert spans == [(2, 6), (9, 12)]
+    bounds = prefill_chunks(len(LAYOUT), chunk, spans)
+    assert bounds[0][0] == 0 and bounds[-1][1] == len(LAYOUT)
+    assert all(a == b for (_, a), (b, _) in itertools.pairwise(bounds))
+    for start, end in bounds:
+        assert not any(s < start < e for s, e in spans), "a chunk boundary cut an image"
+        for name, w in (("full_attention", None), ("sliding_attention", window)):
+            got = chunk_mask(LAYOUT, start, end, w)
+            np.testing.assert_array_equal(got, want[name][start:end, :end], err_msg=name)
+
+
+def test_a_cut_image_loses_exactly_its_cross_chunk_pairs():
+    """Why prefills keep images whole: chunk [0, 4) ends inside the first image, whose
+    positions 2, 3 then cannot see 4, 5 (they lie in the next forward)."""
+    want = hf_masks(LAYOUT, 100)["full_attention"]
+    got = chunk_mask(LAYOUT, 0, 4, None)
+    assert want[2:4, 4:6].all()
+    np.testing.assert_array_equal(got, want[:4, :4])
+
+
+def test_overlay_shapes_and_groups():
+    from mlxc.runtime import image_attention
+
+    is_image = mx.array([[0, 1, 1, 0, 1], [1, 1, 0, 0, 0]]).astype(mx.bool_)
+    groups = np.array(image_attention.image_groups(is_image))
+    np.testing.assert_array_equal(groups, [[-1, 0, 0, -1, 1], [0, 0, -1, -1, -1]])
+    extra = np.array(image_attention.overlay(is_image, n_keys=7))
+    assert extra.shape == (2, 1, 5, 7)
+    assert not extra[..., :2].any()  # earlier keys: causality already covers them
+    assert extra[0, 0, 1, 4] and extra[0, 0, 2, 3] and not extra[0, 0, 1, 6]  # keys: 2 + pos
+    # One query (decode) or no image token: the mask is unchanged.
+    assert image_attention.with_images(None, mx.array([[True]]), 5) is None
+    no_images = mx.zeros((1, 3), dtype=mx.bool_)
+    mask = image_attention.with_images("causal", no_images, 3)
+    np.testing.assert_array_equal(np.array(mask)[0, 0], np.tril(np.ones((3, 3), bool)))
+    with pytest.raises(ValueError, match="live keys"):
+        image_attention.overlay(is_image, n_keys=4)
+
+
+@pytest.mark.parametrize(
+    "n, chunk, spans, want",
+    [
+        (10, 4, [(2, 6)], [(0, 6), (6, 9), (9, 10)]),  # 4 is inside (2, 6): that chunk grows
+        (10, 4, [(4, 8)], [(0, 4), (4, 8), (8, 9), (9, 10)]),  # boundaries on the edges stay
+        (10, 4, [(7, 10)], [(0, 4), (4, 10)]),  # an image at the end: no lone last token
+        (10, 20, [(1, 9)], [(0, 9), (9, 10)]),
+    ],
+)
+def test_prefill_chunks_keep_spans_whole(n, chunk, spans, want):
+    from mlxc.runtime.generate import prefill_chunks
+
+    with mx.stream(mx.cpu):  # the CPU rule: the last token alone
+        assert prefill_chunks(n, chunk, spans) == want
