@@ -271,3 +271,67 @@ def test_prefill_chunks_keep_spans_whole(n, chunk, spans, want):
 
     with mx.stream(mx.cpu):  # the CPU rule: the last token alone
         assert prefill_chunks(n, chunk, spans) == want
+
+
+# --- the tower in a generated model ---------------------------------------------------------
+
+
+def test_a_spec_with_the_gemma3_tower_builds_and_loads_hub_names(tmp_path, rng):
+    """The tower's template in a generated VisionLanguageModel (a mistral text decoder stands in
+    until the gemma3 text spec exists): hub names load through the spec's renames and
+    sanitize_vision, the features match transformers, and a prompt with images runs."""
+    from pathlib import Path
+
+    from mlxc.compiler import build
+    from mlxc.verify import load_source
+
+    text = (Path(__file__).parents[1] / "specs" / "mistral3.yaml").read_text()
+    text = text.replace("name: mistral3", "name: probe").replace(
+        "tower: pixtral", "tower: gemma3_siglip"
+    )
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "probe.yaml").write_text(text)
+    result = build.render([str(specs)])
+    assert result.findings == []
+    module = load_source("probe_gemma3", result.files["probe.py"])
+    assert module.VISION_TOWER == "gemma3_siglip"
+
+    hf = build_hf(seed=11)
+    config = hf.config.to_dict()
+    config["text_config"] = {
+        "model_type": "mistral",
+        "hidden_size": 24,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 12,
+        "intermediate_size": 32,
+        "vocab_size": 300,
+    }
+    model = module.Model(module.ModelArgs.from_config(config))
+    state = {k: mx.array(v.numpy()) for k, v in hub_names(hf.state_dict()).items()}
+    vision = {k: v for k, v in state.items() if not k.startswith(("model.language", "lm_head"))}
+    assert any(k.startswith("vision_tower.vision_model.") for k in vision)
+    weights = model.sanitize(vision)
+    want_names = {k for k, _ in nn_leaves(model) if "language_model" not in k}
+    assert set(weights) == want_names
+    model.load_weights(list(weights.items()), strict=False)
+
+    pixel_values = rng.standard_normal((2, 3, IMAGE, IMAGE)).astype(np.float32)
+    with torch.no_grad():
+        want = hf.model.get_image_features(torch.from_numpy(pixel_values)).pooler_output
+    got = model.model.image_features(mx.array(pixel_values)).embeds
+    np.testing.assert_allclose(np.array(got), want.reshape(-1, 24).numpy(), atol=ATOL, rtol=0)
+
+    image = [255] + [262] * MM_TOKENS + [256]
+    ids = [2, 5] + image + [7] + image + [8]
+    assert model.model.prefill_spans(ids) == [(3, 3 + MM_TOKENS), (10, 10 + MM_TOKENS)]
+    logits = model(mx.array([ids]), pixel_values=mx.array(pixel_values))
+    assert logits.shape == (1, len(ids), 300) and bool(mx.isfinite(logits).all())
+
+
+def nn_leaves(model):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(model.parameters())
