@@ -5,12 +5,17 @@ overlay (transformers' ``create_masks_for_vision_model``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
+import shutil
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from mlxc.runtime.vision import siglip
 
@@ -280,8 +285,6 @@ def test_a_spec_with_the_gemma3_tower_builds_and_loads_hub_names(tmp_path, rng):
     """The tower's template in a generated VisionLanguageModel (a mistral text decoder stands in
     until the gemma3 text spec exists): hub names load through the spec's renames and
     sanitize_vision, the features match transformers, and a prompt with images runs."""
-    from pathlib import Path
-
     from mlxc.compiler import build
     from mlxc.verify import load_source
 
@@ -335,3 +338,211 @@ def nn_leaves(model):
     from mlx.utils import tree_flatten
 
     return tree_flatten(model.parameters())
+
+
+# --- preprocessing and prompt expansion -----------------------------------------------------
+
+# google/gemma-3-4b-it's processor files: preprocessor_config.json, processor_config.json and
+# chat_template.json as the hub has them; tokenizer_config.json with every key, its
+# added_tokens_decoder shrunk to the specials of the tiny vocabulary below (ids 0-9 for the
+# hub's 0-4, 105, 106, 255999, 256000, 262144).
+GEMMA3_FILES = Path(__file__).parent / "fixtures" / "gemma_3_4b_it"
+SPECIALS = [
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<mask>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+]
+BOI, EOI, SOFT = 7, 8, 9
+
+
+def write_gemma_tokenizer(path):
+    """A GemmaTokenizer (BPE, byte fallback) over a tiny vocabulary whose newline runs are
+    single tokens, as in Gemma's: expanding ids instead of text would tokenize differently."""
+    from tokenizers import processors
+    from transformers import GemmaTokenizer
+
+    vocab = {t: i for i, t in enumerate(SPECIALS)}
+    vocab |= {f"<0x{b:02X}>": len(vocab) + b for b in range(256)}
+    merges = [("\n", "\n"), ("\n\n", "\n"), ("\n\n", "\n\n"), ("d", "e"), ("de", "s")]
+    for piece in ["\n", "\n\n", "\n\n\n", "\n\n\n\n", "▁", *"abcdefghijklmnopqrstuvwxyz"]:
+        vocab.setdefault(piece, len(vocab))
+    vocab |= {"de": len(vocab), "des": len(vocab) + 1}
+    tok = GemmaTokenizer(vocab=vocab, merges=merges)
+    # The hub tokenizer.json's post-processor: BOS first (the chat template writes its own).
+    tok._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", 2)]
+    )
+    tok.save_pretrained(str(path))
+    for name in ("tokenizer_config.json", "chat_template.json"):
+        shutil.copyfile(GEMMA3_FILES / name, path / name)
+    (path / "chat_template.jinja").unlink(missing_ok=True)  # the hub repo has none
+
+
+def write_gemma3_dir(path, **preprocessor):
+    from transformers import Gemma3Config
+
+    write_gemma_tokenizer(path)
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        shutil.copyfile(GEMMA3_FILES / name, path / name)
+    if preprocessor:
+        pre = json.loads((path / "preprocessor_config.json").read_text()) | preprocessor
+        (path / "preprocessor_config.json").write_text(json.dumps(pre))
+    Gemma3Config(
+        image_token_index=SOFT,
+        boi_token_index=BOI,
+        eoi_token_index=EOI,
+        text_config={"vocab_size": 320},
+    ).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    return write_gemma3_dir(tmp_path_factory.mktemp("gemma3"))
+
+
+def images(*sizes, seed=0, mode="RGB"):
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    out = []
+    for h, w in sizes:
+        data = rng.integers(0, 256, size=(h, w, channels), dtype=np.uint8)
+        out.append(Image.fromarray(data[..., 0] if channels == 1 else data, mode=mode))
+    return out
+
+
+def hf_processor(path):
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(str(path))
+    assert type(processor.image_processor).__name__ == "Gemma3ImageProcessorPil"  # no torchvision
+    return processor
+
+
+def test_preprocessing_matches_transformers(gemma3_dir):
+    from mlxc.runtime.vision import gemma3_preprocess as gp
+
+    cfg = gp.Gemma3ProcessorConfig.from_pretrained(gemma3_dir)
+    assert (cfg.height, cfg.width, cfg.resample, cfg.image_seq_length) == (896, 896, 2, 256)
+    assert not cfg.do_pan_and_scan  # null in the hub file
+    imgs = images((30, 50), (97, 20)) + images((12, 9), mode="RGBA", seed=1)
+    imgs += images((900, 1000), mode="L", seed=2)  # shrunk, grey
+    # do_convert_rgb is null in the file; Gemma3Processor passes its default, True.
+    image_processor = hf_processor(gemma3_dir).image_processor
+    want = image_processor(imgs, return_tensors="np", do_convert_rgb=True)["pixel_values"]
+    got, crops = gp.preprocess_images(imgs, cfg)
+    assert got.dtype == np.float32 and crops == [0, 0, 0, 0]
+    # Both resize the same uint8 image through PIL and normalise in the same dtypes: exact.
+    np.testing.assert_array_equal(got, want)
+
+
+def test_pan_and_scan_matches_transformers(tmp_path):
+    """Off whatever the file says, as Gemma3Processor passes its own defaults; asked for, the
+    crops and their prompt text match ``processor(..., do_pan_and_scan=True)``."""
+    from mlxc.runtime import processor as proc
+    from mlxc.runtime.tokenizer import load_tokenizer
+    from mlxc.runtime.vision import gemma3_preprocess as gp
+
+    path = write_gemma3_dir(
+        tmp_path,
+        do_pan_and_scan=True,
+        size={"height": 32, "width": 32},
+        pan_and_scan_max_num_crops=2,
+    )
+    tokenizer = load_tokenizer(path)
+    processor = proc.load_processor(path, tokenizer, "gemma3_siglip")
+    hf = hf_processor(path)
+    # wide: 3 crops; tall: 3; ratio 1.33 but crops under 256: none; square: none
+    imgs = images((300, 900), (800, 300), (400, 300), (300, 300), seed=4)
+    text = "<start_of_image>" * 4 + "des"  # encode_text_and_images: the images, then the text
+    for on in (False, True):
+        processor.cfg = dataclasses.replace(processor.cfg, do_pan_and_scan=on)
+        want = hf(text=text, images=imgs, return_tensors="np", do_pan_and_scan=on)
+        got = processor.encode_text_and_images("des", imgs, chat_template=False)
+        assert got.ids == want["input_ids"][0].tolist()
+        np.testing.assert_array_equal(got.vision["pixel_values"], want["pixel_values"])
+        crops = gp.preprocess_images(imgs, processor.cfg)[1]
+        assert crops == ([3, 3, 0, 0] if on else [0, 0, 0, 0])
+
+
+def gemma3_messages(part="image"):
+    return [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [{"type": part}, {"type": "text", "text": "describe"}, {"type": part}],
+        },
+        {"role": "assistant", "content": "des"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {}}]},
+    ]
+
+
+def test_prompt_matches_gemma3_processor(gemma3_dir):
+    from mlxc.runtime import image_attention
+    from mlxc.runtime import processor as proc
+    from mlxc.runtime.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(gemma3_dir)
+    processor = proc.load_processor(gemma3_dir, tokenizer, "gemma3_siglip")
+    imgs = images((30, 50), (97, 20), (12, 9), seed=3)
+    prompt = processor.encode(gemma3_messages(), imgs)
+
+    hf = hf_processor(gemma3_dir)
+    messages = gemma3_messages()
+    it = iter(imgs)
+    for m in messages:
+        if isinstance(m["content"], list):
+            m["content"] = [
+                {"type": "image", "image": next(it)} if p["type"] != "text" else p
+                for p in m["content"]
+            ]
+    want = hf.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="np"
+    )
+    assert prompt.ids == want["input_ids"][0].tolist()
+    assert prompt.ids.count(2) == 1  # one BOS: the template's
+    assert prompt.ids.count(SOFT) == 3 * 256 and prompt.ids.count(BOI) == 3
+    np.testing.assert_array_equal(prompt.vision["pixel_values"], want["pixel_values"])
+    assert set(prompt.vision) == {"pixel_values"}
+    # The image runs are transformers' token_type_ids == 1 runs.
+    spans = image_attention.image_spans(prompt.ids, SOFT)
+    types = np.zeros(len(prompt.ids), int)
+    for s, e in spans:
+        types[s:e] = 1
+    np.testing.assert_array_equal(types, want["token_type_ids"][0])
+    assert [e - s for s, e in spans] == [256] * 3
+
+
+def test_prompt_without_chat_template_and_errors(gemma3_dir, tmp_path):
+    from mlxc.runtime import processor as proc
+    from mlxc.runtime.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(gemma3_dir)
+    processor = proc.load_processor(gemma3_dir, tokenizer, "gemma3_siglip")
+    imgs = images((30, 50), seed=5)
+    prompt = processor.encode_text_and_images("describe", imgs, chat_template=False)
+    # Gemma3Processor on "<start_of_image>describe": expanded text, tokenized with BOS.
+    want = hf_processor(gemma3_dir)(text="<start_of_image>describe", images=imgs)
+    assert prompt.ids == list(want["input_ids"][0])
+    assert prompt.ids[0] == 2
+    with pytest.raises(proc.ImageInputError, match="3 image part"):
+        processor.encode(gemma3_messages(), imgs)
+    # A text-only prompt keeps a typed <start_of_image> as it is (no image, no expansion).
+    assert processor.encode([{"role": "user", "content": "a"}]).ids.count(SOFT) == 0
+
+    bad = write_gemma3_dir(tmp_path)
+    config = json.loads((bad / "config.json").read_text()) | {"mm_tokens_per_image": 64}
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="image_seq_length 256 != config.json"):
+        proc.load_processor(bad, tokenizer, "gemma3_siglip")
+    config |= {"mm_tokens_per_image": 256, "image_token_index": 5}
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="image_token_index 5"):
+        proc.load_processor(bad, tokenizer, "gemma3_siglip")

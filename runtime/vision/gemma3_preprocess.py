@@ -43,7 +43,13 @@ IMAGENET_STANDARD = (0.5, 0.5, 0.5)
 @dataclass(frozen=True)
 class Gemma3ProcessorConfig:
     """Defaults: ``Gemma3ImageProcessorPil``'s class values and ``Gemma3Processor``'s kwargs
-    defaults (used where the hub files hold null)."""
+    defaults (the hub files hold null for those).
+
+    The pan-and-scan settings are never read from the files: ``Gemma3Processor`` passes its own
+    (off, 256, 4, 1.2) over whatever preprocessor_config.json says, so a file's
+    ``do_pan_and_scan: true`` changes nothing there either. ``do_pan_and_scan=True`` here does
+    what ``processor(..., do_pan_and_scan=True)`` does.
+    """
 
     height: int = 224
     width: int = 224
@@ -102,16 +108,6 @@ class Gemma3ProcessorConfig:
             do_normalize=bool(get("do_normalize", cls.do_normalize)),
             image_mean=tuple(get("image_mean", cls.image_mean)),
             image_std=tuple(get("image_std", cls.image_std)),
-            do_pan_and_scan=bool(get("do_pan_and_scan", cls.do_pan_and_scan)),
-            pan_and_scan_min_crop_size=int(
-                get("pan_and_scan_min_crop_size", cls.pan_and_scan_min_crop_size)
-            ),
-            pan_and_scan_max_num_crops=int(
-                get("pan_and_scan_max_num_crops", cls.pan_and_scan_max_num_crops)
-            ),
-            pan_and_scan_min_ratio_to_activate=float(
-                get("pan_and_scan_min_ratio_to_activate", cls.pan_and_scan_min_ratio_to_activate)
-            ),
             image_seq_length=seq,
         )
 
