@@ -24,6 +24,8 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
+from mlxc.runtime import masks
+
 
 def image_groups(is_image: mx.array) -> mx.array:
     """``[B, L]`` int: for each image position the index of its run within the chunk, -1 for
@@ -73,8 +75,7 @@ def with_images(
         return mask  # one query: the only same-image key after it does not exist
     extra = overlay(is_image, n_keys, window)
     if mask is None or isinstance(mask, str):
-        L = is_image.shape[-1]
-        mask = mx.arange(n_keys)[None, :] <= mx.arange(n_keys - L, n_keys)[:, None]
+        mask = masks.causal_array(is_image.shape[-1], n_keys)
     return mask | extra
 
 
