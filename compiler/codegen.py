@@ -283,6 +283,8 @@ def model_context(spec: schema.Spec, source: str, spec_label: str) -> dict:
         vision = dataclasses.asdict(tower) | {"image_token": spec.vision.image_token}
         imports["mlxc.runtime.multimodal"].add("ImageFeatures")
         imports["mlxc.runtime.vision"] = {tower.module}
+        if tower.bidirectional_images:
+            imports["mlxc.runtime"].add("image_attention")
     tied = spec.text.lm_head.tied
     ctx = features | {
         "deepstack": layers.deepstack,

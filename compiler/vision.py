@@ -20,6 +20,9 @@ class Tower:
     # rope_index settings of the qwen family (see runtime/mrope.py)
     tokens_per_second: bool = False
     frames_as_images: bool = False
+    # Image tokens attend to their whole image in prefill (runtime/image_attention.py): the
+    # TextModel ORs the overlay into its masks, and prefills keep each image in one chunk.
+    bidirectional_images: bool = False
 
 
 def _qwen(tower_class: str, **settings) -> Tower:
@@ -33,4 +36,8 @@ TOWERS: dict[str, Tower] = {
     "qwen2_5_vit": _qwen("Qwen25VisionTower", tokens_per_second=True),
     "qwen3_vit": _qwen("Qwen3VisionTower", deepstack=True, frames_as_images=True),
     "pixtral": Tower("pixtral", "vision_pixtral.py.j2", ("pixel_values", "image_sizes")),
+    # SigLIP + the Gemma-3 projector.
+    "gemma3_siglip": Tower(
+        "siglip", "vision_gemma3.py.j2", ("pixel_values",), bidirectional_images=True
+    ),
 }

@@ -6,6 +6,7 @@ text; it takes precedence over a plain ``outer`` key.
 """
 
 MODEL_TYPES = {
+    "gemma3:gemma3_text": "gemma3",
     "gemma3_text": "gemma3_text",
     "llama": "llama",
     "ministral3": "ministral3",

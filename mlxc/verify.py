@@ -13,6 +13,7 @@ each row the logits it gets decoding alone.
 
 from __future__ import annotations
 
+import itertools
 import types
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ from mlxc.compiler import build
 from mlxc.runtime import masks
 from mlxc.runtime.batch import BatchCache
 from mlxc.runtime.cache import cache_arrays, enforce_max_kv
+from mlxc.runtime.generate import prefill_spans
 from mlxc.runtime.user_specs import load_source
 
 PREFILL_CHUNK = 8
@@ -71,6 +73,10 @@ def vision_inputs(tower: str, config: dict, rng: np.random.Generator) -> tuple[d
     """Random pixel inputs for one small image and its number of placeholder tokens."""
     vision = config["vision_config"]
     patch = vision.get("patch_size", 14)
+    if tower == "gemma3_siglip":  # one image_size x image_size image, mm_tokens_per_image tokens
+        size = vision.get("image_size", 224)
+        pixels = rng.standard_normal((1, 3, size, size)).astype(np.float32)
+        return {"pixel_values": mx.array(pixels)}, config.get("mm_tokens_per_image", 256)
     if tower == "pixtral":
         merge = config.get("spatial_merge_size", 2)
         h, w = 2 * patch * merge, 3 * patch * merge
@@ -85,18 +91,24 @@ def vision_inputs(tower: str, config: dict, rng: np.random.Generator) -> tuple[d
 
 
 def _schedule(
-    rng: np.random.Generator, vocab: int, image: tuple[int, int] | None = None
+    rng: np.random.Generator, vocab: int, image: tuple[int, int] | None = None, model=None
 ) -> list[np.ndarray]:
     """Token chunks: prefill chunks, one continuation chunk, then single-token decode steps.
 
     ``image``: (placeholder token id, count) placed at ``IMAGE_AT``; other tokens avoid the id.
+    A prefill boundary inside one of the ``model``'s ``prefill_spans`` moves to its end, as
+    ``runtime.generate.prefill_chunks`` moves it (Gemma 3's images stay in one chunk).
     """
     tokens = rng.integers(0, vocab, size=PROMPT_LEN + CONTINUATION + DECODE_STEPS)
     if image is not None:
         token, count = image
         tokens[tokens == token] = (token + 1) % vocab
         tokens[IMAGE_AT : IMAGE_AT + count] = token
-    chunks = [tokens[i : i + PREFILL_CHUNK] for i in range(0, PROMPT_LEN, PREFILL_CHUNK)]
+    spans = prefill_spans(model, tokens[:PROMPT_LEN].tolist()) if model is not None else []
+    starts = range(0, PROMPT_LEN, PREFILL_CHUNK)
+    cuts = {min(next((e for s, e in spans if s < c < e), c), PROMPT_LEN) for c in starts}
+    bounds = sorted(cuts | {PROMPT_LEN})
+    chunks = [tokens[a:b] for a, b in itertools.pairwise(bounds)]
     chunks.append(tokens[PROMPT_LEN : PROMPT_LEN + CONTINUATION])
     chunks += [tokens[i : i + 1] for i in range(PROMPT_LEN + CONTINUATION, len(tokens))]
     return chunks
@@ -141,7 +153,7 @@ def verify_module(
     if image_token is not None:
         vision, count = vision_inputs(model.vision_tower, config, rng)
         image = (getattr(args, image_token), count)
-    chunks = _schedule(rng, vocab, image)
+    chunks = _schedule(rng, vocab, image, model)
     notes = [] if vision is None else ["one image in the first chunks"]
     with masks.array_masks() as audit:
         reference, _ = _run(model, chunks, None, 0, vision)

@@ -7,7 +7,7 @@ step, ``enforce_max_kv`` trims each cache back to ``max_kv_size`` live tokens (k
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -74,7 +74,9 @@ def as_model_inputs(inputs: Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: mx.array(v) if isinstance(v, np.ndarray) else v for k, v in (inputs or {}).items()}
 
 
-def prefill_chunks(n_tokens: int, chunk_size: int) -> list[tuple[int, int]]:
+def prefill_chunks(
+    n_tokens: int, chunk_size: int, keep_whole: Sequence[tuple[int, int]] = ()
+) -> list[tuple[int, int]]:
     """A prompt's prefill chunks, ``(start, end)``; the last one's logits give the first token.
 
     Full chunks while more than one chunk remains, then the rest. On a CPU the last token then
@@ -83,16 +85,31 @@ def prefill_chunks(n_tokens: int, chunk_size: int) -> list[tuple[int, int]]:
     more one-token forward. A CPU forward costs its FLOPs, so that pays (10-20% on the bench's
     small models); a GPU forward costs its kernel launches, and it does not
     (``bench/profile_decode.py`` measures both ways). Generation and the server share this.
+
+    ``keep_whole``: ``(start, end)`` spans no boundary may cut (the model's ``prefill_spans``,
+    e.g. Gemma 3's images, bidirectional only within one forward): a boundary inside one moves
+    to its end, so that chunk grows past ``chunk_size``.
     """
+
+    def cut(at: int) -> int:
+        return next((e for s, e in keep_whole if s < at < e), at)
+
     bounds, start = [], 0
-    while n_tokens - start > chunk_size:
-        bounds.append((start, start + chunk_size))
-        start += chunk_size
-    if n_tokens - start > 1 and mx.default_device() == mx.cpu:
+    while n_tokens - start > chunk_size and (end := cut(start + chunk_size)) < n_tokens:
+        bounds.append((start, end))
+        start = end
+    if n_tokens - start > 1 and mx.default_device() == mx.cpu and cut(n_tokens - 1) < n_tokens:
         bounds.append((start, n_tokens - 1))
         start = n_tokens - 1
     bounds.append((start, n_tokens))
     return bounds
+
+
+def prefill_spans(model: nn.Module, prompt_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """The spans of a prompt that ``model`` needs in one prefill chunk (its ``prefill_spans``
+    method; none for a model without one)."""
+    spans = getattr(model, "prefill_spans", None)
+    return list(spans(prompt_ids)) if spans is not None else []
 
 
 def generate_tokens(
@@ -153,7 +170,8 @@ def generate_tokens(
 
     # Prefill every chunk but the last; evaluating the caches bounds the graph and memory.
     prompt = mx.array(prompt_ids, dtype=mx.int32)[None]
-    *body, (start, end) = prefill_chunks(len(prompt_ids), prefill_chunk_size)
+    spans = prefill_spans(model, prompt_ids)
+    *body, (start, end) = prefill_chunks(len(prompt_ids), prefill_chunk_size, spans)
     for a, b in body:
         forward(prompt[:, a:b])
         mx.eval(cache_arrays(cache))

@@ -13,6 +13,11 @@
   ``PixtralImageProcessorPil`` + ``PixtralProcessor``). Each ``[IMG]`` becomes rows of ``[IMG]``
   with ``[IMG_BREAK]`` after each row, the last one ``[IMG_END]``. Vision inputs:
   ``pixel_values`` float32 ``[N, 3, H, W]`` and ``image_sizes`` int64 ``[N, 2]``.
+* ``gemma3_siglip``: :mod:`mlxc.runtime.vision.gemma3_preprocess` (matches transformers'
+  ``Gemma3ImageProcessorPil`` + ``Gemma3Processor``). Each ``<start_of_image>`` becomes
+  ``\\n\\n<start_of_image>``, ``image_seq_length`` ``<image_soft_token>`` and
+  ``<end_of_image>\\n\\n`` in the text before it is tokenized (pan-and-scan crops add their own
+  sequences). Vision inputs: ``pixel_values`` float32 ``[N, 3, H, W]`` (images and crops).
 * None (a text-only model): messages render as usual; any image is an :class:`ImageInputError`.
 
 Messages are chat messages whose ``content`` is a string or a list of OpenAI-style parts:
@@ -51,6 +56,7 @@ from mlxc.runtime.tokenizer import (
 
 QWEN_TOWERS = ("qwen2_vit", "qwen2_5_vit", "qwen3_vit")
 PIXTRAL_TOWERS = ("pixtral",)
+GEMMA3_TOWERS = ("gemma3_siglip",)
 IMAGE_PART_TYPES = ("image", "image_url", "input_image")
 
 # Decompression-bomb guard: PIL's own default (~89.5 megapixels, 0.25 GiB of RGBA). Checked from
@@ -230,13 +236,15 @@ class Processor:
     """Renders messages, expands image placeholders, and makes the vision inputs.
 
     Subclasses set ``placeholder`` (the text one image part renders to without a chat
-    template), ``image_token_id`` (the id whose occurrences are expanded), and implement
-    ``_vision`` (images -> vision inputs and the per-image expansion).
+    template), ``image_token_id`` (the id whose occurrences are expanded, one per image), and
+    implement ``_vision`` (images -> vision inputs and the per-image expansion, of the ids or,
+    with ``expands_text``, of the text before it is tokenized).
     """
 
     placeholder: str = ""
     image_token_id: int | None = None
     takes_images = True
+    expands_text = False  # True: ``_vision``'s expansion maps the prompt text, not its ids
 
     def __init__(
         self,
@@ -268,20 +276,23 @@ class Processor:
             add_generation_prompt=add_generation_prompt,
         )
 
-    def _token_ids(
+    def _prompt_text(
         self, messages: list[dict], use_template: bool, add_generation_prompt: bool
-    ) -> list[int]:
+    ) -> tuple[str, bool]:
+        """The prompt's text and whether encoding it adds the tokenizer's special tokens."""
         if use_template:
-            text = self.render(messages, add_generation_prompt=add_generation_prompt)
             # The template writes BOS and the other special tokens itself.
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+            return self.render(messages, add_generation_prompt=add_generation_prompt), False
         # No template: each message's image placeholders, then its text.
         pieces = []
         for m in messages:
             content = m.get("content")
             n = sum(1 for p in content if _is_image_part(p)) if isinstance(content, list) else 0
             pieces.append(self.placeholder * n + _text_of(content))
-        return list(self.tokenizer.encode("\n".join(pieces)))
+        return "\n".join(pieces), True
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     # -- public --------------------------------------------------------------------------
 
@@ -310,7 +321,8 @@ class Processor:
         use_template = self.has_chat_template if chat_template is None else chat_template
         if use_template and not self.has_chat_template:
             raise ValueError("the tokenizer has no chat template; encode without it")
-        ids = self._token_ids(normalized, use_template, add_generation_prompt)
+        text, special = self._prompt_text(normalized, use_template, add_generation_prompt)
+        ids = self._encode(text, special)
         if not images:
             return Prompt(ids)
         found = ids.count(self.image_token_id)
@@ -322,6 +334,8 @@ class Processor:
                 f"{self.image_token_id}) for {len(images)} image(s){why}"
             )
         vision, expand = self._vision(images)
+        if self.expands_text:  # the placeholders expand in the text, which is tokenized again
+            return Prompt(self._encode(expand(text), special), vision)
         return Prompt(expand(ids), vision)
 
     def encode_text_and_images(
@@ -550,6 +564,45 @@ class PixtralProcessor(Processor):
         return {"pixel_values": pixel_values, "image_sizes": sizes}, expand
 
 
+# --- Gemma 3 --------------------------------------------------------------------------------
+
+
+class Gemma3Processor(Processor):
+    """``Gemma3Processor``: each ``<start_of_image>`` the template renders becomes the image's
+    soft-token sequence in the text (:mod:`mlxc.runtime.vision.gemma3_preprocess`)."""
+
+    expands_text = True
+
+    def __init__(
+        self,
+        path: str | Path,
+        tokenizer: Any,
+        chat_template: str | None = None,
+        template_source: str | None = None,
+    ) -> None:
+        super().__init__(tokenizer, chat_template, template_source)
+        from mlxc.runtime.vision import gemma3_preprocess as gp
+
+        self._gp = gp
+        self.cfg = gp.Gemma3ProcessorConfig.from_pretrained(path)
+        self.tokens = gp.Gemma3Tokens.from_tokenizer(tokenizer)
+        ids = gp.token_ids(tokenizer, self.tokens, _read_json(Path(path) / "config.json"))
+        self.image_token_id = ids["boi"]  # one per image before expansion
+        self.placeholder = self.tokens.boi
+
+    def _vision(self, images):
+        gp, cfg = self._gp, self.cfg
+        try:
+            pixel_values, num_crops = gp.preprocess_images(images, cfg)
+        except (ValueError, OSError) as e:
+            raise ImageInputError(f"images cannot be preprocessed: {e}") from e
+
+        def expand(text: str) -> str:
+            return gp.expand_image_text(text, num_crops, self.tokens, cfg.image_seq_length)
+
+        return {"pixel_values": pixel_values}, expand
+
+
 # --- sampling -------------------------------------------------------------------------------
 
 
@@ -581,7 +634,7 @@ def load_processor(
     """
     path = Path(path)
     tower = vision_tower(model_module_or_tower)
-    if tower is not None and tower not in QWEN_TOWERS + PIXTRAL_TOWERS:
+    if tower is not None and tower not in QWEN_TOWERS + PIXTRAL_TOWERS + GEMMA3_TOWERS:
         raise ValueError(f"no image preprocessing for vision tower {tower!r}")
     template = chat_template_for(path, tokenizer, override=chat_template, vision=tower is not None)
     if tower is None:
@@ -589,4 +642,6 @@ def load_processor(
         return TextProcessor(tokenizer, *template, name=str(name))
     if tower in QWEN_TOWERS:
         return QwenProcessor(path, tokenizer, tower, *template)
+    if tower in GEMMA3_TOWERS:
+        return Gemma3Processor(path, tokenizer, *template)
     return PixtralProcessor(path, tokenizer, *template)

@@ -65,7 +65,7 @@ from mlxc.runtime.cache import (
     enforce_max_kv,
     trimmable,
 )
-from mlxc.runtime.generate import DEFAULT_KV_SINK, as_model_inputs, prefill_chunks
+from mlxc.runtime.generate import DEFAULT_KV_SINK, as_model_inputs, prefill_chunks, prefill_spans
 from mlxc.runtime.output import SequenceOutput, StopMatcher
 from mlxc.runtime.sample import greedy, make_sampler
 
@@ -507,7 +507,8 @@ class Scheduler:
         """
         if seq.prefilling:
             prompt = seq.request.prompt_ids
-            chunks = prefill_chunks(len(prompt), self.prefill_chunk_size)
+            spans = prefill_spans(self.model, prompt)
+            chunks = prefill_chunks(len(prompt), self.prefill_chunk_size, spans)
             start, end = next((a, b) for a, b in chunks if a == seq.prefilled)
             if end < len(prompt):
                 self._forward(seq, prompt[start:end])

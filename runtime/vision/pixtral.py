@@ -325,10 +325,13 @@ def tokens_per_image(image_sizes: Any, patch_size: int, spatial_merge_size: int)
     return [(h // k) * (w // k) for h, w in _sizes(image_sizes)]
 
 
-def sanitize(weights: dict[str, mx.array], num_channels: int = 3) -> dict[str, mx.array]:
+def sanitize(
+    weights: dict[str, mx.array], num_channels: int = 3, suffix: str = "patch_conv.weight"
+) -> dict[str, mx.array]:
     """Convert PyTorch-layout patch-conv weights to MLX's; every other tensor passes unchanged.
 
-    Any key ending in ``patch_conv.weight`` (with or without a prefix) is accepted. PyTorch
+    Any key ending in ``suffix`` (with or without a prefix) is accepted (the SigLIP tower
+    passes its ``patch_embedding.weight``). PyTorch
     stores ``[out, in, kh, kw]``; MLX's Conv2d wants channels last, ``[out, kh, kw, in]``
     (mlx-vlm / mlx-community checkpoints already store that). Idempotent: a tensor already in
     MLX layout (last axis == ``num_channels``, square kernel in axes 1-2) is left alone. The
@@ -336,7 +339,7 @@ def sanitize(weights: dict[str, mx.array], num_channels: int = 3) -> dict[str, m
     """
     out = dict(weights)
     for name, w in weights.items():
-        if not name.endswith("patch_conv.weight"):
+        if not name.endswith(suffix):
             continue
         if w.ndim != 4:
             raise ValueError(f"{name}: expected a 4-D conv weight, got shape {tuple(w.shape)}")
