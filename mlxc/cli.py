@@ -171,18 +171,64 @@ class _GenerateCommand(click.Command):
             raise _OneLineError(e.format_message(), e.exit_code) from e
 
 
+def _model_option(command):
+    """``--model``, as generate and serve take it."""
+    return click.option(
+        "--model",
+        "model_dir",
+        default=None,
+        type=click.Path(exists=True, file_okay=False),
+        help="HF checkpoint directory. Default: the built-in demo checkpoint (a small llama "
+        "with RANDOM weights, written to $MLXC_HOME or ~/.cache/mlxc on first use; no "
+        "download).",
+    )(command)
+
+
+def _cache_options(prefill_chunk_size: int):
+    """The KV-cache flags generate and serve share (the server prefills in smaller chunks, so
+    that running sequences decode between them)."""
+    options = [
+        click.option(
+            "--max-kv-size",
+            default=None,
+            type=click.IntRange(min=1),
+            help="Keep at most this many tokens in each full-attention KV cache, trimming the "
+            "oldest after every prefill chunk and decode step (sliding-window layers keep "
+            "their own window; prompts may then exceed the context). Default: unbounded, and "
+            "a prompt longer than the context is an error.",
+        ),
+        click.option(
+            "--kv-sink",
+            default=None,
+            type=click.IntRange(min=0),
+            help="Tokens kept at the front when --max-kv-size trims. Default 4: StreamingLLM "
+            "found that the first tokens soak up attention mass ('attention sinks') and "
+            "evicting them degrades a sliding window sharply; keeping 4 restores it. 0 is a "
+            "plain sliding window.",
+        ),
+        click.option(
+            "--prefill-chunk-size",
+            default=prefill_chunk_size,
+            show_default=True,
+            type=click.IntRange(min=1),
+            help="Prompt tokens per prefill step (a chunk never splits an image of a model "
+            "whose image tokens attend to each other).",
+        ),
+    ]
+
+    def decorate(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
+
+
 _DEFAULT_MAX_TOKENS = 256
 
 
 @main.command(cls=_GenerateCommand)
-@click.option(
-    "--model",
-    "model_dir",
-    default=None,
-    type=click.Path(exists=True, file_okay=False),
-    help="HF checkpoint directory. Default: the built-in demo checkpoint (a small llama with "
-    "RANDOM weights, written to $MLXC_HOME or ~/.cache/mlxc on first use; no download).",
-)
+@_model_option
 @click.option(
     "--prompt", required=True, help="Prompt text (a user message under the chat template)."
 )
@@ -216,19 +262,7 @@ _DEFAULT_MAX_TOKENS = 256
     help="Keep the k most likely tokens; 0 keeps all.",
 )
 @click.option("--seed", default=None, type=int, help="Seed of the sampler's random key.")
-@click.option(
-    "--max-kv-size",
-    default=None,
-    type=click.IntRange(min=1),
-    help="Keep at most this many tokens in each KV cache (default: unbounded).",
-)
-@click.option(
-    "--kv-sink",
-    default=None,
-    type=click.IntRange(min=0),
-    help="Tokens kept at the front under --max-kv-size  [default: 4]",
-)
-@click.option("--prefill-chunk-size", default=2048, show_default=True, type=click.IntRange(min=1))
+@_cache_options(prefill_chunk_size=2048)
 @click.option("--no-chat-template", is_flag=True, help="Encode the prompt as raw text.")
 @click.option(
     "--image",
@@ -370,14 +404,7 @@ def generate(
 
 
 @main.command(cls=_GenerateCommand)
-@click.option(
-    "--model",
-    "model_dir",
-    default=None,
-    type=click.Path(exists=True, file_okay=False),
-    help="HF checkpoint directory. Default: the built-in demo checkpoint (a small llama with "
-    "RANDOM weights, written to $MLXC_HOME or ~/.cache/mlxc on first use; no download).",
-)
+@_model_option
 @click.option(
     "--host",
     default="127.0.0.1",
@@ -385,29 +412,7 @@ def generate(
     help="Interface to bind (0.0.0.0 exposes the server to the network: set --api-key).",
 )
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
-@click.option(
-    "--max-kv-size",
-    default=None,
-    type=click.IntRange(min=1),
-    help="Keep at most this many tokens in each sequence's KV cache, trimming the oldest after "
-    "every prefill chunk and decode step (a sliding window; prompts may then exceed the "
-    "context). Default: unbounded, and prompts longer than the context get a 400.",
-)
-@click.option(
-    "--kv-sink",
-    default=None,
-    type=click.IntRange(min=0),
-    help="Tokens kept at the front when --max-kv-size trims. Default 4: StreamingLLM found that "
-    "the first tokens soak up attention mass ('attention sinks') and evicting them degrades a "
-    "sliding window sharply; keeping 4 restores it. 0 is a plain sliding window.",
-)
-@click.option(
-    "--prefill-chunk-size",
-    default=512,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Prompt tokens per prefill step; running sequences decode a token between chunks.",
-)
+@_cache_options(prefill_chunk_size=512)
 @click.option(
     "--max-concurrency",
     default=16,

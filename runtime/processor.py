@@ -35,10 +35,11 @@ the thread that runs the model (``runtime.generate.as_model_inputs``).
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,9 +55,6 @@ from mlxc.runtime.tokenizer import (
     tokenizer_template_source,
 )
 
-QWEN_TOWERS = ("qwen2_vit", "qwen2_5_vit", "qwen3_vit")
-PIXTRAL_TOWERS = ("pixtral",)
-GEMMA3_TOWERS = ("gemma3_siglip",)
 IMAGE_PART_TYPES = ("image", "image_url", "input_image")
 
 # Decompression-bomb guard: PIL's own default (~89.5 megapixels, 0.25 GiB of RGBA). Checked from
@@ -479,9 +477,10 @@ class QwenProcessor(Processor):
         self,
         path: str | Path,
         tokenizer: Any,
-        tower: str,
         chat_template: str | None = None,
         template_source: str | None = None,
+        *,
+        tower: str,
     ) -> None:
         super().__init__(tokenizer, chat_template, template_source)
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
@@ -606,6 +605,17 @@ class Gemma3Processor(Processor):
 # --- sampling -------------------------------------------------------------------------------
 
 
+# Vision tower (the names of compiler/vision.py's TOWERS; tests/test_processor.py checks that the
+# two lists agree) -> the processor of its checkpoints.
+PROCESSORS: dict[str, Callable[..., Processor]] = {
+    "qwen2_vit": functools.partial(QwenProcessor, tower="qwen2_vit"),
+    "qwen2_5_vit": functools.partial(QwenProcessor, tower="qwen2_5_vit"),
+    "qwen3_vit": functools.partial(QwenProcessor, tower="qwen3_vit"),
+    "pixtral": PixtralProcessor,
+    "gemma3_siglip": Gemma3Processor,
+}
+
+
 def vision_tower(model_module_or_tower: Any) -> str | None:
     """The ``VISION_TOWER`` of a generated module (the processor is chosen before the model
     loads), the ``vision_tower`` of a model built from one, or the tower name itself (None: a
@@ -634,14 +644,10 @@ def load_processor(
     """
     path = Path(path)
     tower = vision_tower(model_module_or_tower)
-    if tower is not None and tower not in QWEN_TOWERS + PIXTRAL_TOWERS + GEMMA3_TOWERS:
+    if tower is not None and tower not in PROCESSORS:
         raise ValueError(f"no image preprocessing for vision tower {tower!r}")
     template = chat_template_for(path, tokenizer, override=chat_template, vision=tower is not None)
     if tower is None:
         name = _read_json(path / "config.json").get("model_type") or ""
         return TextProcessor(tokenizer, *template, name=str(name))
-    if tower in QWEN_TOWERS:
-        return QwenProcessor(path, tokenizer, tower, *template)
-    if tower in GEMMA3_TOWERS:
-        return Gemma3Processor(path, tokenizer, *template)
-    return PixtralProcessor(path, tokenizer, *template)
+    return PROCESSORS[tower](path, tokenizer, *template)

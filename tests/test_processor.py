@@ -652,3 +652,11 @@ def test_image_size_reads_the_header_only(tmp_path, monkeypatch):
         proc.image_size(tmp_path / "missing.png")
     with pytest.raises(proc.ImageInputError, match="is too large"):
         proc.image_size(png_header_only(20_000, 20_000))  # PIL refuses above 2x its limit
+
+
+def test_every_vision_tower_has_a_processor():
+    """The compiler's towers (what specs may name) and the runtime's processors agree."""
+    from mlxc.compiler.vision import TOWERS
+    from mlxc.runtime.processor import PROCESSORS
+
+    assert set(PROCESSORS) == set(TOWERS)
