@@ -455,3 +455,13 @@ def test_the_loader_builds_mxfp4_experts_from_blocks_and_scales(toy):
     got, want = np.array(model(ids)), np.array(reference(ids))
     assert np.abs(want).max() > 1.0
     np.testing.assert_allclose(got, want, atol=SAME_FP4, rtol=0)
+
+
+def test_convert_refuses_an_mxfp4_checkpoint(toy, tmp_path):
+    # Its experts would be written quantised under a config.json that no longer says so.
+    from mlxc.runtime.convert import ConvertError, convert
+
+    _, mxfp4_dir, _ = toy
+    with pytest.raises(ConvertError, match="already quantised"):
+        convert(mxfp4_dir, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
