@@ -91,6 +91,7 @@ class Sublayer:
     attr: str  # self_attn / mlp
     norm_attr: str  # input_layernorm / post_attention_layernorm
     norm_ctor: str
+    post_norm_attr: str | None = None  # the norm of its output (layers.post_norms)
     variants: list[Variant] = field(default_factory=list)
 
     @property
@@ -120,6 +121,15 @@ class _Gen:
         scope = self.layer_scope if layer else self.param_scope
         return expr.to_python(value, scope, args=args)
 
+    def py_optional(self, value, **how) -> str | None:
+        """``py(value, **how)``, None for a field left out."""
+        return None if value is None else self.py(value, **how)
+
+    def norm(self, norm: schema.Norm, dims: str, layer: bool = True) -> str:
+        """The constructor of a norm over ``dims`` (Python source)."""
+        cls = "layers.RMSNorm" if norm.unit_offset else "nn.RMSNorm"
+        return f"{cls}({dims}, eps={self.py(norm.eps, layer=layer)})"
+
     def needs_layer_args(self, *values) -> bool:
         fields = set(self.layers.fields)
         for v in values:
@@ -139,7 +149,13 @@ class _Gen:
             optional = "default" in p.model_fields_set and p.default is None
             pytype = _PY_TYPES[p.type] + (" | None" if optional and p.type != "any" else "")
             if p.type == "rope":
-                reader = f"RopeConfig.from_config(config, {path_src if p.from_ else pyrepr('')})"
+                options = "".join(
+                    f", {key}={pyrepr(value)}"
+                    for key, value in (("layer_type", p.layer_type), ("theta_from", p.theta_from))
+                    if value is not None
+                )
+                path_arg = path_src if p.from_ else pyrepr("")
+                reader = f"RopeConfig.from_config(config, {path_arg}{options})"
             else:
                 kind = "None" if p.type == "any" else p.type
                 reader = f"read(config, {path_src}, {kind}"
@@ -206,20 +222,30 @@ def model_context(spec: schema.Spec, source: str, spec_label: str) -> dict:
     classes: list[str] = []  # classes that kinds with a template compile to, rendered
     attentions: list[dict] = []  # the contexts of the attention classes
     sublayers = []
+    # Norm names as transformers has them: llama-style pre-norms, or Gemma's four.
+    norm_names = {
+        False: {"attention": ("input_layernorm", None), "mlp": ("post_attention_layernorm", None)},
+        True: {
+            "attention": ("input_layernorm", "post_attention_layernorm"),
+            "mlp": ("pre_feedforward_layernorm", "post_feedforward_layernorm"),
+        },
+    }[layers.post_norms]
     for part in blocks.PARTS:
+        norm_attr, post_norm_attr = norm_names[part]
         sub = Sublayer(
             attr="self_attn" if part == "attention" else "mlp",
-            norm_attr="input_layernorm" if part == "attention" else "post_attention_layernorm",
-            norm_ctor=f"nn.RMSNorm({dim}, eps={gen.py(layers.norm.eps)})",
+            norm_attr=norm_attr,
+            norm_ctor=gen.norm(layers.norm, dim),
+            post_norm_attr=post_norm_attr,
         )
         for b in blocks.variants(getattr(layers, part)):
             kind = blocks.kind_of(part, b)
-            if kind.template is not None:  # one class per kind: lint allows one variant each
-                ctx = kind.context(b, gen)
+            if kind.template is not None:  # one class per variant: lint keeps their names apart
+                ctx = kind.context(b, gen) | {"class_name": b.name or kind.class_name}
                 attentions += [ctx] if part == "attention" else []
                 classes.append(env.get_template(kind.template).render({part: ctx}).rstrip("\n"))
                 args = "args, layer_idx" if ctx["per_layer"] else "args"
-                ctor = f"{kind.class_name}({args})"
+                ctor = f"{ctx['class_name']}({args})"
             else:
                 ctor = kind.ctor(b, gen)
             when = None if b.when is None else gen.py(b.when)
@@ -231,15 +257,23 @@ def model_context(spec: schema.Spec, source: str, spec_label: str) -> dict:
                     features[key] = value
         sublayers.append(sub)
     # make_cache is built per layer from each attention variant's cache kind; when every
-    # variant caches the same way, every layer gets that class and the loop needs no test.
-    caches = [blocks.kind_of("attention", b).cache for b in blocks.variants(layers.attention)]
-    uniform = caches[0].runtime if len({c.runtime for c in caches}) == 1 else None
+    # variant caches the same way, with a class that needs no settings, every layer gets that
+    # class and the loop needs no test. Otherwise each layer says what it caches (new_cache).
+    caches = [
+        blocks.kind_of("attention", b).cache_kind(b) for b in blocks.variants(layers.attention)
+    ]
+    uniform = None
+    if len({c.runtime for c in caches}) == 1 and not caches[0].built_by_layer:
+        uniform = caches[0].runtime
     for v, c in zip(sublayers[0].variants, caches):
-        if c.runtime is not None:
+        if c.runtime is not None and not c.built_by_layer:
             imports.setdefault(c.runtime[0], set()).add(c.runtime[1])
         if uniform is None:
-            cls = "None" if c.runtime is None else c.runtime[1]
-            v.cache_line = f"self.new_cache = {cls}  # cache kind {c.name}"
+            if c.built_by_layer:
+                new_cache = "self.self_attn.new_cache"
+            else:
+                new_cache = "None" if c.runtime is None else c.runtime[1]
+            v.cache_line = f"self.new_cache = {new_cache}  # cache kind {c.name}"
 
     vision = None
     if spec.vision is not None:
@@ -280,7 +314,11 @@ def model_context(spec: schema.Spec, source: str, spec_label: str) -> dict:
         "dim": gen.py(spec.text.embed.dim, layer=False),
         "self_dim": gen.py(spec.text.embed.dim, args="self.args", layer=False),
         "vocab": gen.py(spec.text.embed.vocab, layer=False),
-        "final_eps": gen.py(spec.text.final_norm.eps, layer=False),
+        "final_norm": gen.norm(
+            spec.text.final_norm, gen.py(spec.text.embed.dim, layer=False), layer=False
+        ),
+        "embed_scale": gen.py_optional(spec.text.embed.scale, layer=False),
+        "logit_softcap": gen.py_optional(spec.text.lm_head.softcap, layer=False),
         "tied": tied if isinstance(tied, bool) else gen.py(tied, args="self.args", layer=False),
         "tied_args": gen.py(tied, layer=False),
         "rename": tuple_field(

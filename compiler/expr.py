@@ -2,7 +2,8 @@
 
 ``heads // n_heads_in_group`` in a spec compiles to ``args.heads // layer_args.n_heads_in_group``
 in the generated module. Only arithmetic, comparisons, boolean logic, conditional expressions,
-literals and a few whitelisted functions are allowed.
+literals, indexing (``layer_types[layer_idx]``, no slices) and a few whitelisted functions are
+allowed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ FUNCTIONS = {
 
 _ALLOWED = (
     ast.Expression, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp, ast.Call,
-    ast.Name, ast.Constant, ast.Load, ast.List, ast.Tuple,
+    ast.Name, ast.Constant, ast.Load, ast.List, ast.Tuple, ast.Subscript,
     ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow, ast.USub, ast.UAdd,
     ast.Not, ast.And, ast.Or, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.In,
     ast.NotIn,

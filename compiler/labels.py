@@ -29,6 +29,11 @@ class Route:
     accessor: str
     why: str
 
+    @property
+    def attribute(self) -> str:
+        """The cache attribute the accessor reads (``live_len`` of ``cache.live_len``)."""
+        return self.accessor.rsplit(".", 1)[1]
+
 
 def route(block, name: str) -> Route:
     """Where input ``name`` of ``block`` is read from; lint guarantees its label is right."""

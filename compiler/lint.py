@@ -291,9 +291,18 @@ def _check_supported(spec: schema.Spec, rep: _Reporter) -> None:
             for nc in blocks.kind_of(part, b).not_compiled(b, spec):
                 report = rep.at_key if nc.at_key else rep.at_value
                 report(loc + nc.field, "C001", nc.message)
-        kinds = [b.kind for b, _ in _variants(getattr(layers, part), ())]
-        if len(kinds) != len(set(kinds)):
-            rep.at_key(base + (part,), "C001", f"two {part} variants of the same kind")
+        # Each variant of a kind with a template compiles to its own class, under its name.
+        classes = [
+            b.name or kind.class_name
+            for b, _ in _variants(getattr(layers, part), ())
+            if (kind := blocks.kind_of(part, b)).template is not None
+        ]
+        for name in {c for c in classes if classes.count(c) > 1}:
+            rep.at_key(
+                base + (part,),
+                "C001",
+                f"two {part} variants compile to class {name}: give one a `name`",
+            )
     if layers.deepstack and (spec.vision is None or not TOWERS[spec.vision.tower].deepstack):
         towers = " or ".join(name for name, t in TOWERS.items() if t.deepstack)
         rep.at_key(base + ("deepstack",), "C001", f"deepstack needs the {towers} tower")
@@ -317,6 +326,9 @@ def _semantic_findings(spec: schema.Spec, rep: _Reporter) -> None:
     for name, p in spec.params.items():
         if p.default_expr is not None:
             _check_expr(p.default_expr, param_scope, ("params", name, "default"), rep)
+        for key in ("layer_type", "theta_from"):
+            if getattr(p, key) is not None and p.type != "rope":
+                rep.at_key(("params", name, key), "S003", f"`{key}` is for params of type rope")
     _check_param_cycles(spec, rep)
 
     layers = spec.text.layers

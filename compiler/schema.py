@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from mlxc.compiler import blocks, vision
-from mlxc.compiler.schema_base import BoolExpr, IntExpr, Name, Norm, Strict
+from mlxc.compiler.schema_base import BoolExpr, FloatExpr, IntExpr, Name, Norm, Strict
 
 # --- params -------------------------------------------------------------------------------
 
@@ -34,6 +34,12 @@ class Param(Strict):
     # Literal default, or for non-str types a string expression over other params.
     default: Any = None
     doc: str | None = None
+    # type rope only. layer_type: the entry of a per-layer-type `rope_parameters` to read
+    # (transformers 5: {sliding_attention: {...}, full_attention: {...}}); theta_from: where the
+    # older form keeps this rope's theta instead of `rope_theta` (gemma3's rope_local_base_freq),
+    # and that rope then takes no `rope_scaling` (which belongs to the main rope).
+    layer_type: str | None = None
+    theta_from: str | None = None
 
     @property
     def default_expr(self) -> str | None:
@@ -82,6 +88,9 @@ class Layers(Strict):
     for_each: Name | None = None  # a list param, e.g. nemotron_nas block_configs
     fields: dict[Name, LayerField] = Field(default_factory=dict)
     norm: Norm  # pre-norm of each residual branch
+    # Each branch's output is normed too before it joins the residual (Gemma: four norms per
+    # layer, named input/post_attention and pre/post_feedforward_layernorm).
+    post_norms: bool = False
     attention: AttentionBlock | list[AttentionBlock]
     mlp: MLPBlock | list[MLPBlock]
     # DeepStack (qwen3_vl): the tower's extra feature sets are added, one per decoder layer
@@ -92,10 +101,12 @@ class Layers(Strict):
 class Embedding(Strict):
     vocab: IntExpr
     dim: IntExpr
+    scale: FloatExpr | None = None  # embeddings multiplied by it (Gemma: sqrt(hidden_size))
 
 
 class LMHead(Strict):
     tied: BoolExpr = False
+    softcap: FloatExpr | None = None  # logits -> softcap * tanh(logits / softcap); may be null
 
 
 class TextModel(Strict):

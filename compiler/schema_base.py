@@ -37,6 +37,8 @@ class Strict(BaseModel):
 class Norm(Strict):
     kind: Literal["rms"] = "rms"
     eps: FloatExpr
+    # Scale by 1 + weight: Gemma stores its norm weights around zero.
+    unit_offset: bool = False
 
 
 class RopeRef(Strict):
@@ -52,3 +54,6 @@ class Block(Strict):
     """Base of every block kind's schema: a ``kind`` literal and these fields."""
 
     when: BoolExpr | None = None  # in a variant list: the condition that picks this variant
+    # The class a kind with a template compiles to (default: the kind's own name for it); a
+    # slot with two variants of one such kind names at least one of them.
+    name: Name | None = None

@@ -137,12 +137,16 @@ class TextModel(nn.Module):
         h = self.embed_tokens(input_ids)
         # What attention reads from the cache, read once here for every layer:
         # positions are monotonic-position: cache.offset, absolute, never moved by trim_front
-        # masks are live-window: cache.live_len, the keys present after trim_front
+        # masks are live-window: cache.live_len, the keys present after trim_front:
+        # one per attention window (None: full), sized from that window's first layer cache
         L = input_ids.shape[1]
         offset = cache.offset
-        n_keys = cache.live_len + L  # each layer appends this chunk's keys first
         inputs = AttentionInputs(
-            masks={None: masks.causal(L, n_keys, cache.key_valid(L))},  # None: no sliding window
+            masks={
+                # each layer appends this chunk's L keys before attending
+                window: masks.causal(L, kv.live_len + L, kv.key_valid(L), window)
+                for window, kv in cache.windows().items()
+            },
             offset=offset,
         )
         for layer, layer_cache in zip(self.layers, cache):

@@ -37,8 +37,12 @@ class BatchKVCache:
 
     step = KVCache.step
     trimmable = True
+    window = None
 
     def __init__(self) -> None:
+        self._clear()
+
+    def _clear(self) -> None:
         self.keys: mx.array | None = None  # [B, H, capacity, D]
         self.values: mx.array | None = None
         self.width = 0  # columns in use, the same for every row
@@ -160,7 +164,7 @@ class BatchKVCache:
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only ``rows`` (in that order), then compact if every row wastes ``step``."""
         if not rows:
-            self.__init__()
+            self._clear()
             return
         index = mx.array(rows)
         self.keys = self.keys[index]
@@ -189,6 +193,32 @@ class BatchKVCache:
         self.width = width
         self.pad = width - lives
         self.gap = np.zeros_like(self.gap)
+
+
+class BatchWindowedKVCache(BatchKVCache):
+    """The rows of sliding-window layers (``WindowedKVCache``): after every write each row keeps
+    only its last ``window - 1`` tokens, dropped as gap columns (no copy; compacted as above), so
+    every valid key is inside the window of the next query and the rows stay bounded by it."""
+
+    trimmable = False  # bounds itself; --max-kv-size trims the full-KV layers only
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        self.window = window
+
+    def update_and_fetch(
+        self, keys: mx.array, values: mx.array | None = None
+    ) -> tuple[mx.array, mx.array | None]:
+        live = super().update_and_fetch(keys, values)
+        self._drop_unseen()
+        return live
+
+    def extend(self, caches: list[KVCache]) -> None:
+        super().extend(caches)
+        self._drop_unseen()
+
+    def _drop_unseen(self) -> None:
+        self.trim_front(np.maximum(self.row_live_len - (self.window - 1), 0))
 
 
 def _capacity(columns: int) -> int:
@@ -237,10 +267,6 @@ class BatchCache(SequenceCache):
         return cls(
             [c.batch_layer() for c in caches], getattr(caches, "rope_state", None) is not None
         )
-
-    def key_valid(self, n_new: int) -> mx.array | None:
-        # Every layer holds its rows in one layout: joined, trimmed and compacted together.
-        return self[0].key_valid(n_new)
 
     @staticmethod
     def accepts(caches: list) -> bool:

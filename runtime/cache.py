@@ -1,4 +1,5 @@
-"""The layer-cache protocol, and the KV cache with a monotonic offset and a trimmable live window.
+"""The layer-cache protocol and its attention kinds: full KV (a monotonic offset and a trimmable
+live window) and windowed KV (keeps what a sliding window can see).
 
 ``LayerCache`` is what the runtime (generation, the scheduler's pool, the decode batch and
 ``mlxc verify``) asks of any layer's cache; a new cache kind plugs in by satisfying it. Two
@@ -29,6 +30,7 @@ class LayerCache(Protocol):
     """
 
     trimmable: ClassVar[bool]
+    window: int | None  # the sliding window its keys serve; None: full attention
 
     @property
     def offset(self) -> Any:
@@ -41,6 +43,10 @@ class LayerCache(Protocol):
     @property
     def row_live_len(self) -> Any:
         """Tokens present per row, what ``max_kv_size`` bounds (``live_len`` for one sequence)."""
+
+    def key_valid(self, n_new: int) -> Any:
+        """``[B, 1, 1, live_len + n_new]``: the key columns each row may attend to once ``n_new``
+        more are appended; None when every row may attend to every column."""
 
     def trim_front(self, n: Any, keep: int = 0) -> Any:
         """Drop the oldest ``n`` tokens after ``keep`` sinks (per row); ``offset`` unchanged."""
@@ -67,6 +73,7 @@ class KVCache:
 
     step = 256
     trimmable = True  # full KV: --max-kv-size trims it
+    window = None
 
     def __init__(self) -> None:
         self.keys: mx.array | None = None
@@ -83,6 +90,9 @@ class KVCache:
     def row_live_len(self) -> int:
         """Tokens present in each row (rows move in lockstep here; see ``BatchKVCache``)."""
         return self.live_len
+
+    def key_valid(self, n_new: int) -> None:
+        return None  # the rows move in lockstep: every live key is valid for each
 
     def update_and_fetch(
         self, keys: mx.array, values: mx.array | None = None
@@ -153,6 +163,48 @@ class KVCache:
         from mlxc.runtime.batch import BatchKVCache  # batch builds on this module
 
         return BatchKVCache()
+
+
+class WindowedKVCache(KVCache):
+    """The keys of a sliding-window layer: only what the window can still see is kept.
+
+    A query at position ``p`` attends to keys ``p - window + 1 .. p``, so once a chunk is
+    written the next chunk needs only the last ``window - 1`` keys. Dropping them one token at a
+    time would slide the whole window down every decode step, so the oldest are dropped in runs
+    of ``step``: between forwards ``live_len`` stays below ``window - 1 + step``, and the mask
+    (built with the window, ``masks.causal``) hides the extra keys. Positions are untouched:
+    ``offset`` keeps counting every token (no ring buffer whose index could stand for it).
+    ``--max-kv-size`` does not trim it: it bounds itself.
+    """
+
+    trimmable = False
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        if window < 1:
+            raise ValueError(f"a sliding window must be at least 1 token, got {window}")
+        self.window = window
+
+    def update_and_fetch(
+        self, keys: mx.array, values: mx.array | None = None
+    ) -> tuple[mx.array, mx.array | None]:
+        live_keys, live_values = super().update_and_fetch(keys, values)
+        unseen = self.live_len - (self.window - 1)  # keys no later query can see
+        if unseen >= self.step:
+            # The returned arrays hold the old buffer: the slide below does not change them.
+            self.trim_front(unseen)
+        return live_keys, live_values
+
+    def batch_layer(self) -> LayerCache:
+        from mlxc.runtime.batch import BatchWindowedKVCache  # batch builds on this module
+
+        return BatchWindowedKVCache(self.window)
+
+
+def attention_cache(window: int | None) -> KVCache:
+    """The cache of an attention layer: full KV, or windowed when ``window`` is set (a config's
+    ``sliding_window`` may be null)."""
+    return KVCache() if window is None else WindowedKVCache(window)
 
 
 def check_kv_limits(max_kv_size: int | None, kv_sink: int) -> None:

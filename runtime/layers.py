@@ -40,10 +40,52 @@ def attend(
     *,
     scale: float,
     mask: mx.array | str | None,
+    sinks: mx.array | None = None,
+    softcap: float | None = None,
 ) -> mx.array:
-    """Scaled dot-product attention (GQA-aware) that refuses a mask not sized to the keys."""
+    """Scaled dot-product attention (GQA-aware) that refuses a mask not sized to the keys.
+
+    ``sinks`` ``[n_heads]``: learned logits of a virtual key that takes softmax mass and adds
+    nothing (gpt-oss). ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the
+    softmax (Gemma); MLX's fused kernel has no such option, so that path is written out.
+    """
     masks.check(mask, queries.shape[-2], keys.shape[-2])
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    if softcap is None:
+        return mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=scale, mask=mask, sinks=sinks
+        )
+    if sinks is not None:
+        raise ValueError("attention with both sinks and a softcap is not supported")
+    B, n_heads, L, D = queries.shape
+    n_kv = keys.shape[1]
+    q = queries.reshape(B, n_kv, n_heads // n_kv, L, D)  # query heads grouped by their kv head
+    scores = (q * scale) @ keys[:, :, None].swapaxes(-1, -2)
+    scores = mx.tanh(scores.astype(mx.float32) / softcap) * softcap
+    if isinstance(mask, str):  # "causal": the queries are the last L keys
+        mask = masks.causal_array(L, keys.shape[-2])
+    if mask is not None:
+        if mask.ndim == 4:  # [B|1, 1, L, S] -> broadcast over the grouped heads
+            mask = mask[:, :, None]
+        scores = mx.where(mask, scores, -mx.inf)
+    weights = mx.softmax(scores, axis=-1).astype(values.dtype)
+    return (weights @ values[:, :, None]).reshape(B, n_heads, L, -1)
+
+
+def softcap(x: mx.array, cap: float | None) -> mx.array:
+    """``cap * tanh(x / cap)``: logits bounded smoothly by ``cap`` (None: unchanged)."""
+    return x if cap is None else mx.tanh(x / cap) * cap
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm scaled by ``1 + weight``: Gemma stores its norm weights around zero."""
+
+    def __init__(self, dims: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = mx.zeros((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
 
 
 class SwiGLU(nn.Module):

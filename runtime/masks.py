@@ -65,23 +65,33 @@ def causal(
     """Causal mask for ``n_queries`` new tokens against ``n_keys`` live keys (queries last).
 
     ``key_valid`` ``[B, 1, 1, n_keys]``: the columns each row may attend to (the rows of a
-    decode batch, ``runtime.batch``). Returns None when no masking is needed (one query, no
+    decode batch, ``runtime.batch``). ``window``: a query at key column ``q`` also attends only
+    to columns ``q - window + 1 .. q`` (sliding-window attention; the live keys are contiguous
+    positions, so columns count positions). Returns None when no masking is needed (one query, no
     window, every key valid), ``"causal"`` where the string form is exact, else a boolean
     array ``[..., n_queries, n_keys]`` (True = attend).
     """
     if n_queries > n_keys:
         raise ValueError(f"{n_queries} queries but only {n_keys} live keys: mask sized wrong")
+    if window is not None and n_keys <= window:
+        window = None  # every live key is inside the window of every query
     if window is None and _audit.get() is None:
         if key_valid is None:
             return None if n_queries == 1 else "causal"
         if n_queries == 1:
             # One new query, the last key: causality masks nothing.
             return key_valid
+    mask = causal_array(n_queries, n_keys, window)
+    if key_valid is not None:
+        mask = mask & key_valid
+    return mask
+
+
+def causal_array(n_queries: int, n_keys: int, window: int | None = None) -> mx.array:
+    """The boolean ``[n_queries, n_keys]`` causal (and sliding-window) mask, queries last."""
     q_pos = mx.arange(n_keys - n_queries, n_keys)[:, None]
     k_pos = mx.arange(n_keys)[None, :]
     mask = k_pos <= q_pos
     if window is not None:
         mask = mask & (k_pos > q_pos - window)
-    if key_valid is not None:
-        mask = mask & key_valid
     return mask

@@ -13,17 +13,17 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from mlxc.runtime.cache import KVCache
+from mlxc.runtime.cache import LayerCache
 
 
 class SequenceCache(list):
-    """One sequence's KV caches (one per attention layer) plus its prompt state.
+    """One sequence's layer caches (one per layer that caches) plus its prompt state.
 
     It is a list, so the scheduler and ``enforce_max_kv`` treat it like any cache list.
     ``offset`` is the sequence's monotonic position (every layer's cache agrees on it).
     """
 
-    def __init__(self, caches: list[KVCache]) -> None:
+    def __init__(self, caches: list[LayerCache]) -> None:
         super().__init__(caches)
         self.images: ImageFeatures | None = None
         self.rope_state = None  # model-specific position state (MRoPE), set by the model
@@ -32,15 +32,14 @@ class SequenceCache(list):
     def offset(self) -> int:
         return self[0].offset
 
-    @property
-    def live_len(self) -> int:
-        """Keys present (``live-window``). One mask per forward is sized from it; ``attend``
-        refuses that mask in any layer whose cache holds another number of keys."""
-        return self[0].live_len
-
-    def key_valid(self, n_new: int) -> mx.array | None:
-        """Which of the keys each row attends to once ``n_new`` more are appended: all of them
-        (None), as a sequence's rows move in lockstep; a decode batch's rows differ."""
+    def windows(self) -> dict[int | None, LayerCache]:
+        """The first layer cache of each attention window (None: full attention). The layers
+        of one window hold the same keys (``live-window``): one mask per window is sized from
+        that cache, and ``attend`` refuses it in any layer holding another number of keys."""
+        first: dict[int | None, LayerCache] = {}
+        for cache in self:
+            first.setdefault(cache.window, cache)
+        return first
 
 
 @dataclass

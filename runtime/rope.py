@@ -25,15 +25,35 @@ class RopeConfig:
     max_position_embeddings: int | None = None
 
     @classmethod
-    def from_config(cls, config: dict, path: str | tuple[str, ...] = "") -> RopeConfig:
+    def from_config(
+        cls,
+        config: dict,
+        path: str | tuple[str, ...] = "",
+        layer_type: str | None = None,
+        theta_from: str | None = None,
+    ) -> RopeConfig:
         """Read RoPE settings from the (sub-)config at dotted ``path``, or from the first of
-        several paths whose sub-config holds RoPE keys ("" is the top level)."""
+        several paths whose sub-config holds RoPE keys ("" is the top level).
+
+        Models whose layer types rotate differently (gemma3) name ``layer_type``, the entry of
+        a transformers-5 ``rope_parameters`` keyed by layer type, and ``theta_from``, the key
+        that the older form keeps that rope's theta under (it then takes no ``rope_scaling``).
+        """
         paths = path if isinstance(path, tuple) else (path,)
         subs = [config if not p else lookup(config, p, {}) for p in paths]
         keys = ("rope_parameters", "rope_scaling", "rope_theta")
+        if theta_from is not None:
+            keys += (theta_from,)
         sub = next((s for s in subs if any(s.get(k) is not None for k in keys)), subs[0])
-        scaling = sub.get("rope_parameters") or sub.get("rope_scaling") or {}
-        theta = scaling.get("rope_theta", sub.get("rope_theta", 10000.0))
+        per_type = sub.get("rope_parameters")
+        if layer_type is not None and isinstance((per_type or {}).get(layer_type), dict):
+            scaling = per_type[layer_type]
+            theta = scaling.get("rope_theta", 10000.0)
+        elif theta_from is not None:
+            scaling, theta = {}, sub.get(theta_from, 10000.0)
+        else:
+            scaling = sub.get("rope_parameters") or sub.get("rope_scaling") or {}
+            theta = scaling.get("rope_theta", sub.get("rope_theta", 10000.0))
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind == "default" and "mrope_section" in scaling:
             kind = "mrope"

@@ -118,7 +118,8 @@ class Model(nn.Module):
         # live-window for the mask (sized to the keys once this chunk is appended).
         L = input_ids.shape[1]
         offset = cache.offset
-        mask = masks.causal(L, cache.live_len + L, cache.key_valid(L))
+        kv = cache.windows()[None]  # full attention only
+        mask = masks.causal(L, kv.live_len + L, kv.key_valid(L))
         for layer, c in zip(self.model.layers, cache):
             x = layer(x, c, offset, mask)
         x = self.model.norm(x)

@@ -74,11 +74,11 @@ def test_lint_error_writes_nothing(tmp_path):
 
 def _attention_calls(path: Path):
     """(what, source) for the offset rope and attention take, the mask's width, and what
-    TextModel assigns the offset and the key count from."""
+    TextModel assigns the offset from."""
     tree = ast.parse(path.read_text())
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) in ("offset", "n_keys"):
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "offset":
             found.append((ast.unparse(node.targets[0]), ast.unparse(node.value)))
         if not isinstance(node, ast.Call):
             continue
@@ -99,15 +99,15 @@ def test_labels_route_to_their_one_accessor(name):
     # TextModel reads each accessor once; the layers take what it resolved.
     assert calls == {
         ("offset", "cache.offset"),
-        ("n_keys", "cache.live_len + L"),
-        ("mask", "n_keys"),
+        ("mask", "kv.live_len + L"),  # kv: the first layer cache of each window
         ("rope", "inputs.offset"),
         ("attend", "inputs.masks[None]"),
     }
     text = path.read_text()
     # Nowhere else does a generated model read either accessor.
     assert text.count("cache.offset") == 2  # the assignment and its comment
-    assert text.count("cache.live_len") == 2
+    assert text.count("cache.live_len") == 1  # the comment
+    assert text.count(".live_len") == 2
 
 
 def test_generated_code_is_ruff_formatted():

@@ -51,7 +51,7 @@ EXPECTED = {
     "padded_vocab -> vocab_size",
     "name_mismatch": "name_mismatch.yaml:1:7: R002 spec name 'something_else' must match its "
     "file name",
-    "not_compiled": "not_compiled.yaml:21:7: C001 sliding windows not compiled yet",
+    "not_compiled": "not_compiled.yaml:20:34: C001 mrope positions need a qwen vision tower",
     "extends_unknown": "extends_unknown.yaml:2:10: X001 extends 'no_such_spec': no spec "
     "no_such_spec.yaml in tests/fixtures/lint",
     "extends_cycle": "extends_cycle.yaml:2:10: X002 extends cycle: extends_cycle -> extends_cycle",

@@ -34,7 +34,7 @@ def _spec(name):
 @pytest.mark.parametrize("name", ["llama", "nemotron_nas"])
 def test_verify_catches_mask_sized_from_offset(name):
     spec, source = _spec(name)
-    broken = source.replace("n_keys = cache.live_len + L", "n_keys = cache.offset + L")
+    broken = source.replace("kv.live_len + L", "kv.offset + L")
     assert broken != source
     with pytest.raises(MaskWidthError):
         verify_module(name, load_source(name + "_broken", broken), spec.tiny_config)

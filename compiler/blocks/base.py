@@ -48,13 +48,20 @@ class NotCompiled:
 @dataclass(frozen=True)
 class CacheKind:
     """What a layer caches between forwards: the ``runtime.cache.LayerCache`` class its generated
-    ``make_cache`` builds for it (None: nothing, and the layer has no entry in the cache list)."""
+    ``make_cache`` builds for it (None: nothing, and the layer has no entry in the cache list).
+
+    ``built_by_layer``: the cache depends on the layer's settings (a window), so the attention
+    class builds it (its ``new_cache()``) and ``runtime`` is what that method calls.
+    """
 
     name: str
-    runtime: tuple[str, str] | None  # (module, class)
+    runtime: tuple[str, str] | None  # (module, class or factory)
+    built_by_layer: bool = False
 
 
 FULL_KV = CacheKind("full-kv", ("mlxc.runtime.cache", "KVCache"))  # trimmed by --max-kv-size
+# Keeps what its sliding window can see, bounded by the window; full KV where it is null.
+WINDOWED_KV = CacheKind("windowed-kv", ("mlxc.runtime.cache", "attention_cache"), True)
 NO_CACHE = CacheKind("none", None)
 
 
@@ -75,6 +82,10 @@ class BlockKind:
     @property
     def kind(self) -> str:
         return typing.get_args(self.schema.model_fields["kind"].annotation)[0]
+
+    def cache_kind(self, block) -> CacheKind:
+        """What each layer of this block caches (the kind's ``cache`` unless a field decides)."""
+        return self.cache
 
     def consumes(self, raw: dict) -> set[str]:
         """The inputs a block, given as its raw mapping, consumes."""

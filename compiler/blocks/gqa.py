@@ -7,9 +7,9 @@ from typing import Any, Literal
 from pydantic import Field
 
 from mlxc.compiler.blocks import attention_inputs as inp
-from mlxc.compiler.blocks.base import FULL_KV, BlockKind, NotCompiled
+from mlxc.compiler.blocks.base import FULL_KV, WINDOWED_KV, BlockKind, NotCompiled
 from mlxc.compiler.labels import route
-from mlxc.compiler.schema_base import Block, BoolExpr, IntExpr, Norm, RopeRef, Strict
+from mlxc.compiler.schema_base import Block, BoolExpr, FloatExpr, IntExpr, Norm, RopeRef, Strict
 from mlxc.compiler.vision import TOWERS
 
 
@@ -27,7 +27,12 @@ class GQA(Block):
     qk_norm: Norm | None = None  # per-head RMSNorm of q and k before RoPE (qwen3)
     rope: RopeRef | None = None
     scale: Literal["default", "llama4"] = "default"
+    scaling: FloatExpr | None = None  # the scores' scale; default head_dim ** -0.5
+    # Keys this layer attends to, counting its own (a config's sliding_window may be null:
+    # full attention then). Its cache keeps only those (cache kind windowed-kv).
     sliding_window: IntExpr | None = None
+    sinks: BoolExpr = False  # learned per-head sink logits (gpt-oss)
+    softcap: FloatExpr | None = None  # scores -> softcap * tanh(scores / softcap); may be null
     inputs: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -44,14 +49,16 @@ class GQAKind(BlockKind):
     def not_compiled(self, b: GQA, spec):
         if b.scale == "llama4":
             yield NotCompiled(("scale",), "gqa llama4 scale is not compiled yet")
-        if b.sliding_window is not None:
-            yield NotCompiled(("sliding_window",), "sliding windows not compiled yet", at_key=True)
         mrope_tower = spec.vision is not None and TOWERS[spec.vision.tower].mrope
         if b.rope and b.rope.mrope and not mrope_tower:
             yield NotCompiled(("rope", "mrope"), "mrope positions need a qwen vision tower")
 
+    def cache_kind(self, b: GQA):
+        return FULL_KV if b.sliding_window is None else WINDOWED_KV
+
     def context(self, b: GQA, gen) -> dict:
         values = [b.heads, b.kv_heads, b.head_dim, b.bias.qkv, b.bias.o]
+        values += [b.scaling, b.sliding_window, b.sinks, b.softcap]
         rope = None
         if b.rope is not None:
             values += [b.rope.dims, b.rope.traditional]
@@ -64,7 +71,7 @@ class GQAKind(BlockKind):
         qk_norm = None
         if b.qk_norm is not None:
             values.append(b.qk_norm.eps)
-            qk_norm = {"eps": gen.py(b.qk_norm.eps)}
+            qk_norm = gen.norm(b.qk_norm, "self.head_dim")
         return {
             "dim": gen.py(gen.spec.text.embed.dim),
             "mask": route(b, "mask"),
@@ -78,6 +85,11 @@ class GQAKind(BlockKind):
             "o_bias": gen.py(b.bias.o),
             "qk_norm": qk_norm,
             "rope": rope,
+            "scaling": gen.py_optional(b.scaling),
+            "window": gen.py_optional(b.sliding_window),
+            "window_route": route(b, "window") if b.sliding_window is not None else None,
+            "sinks": gen.py(b.sinks),
+            "softcap": gen.py_optional(b.softcap),
         }
 
     def runtime_imports(self, b: GQA) -> dict[str, set[str]]:
@@ -86,6 +98,8 @@ class GQAKind(BlockKind):
             "mlxc.runtime.cache": {"KVCache"},
             "mlxc.runtime.layers": {"attend"},
         }
+        if b.sliding_window is not None:
+            imports["mlxc.runtime.cache"].add("attention_cache")
         if b.rope is not None and b.rope.mrope:
             imports["mlxc.runtime"].add("mrope")
         elif b.rope is not None:
