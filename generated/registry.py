@@ -6,6 +6,7 @@ text; it takes precedence over a plain ``outer`` key.
 """
 
 MODEL_TYPES = {
+    "gpt_oss": "gpt_oss",
     "llama": "llama",
     "mistral": "llama",
     "mistral3:ministral": "mistral3",

@@ -119,7 +119,8 @@ def _run(
                 raise VerifyError(f"cache.offset is {c.offset} after {offset} tokens")
         if enforce_max_kv(cache, max_kv, keep) and first_trimmed is None:
             first_trimmed = i + 1
-        if max_kv is not None and any(c.live_len > max_kv for c in cache):
+        # A cache that is not trimmable (a window) bounds itself: max-kv-size is not its bound.
+        if max_kv is not None and any(c.trimmable and c.live_len > max_kv for c in cache):
             raise VerifyError("a cache is still over max-kv-size after enforce_max_kv")
     return outputs, first_trimmed
 

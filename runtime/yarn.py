@@ -24,7 +24,7 @@ import math
 import mlx.core as mx
 from mlx import nn
 
-from mlxc.runtime.rope import RoPE, RopeConfig
+from mlxc.runtime.rope import RoPE, RopeConfig, scale_rotated
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -133,12 +133,7 @@ class YarnRoPE(nn.Module):
 
     def __call__(self, x: mx.array, offset: int | mx.array) -> mx.array:
         """``x [B, H, L, D]`` at absolute positions ``offset + arange(L)``."""
-        if self.mscale != 1.0:
-            # rope is linear, so scaling before equals transformers' scaled cos/sin
-            if x.shape[-1] == self.dims:
-                x = x * self.mscale
-            else:
-                x = mx.concatenate([x[..., : self.dims] * self.mscale, x[..., self.dims :]], -1)
+        x = scale_rotated(x, self.dims, self.mscale)
         return mx.fast.rope(
             x,
             self.dims,

@@ -20,11 +20,11 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from checkpoints import make_gpt_oss, reference_logits
 from mlx import nn
 from mlx.utils import tree_flatten
 
 import mlxc
-from mlxc.checkpoint import write_checkpoint
 from mlxc.runtime import loading
 from mlxc.runtime.moe import MoE, QuantizedExpertLinear, convert_expert_weights
 
@@ -324,144 +324,64 @@ def test_quantization_read_from_the_config():
 
 # --- through the loader -----------------------------------------------------------------------
 
-# A test-only spec with gpt_oss's MoE behind plain GQA (served as its own model_type): the
-# loader's MXFP4 path, whatever attention gpt_oss itself needs.
-TOY_SPEC = """\
-name: moe_toy
-doc: A GQA decoder with gpt_oss's MoE, for the MXFP4 loading test.
-serves:
-  model_types: [moe_toy]
-params:
-  hidden_size: {type: int}
-  num_hidden_layers: {type: int}
-  num_attention_heads: {type: int}
-  num_key_value_heads: {type: int}
-  head_dim: {type: int}
-  intermediate_size: {type: int}
-  vocab_size: {type: int}
-  num_local_experts: {type: int}
-  num_experts_per_tok: {type: int}
-  swiglu_limit: {type: float, default: 7.0}
-  rms_norm_eps: {type: float, default: 1.0e-5}
-  rope: {type: rope}
-text:
-  embed: {vocab: vocab_size, dim: hidden_size}
-  layers:
-    repeat: num_hidden_layers
-    norm: {eps: rms_norm_eps}
-    attention:
-      kind: gqa
-      heads: num_attention_heads
-      kv_heads: num_key_value_heads
-      head_dim: head_dim
-      bias: {qkv: true, o: true}
-      rope: {param: rope}
-      inputs: {positions: monotonic-position, mask: live-window}
-    mlp:
-      kind: moe
-      experts: num_local_experts
-      top_k: num_experts_per_tok
-      expert_hidden: intermediate_size
-      norm_topk_prob: true
-      router_bias: true
-      expert_bias: true
-      act: clamped_swiglu
-      swiglu_limit: swiglu_limit
-      fused_gate_up: interleaved
-      fused_orientation: in_out
-  final_norm: {eps: rms_norm_eps}
-  lm_head: {tied: false}
-weights:
-  rename:
-    - {pattern: '\\.mlp\\.router\\.', to: '.mlp.gate.'}
-tiny_config:
-  model_type: moe_toy
-  hidden_size: 64
-  num_hidden_layers: 2
-  num_attention_heads: 4
-  num_key_value_heads: 2
-  head_dim: 16
-  intermediate_size: 64
-  vocab_size: 128
-  num_local_experts: 4
-  num_experts_per_tok: 2
-  swiglu_limit: 1.5
-  rope_theta: 150000.0
-"""
-
 
 @pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    """(specs dir, MXFP4 checkpoint, the dense checkpoint of its dequantised experts)."""
-    root = tmp_path_factory.mktemp("moe_toy")
-    specs = root / "specs"
-    specs.mkdir()
-    (specs / "moe_toy.yaml").write_text(TOY_SPEC)
-    write_checkpoint(specs / "moe_toy.yaml", root / "random", seed=3)
-    weights = mx.load(str(root / "random" / "model.safetensors"))
-    config = json.loads((root / "random" / "config.json").read_text())
-    rng = np.random.default_rng(4)
+def hub_mxfp4(tmp_path_factory):
+    """(an MXFP4 gpt_oss checkpoint as the hub writes one, the dense checkpoint of its
+    dequantised experts): make_gpt_oss's tiny model, its experts packed by ``pack_mxfp4``."""
+    root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    source = make_gpt_oss(root / "source", tokenizer=False, legacy_config=True)
+    weights = mx.load(str(source / "model.safetensors"))
+    config = json.loads((source / "config.json").read_text())
     packed, dense = {}, {}
     for name, w in weights.items():
-        if ".mlp.gate." in name:  # as the hub names the router
-            packed[name.replace(".mlp.gate.", ".mlp.router.")] = w
-        elif ".experts." not in name:
-            packed[name] = w
-    for layer in range(config["num_hidden_layers"]):
-        p = f"model.layers.{layer}.mlp.experts."
-        gate, up = (np.array(weights[f"{p}{n}_proj.weight"]) for n in ("gate", "up"))
-        gate_up = np.stack([gate, up], axis=2).reshape(E, -1, gate.shape[-1])  # interleaved rows
-        for proj, w in (
-            ("gate_up_proj", gate_up),
-            ("down_proj", np.array(weights[f"{p}down_proj.weight"])),
-        ):
-            w = w * 3.0  # past the clamp
-            blocks, scales = pack_mxfp4(w)
-            packed[f"{p}{proj}_blocks"] = mx.array(blocks)
-            packed[f"{p}{proj}_scales"] = mx.array(scales)
-            dense[f"{p}{proj}"] = mx.array(dequantize_mxfp4(blocks, scales))
-            packed[f"{p}{proj}_bias"] = mx.array(
-                rng.standard_normal(w.shape[:2]).astype(np.float32) * 0.5
-            )
-    dense |= {k: v for k, v in packed.items() if not k.endswith(("_blocks", "_scales"))}
-    out = {}
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = pack_mxfp4(np.array(w).swapaxes(1, 2))  # [E, in, out] -> rows out
+            packed[f"{name}_blocks"], packed[f"{name}_scales"] = mx.array(blocks), mx.array(scales)
+            dense[name] = mx.array(dequantize_mxfp4(blocks, scales))
+        else:
+            packed[name] = dense[name] = w
+    dirs = []
     for kind, tensors, cfg in (
         ("mxfp4", packed, config | {"quantization_config": HUB_CONFIG["quantization_config"]}),
         ("dense", dense, config),
     ):
         d = root / kind
         d.mkdir()
-        mx.save_safetensors(str(d / "model.safetensors"), tensors)
+        mx.save_safetensors(str(d / "model.safetensors"), tensors, metadata={"format": "pt"})
         (d / "config.json").write_text(json.dumps(cfg))
-        out[kind] = d
-    return specs, out["mxfp4"], out["dense"]
+        dirs.append(d)
+    return tuple(dirs)
 
 
-def test_the_loader_builds_mxfp4_experts_from_blocks_and_scales(toy):
-    specs, mxfp4_dir, dense_dir = toy
-    model = mlxc.load_model(mxfp4_dir, specs=specs)
-    quantised = {n for n, m in model.named_modules() if isinstance(m, QuantizedExpertLinear)}
-    assert len(quantised) == 2 * 3  # every expert linear, and nothing else is quantised
+def test_the_loader_builds_mxfp4_experts_from_blocks_and_scales(hub_mxfp4):
+    mxfp4_dir, dense_dir = hub_mxfp4
+    model = mlxc.load_model(mxfp4_dir)
+    quantised = []
     for name, m in model.named_modules():
         if isinstance(m, QuantizedExpertLinear):
             assert (m.mode, m.group_size, m.bits) == ("mxfp4", 32, 4), name
+            quantised.append(name)
         elif isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             pytest.fail(f"{name} is quantised, but only the experts are MXFP4")
+    assert len(quantised) == 2 * 3  # gate, up and down of both layers
     params = dict(tree_flatten(model.parameters()))
     assert params["model.layers.0.mlp.experts.up_proj.weight"].dtype == mx.uint32
-    assert params["model.layers.0.mlp.gate.bias"].dtype == mx.float32
-    reference = mlxc.load_model(dense_dir, specs=specs)
-    ids = mx.array([[1, 5, 9, 77, 3, 120, 64, 2, 31, 8]])
-    got, want = np.array(model(ids)), np.array(reference(ids))
-    assert np.abs(want).max() > 1.0
-    np.testing.assert_allclose(got, want, atol=SAME_FP4, rtol=0)
+    assert params["model.layers.0.mlp.gate.bias"].dtype == mx.float32  # the router as stored
+    ids = np.random.default_rng(5).integers(0, 384, size=(1, 20))
+    got = np.array(model(mx.array(ids)))
+    # The same fp4 values as dense float32 experts, to float32 rounding ...
+    dense = np.array(mlxc.load_model(dense_dir)(mx.array(ids)))
+    np.testing.assert_allclose(got, dense, atol=SAME_FP4, rtol=0)
+    # ... and transformers' model holding the dequantised weights.
+    np.testing.assert_allclose(got, reference_logits(dense_dir, ids), atol=ATOL, rtol=0)
 
 
-def test_convert_refuses_an_mxfp4_checkpoint(toy, tmp_path):
+def test_convert_refuses_an_mxfp4_checkpoint(hub_mxfp4, tmp_path):
     # Its experts would be written quantised under a config.json that no longer says so.
     from mlxc.runtime.convert import ConvertError, convert
 
-    _, mxfp4_dir, _ = toy
+    mxfp4_dir, _ = hub_mxfp4
     with pytest.raises(ConvertError, match="already quantised"):
         convert(mxfp4_dir, tmp_path / "out")
     assert not (tmp_path / "out").exists()
