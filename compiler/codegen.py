@@ -167,6 +167,8 @@ class _Gen:
                     else:
                         default = pyrepr(p.default)
                     reader += f", default={default}"
+                if p.choices is not None:
+                    reader += f", choices={pytuple(p.choices)}"
                 reader += ")"
             out.append({"name": name, "type": pytype, "reader": reader, "doc": p.doc})
         return out

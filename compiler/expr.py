@@ -11,8 +11,6 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
-from mlxc.compiler.pysource import pyrepr
-
 # Spec function name -> the name generated code calls.
 FUNCTIONS = {
     "ceil": "math.ceil",
@@ -238,15 +236,6 @@ def _number_literal(node: ast.AST) -> float | None:
 class _Rewrite(ast.NodeTransformer):
     def __init__(self, scope: Scope, args: str, layer_args: str) -> None:
         self.scope, self.args, self.layer_args = scope, args, layer_args
-        self.strings: list[str] = []  # pyrepr literals of the string constants, by placeholder
-
-    def visit_Constant(self, node: ast.Constant) -> ast.AST:
-        if not isinstance(node.value, str):
-            return node
-        # ast.unparse quotes with ', ruff format with ": a placeholder that no spec text can
-        # hold (control characters are Y001) stands in for pyrepr's literal until after.
-        self.strings.append(pyrepr(node.value))
-        return ast.Name(f"\x00{len(self.strings) - 1}\x00", ast.Load())
 
     def visit_Call(self, node: ast.Call) -> ast.AST:
         node.args = [self.visit(a) for a in node.args]
@@ -265,8 +254,5 @@ class _Rewrite(ast.NodeTransformer):
 
 def to_python(text: str, scope: Scope, args: str = "args", layer_args: str = "layer_args") -> str:
     """Python source for an expression, names resolved into ``args``/``layer_args``."""
-    rewrite = _Rewrite(scope, args, layer_args)
-    source = ast.unparse(rewrite.visit(parse(text)))
-    for i, literal in enumerate(rewrite.strings):
-        source = source.replace(f"\x00{i}\x00", literal)
-    return source
+    tree = _Rewrite(scope, args, layer_args).visit(parse(text))
+    return ast.unparse(tree)

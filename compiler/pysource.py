@@ -1,13 +1,14 @@
 """Python source text: every value a spec puts into generated code, and the lines around it.
 
 ``pyrepr`` and ``pydocstring`` turn plain YAML data into literals (no text of a spec is ever
-code); ``format_source`` wraps long lines as ruff format does.
+code); ``format_source`` formats a generated module with ruff.
 """
 
 from __future__ import annotations
 
 import ast
 import math
+import subprocess
 import warnings
 
 LINE_LENGTH = 100
@@ -91,33 +92,23 @@ def comment_text(text: str) -> str:
     return text if text.isprintable() else ascii(text)
 
 
-def _wrap_call(line: str) -> list[str]:
-    """Split an over-long ``x = f(a, b)`` / ``return f(a, b)`` line the way ruff format does:
-    all arguments on one indented line if that fits, else one per line with a trailing comma."""
-    indent = line[: len(line) - len(line.lstrip())]
-    code = line.strip()
-    try:
-        body = ast.parse(code).body
-    except SyntaxError:
-        return [line]
-    if len(body) != 1:
-        return [line]  # a comment
-    stmt = body[0]
-    call = getattr(stmt, "value", None)
-    if not isinstance(call, ast.Call) or call.end_col_offset != len(code):
-        return [line]
-    head = code[: call.func.end_col_offset] + "("
-    args = [ast.get_source_segment(code, a) for a in call.args]
-    args += [f"{k.arg}={ast.get_source_segment(code, k.value)}" for k in call.keywords]
-    inner = indent + "    "
-    one = inner + ", ".join(args)
-    if len(one) <= LINE_LENGTH:
-        return [indent + head, one, indent + ")"]
-    return [indent + head, *(f"{inner}{a}," for a in args), indent + ")"]
-
-
 def format_source(source: str) -> str:
-    out: list[str] = []
-    for line in source.split("\n"):
-        out.extend(_wrap_call(line) if len(line) > LINE_LENGTH else [line])
-    return "\n".join(out)
+    """``source`` as the pinned ruff formats it (transformers' modular converter does the
+    same): generated files read like hand-formatted ones, and are byte-stable across machines.
+    ``--isolated``: no configuration of the directory mlxc runs in applies."""
+    from ruff.__main__ import find_ruff_bin  # the ruff wheel ships its binary
+
+    done = subprocess.run(
+        [find_ruff_bin(), "format", "--isolated", f"--line-length={LINE_LENGTH}", "-"],
+        input=source,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode == 0:
+        return done.stdout
+    try:
+        compile(source, "<generated>", "exec", dont_inherit=True)
+    except (SyntaxError, ValueError):
+        return source  # it does not parse: the build's compile check reports it (C001)
+    raise RuntimeError(f"ruff format failed on generated code: {done.stderr.strip()}")

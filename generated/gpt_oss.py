@@ -22,7 +22,7 @@ from mlxc.runtime.cache import KVCache, attention_cache
 from mlxc.runtime.config import read
 from mlxc.runtime.layers import AttentionInputs, attend
 from mlxc.runtime.multimodal import SequenceCache
-from mlxc.runtime.rope import RoPE, RopeConfig
+from mlxc.runtime.rope import RopeConfig, make_rope
 from mlxc.runtime.weights import WeightRules
 
 SPEC = "gpt_oss"
@@ -112,7 +112,7 @@ class SlidingAttention(nn.Module):
         self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=args.attention_bias)
         self.sinks = mx.zeros((self.n_heads,))  # learned logit of a key that holds no value
-        self.rope = RoPE(self.head_dim, args.rope, traditional=False)
+        self.rope = make_rope(self.head_dim, args.rope, traditional=False)
 
     def new_cache(self) -> KVCache:
         """Cache kind windowed-kv: only the keys the window can still see."""
@@ -156,7 +156,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=args.attention_bias)
         self.sinks = mx.zeros((self.n_heads,))  # learned logit of a key that holds no value
-        self.rope = RoPE(self.head_dim, args.rope, traditional=False)
+        self.rope = make_rope(self.head_dim, args.rope, traditional=False)
 
     def __call__(self, x: mx.array, cache: KVCache, inputs: AttentionInputs) -> mx.array:
         """``inputs``: what attention reads from the cache, resolved once per forward."""

@@ -21,7 +21,7 @@ from mlxc.runtime.cache import KVCache
 from mlxc.runtime.config import read
 from mlxc.runtime.layers import AttentionInputs, attend
 from mlxc.runtime.multimodal import SequenceCache
-from mlxc.runtime.rope import RopeConfig
+from mlxc.runtime.rope import RopeConfig, make_rope
 from mlxc.runtime.weights import WeightRules
 
 SPEC = "mistral4"
@@ -149,7 +149,7 @@ class LatentAttention(nn.Module):
         )
         self.o_proj = nn.Linear(self.n_heads * self.v_head_dim, dim, bias=bias)
         rope = args.rope
-        self.rope = yarn.mla_rope(self.qk_rope_head_dim, rope, traditional=args.rope_interleave)
+        self.rope = make_rope(self.qk_rope_head_dim, rope, traditional=args.rope_interleave)
         self.scale = yarn.mla_softmax_scale(qk_head_dim, rope)
 
     def __call__(self, x: mx.array, cache: KVCache, inputs: AttentionInputs) -> mx.array:

@@ -21,7 +21,7 @@ from mlxc.runtime.cache import KVCache
 from mlxc.runtime.config import read, round_up
 from mlxc.runtime.layers import AttentionInputs, attend
 from mlxc.runtime.multimodal import SequenceCache
-from mlxc.runtime.rope import RoPE, RopeConfig
+from mlxc.runtime.rope import RopeConfig, make_rope
 from mlxc.runtime.weights import WeightRules
 
 SPEC = "nemotron_nas"
@@ -113,7 +113,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
         self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=args.attention_bias)
-        self.rope = RoPE(self.head_dim, args.rope, traditional=False)
+        self.rope = make_rope(self.head_dim, args.rope, traditional=False)
 
     def __call__(self, x: mx.array, cache: KVCache, inputs: AttentionInputs) -> mx.array:
         """``inputs``: what attention reads from the cache, resolved once per forward."""

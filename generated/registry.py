@@ -6,11 +6,13 @@ text; it takes precedence over a plain ``outer`` key.
 """
 
 MODEL_TYPES = {
+    "gemma3_text": "gemma3_text",
     "gpt_oss": "gpt_oss",
     "llama": "llama",
+    "ministral3": "ministral3",
     "mistral": "llama",
     "mistral3:ministral": "mistral3",
-    "mistral3:ministral3": "mistral3",
+    "mistral3:ministral3": "ministral3_vl",
     "mistral3:mistral": "mistral3",
     "mistral3:mistral4": "mistral_small4",
     "mistral4": "mistral4",
@@ -19,6 +21,7 @@ MODEL_TYPES = {
     "qwen2_5_vl": "qwen2_5_vl",
     "qwen2_vl": "qwen2_vl",
     "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
     "qwen3_vl": "qwen3_vl",
     "qwen3_vl_moe": "qwen3_vl_moe",
 }

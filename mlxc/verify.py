@@ -119,9 +119,11 @@ def _run(
                 raise VerifyError(f"cache.offset is {c.offset} after {offset} tokens")
         if enforce_max_kv(cache, max_kv, keep) and first_trimmed is None:
             first_trimmed = i + 1
-        # A cache that is not trimmable (a window) bounds itself: max-kv-size is not its bound.
-        if max_kv is not None and any(c.trimmable and c.live_len > max_kv for c in cache):
+        if max_kv is not None and any(c.live_len > max_kv for c in cache if c.trimmable):
             raise VerifyError("a cache is still over max-kv-size after enforce_max_kv")
+        for c in cache:
+            if c.window is not None and c.live_len >= c.window - 1 + c.slack:
+                raise VerifyError(f"a window-{c.window} cache holds {c.live_len} keys")
     return outputs, first_trimmed
 
 

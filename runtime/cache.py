@@ -171,8 +171,9 @@ class WindowedKVCache(KVCache):
     A query at position ``p`` attends to keys ``p - window + 1 .. p``, so once a chunk is
     written the next chunk needs only the last ``window - 1`` keys. Dropping them one token at a
     time would slide the whole window down every decode step, so the oldest are dropped in runs
-    of ``step``: between forwards ``live_len`` stays below ``window - 1 + step``, and the mask
-    (built with the window, ``masks.causal``) hides the extra keys. Positions are untouched:
+    of ``slack = min(step, window)``: between forwards ``live_len`` stays below
+    ``window - 1 + slack``, and the mask (built with the window, ``masks.causal``) hides the
+    extra keys. Positions are untouched:
     ``offset`` keeps counting every token (no ring buffer whose index could stand for it).
     ``--max-kv-size`` does not trim it: it bounds itself.
     """
@@ -184,13 +185,14 @@ class WindowedKVCache(KVCache):
         if window < 1:
             raise ValueError(f"a sliding window must be at least 1 token, got {window}")
         self.window = window
+        self.slack = min(self.step, window)
 
     def update_and_fetch(
         self, keys: mx.array, values: mx.array | None = None
     ) -> tuple[mx.array, mx.array | None]:
         live_keys, live_values = super().update_and_fetch(keys, values)
         unseen = self.live_len - (self.window - 1)  # keys no later query can see
-        if unseen >= self.step:
+        if unseen >= self.slack:
             # The returned arrays hold the old buffer: the slide below does not change them.
             self.trim_front(unseen)
         return live_keys, live_values

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -49,11 +50,16 @@ def lookup(config: dict, path: str | tuple[str, ...], default: Any = _MISSING) -
 
 
 def read(
-    config: dict, path: str | tuple[str, ...], kind: type | None, default: Any = _MISSING
+    config: dict,
+    path: str | tuple[str, ...],
+    kind: type | None,
+    default: Any = _MISSING,
+    choices: tuple | None = None,
 ) -> Any:
     """``lookup`` plus a type check; ints are accepted where floats are expected.
 
-    An int must lie in ``[0, MAX_INT]``. Inside :func:`recording_reads` the value is recorded.
+    An int must lie in ``[0, MAX_INT]``; a value present must be one of ``choices`` when given
+    (what the model implements). Inside :func:`recording_reads` the value is recorded.
     """
     found, value = _find(config, path)
     if found is None:
@@ -72,6 +78,11 @@ def read(
         raise ConfigError(
             f"config.json '{found}' is {value}: sizes, counts and token ids lie between 0 and "
             f"{MAX_INT}"
+        )
+    if choices is not None and value not in choices:
+        supported = ", ".join(json.dumps(c) for c in choices)
+        raise ConfigError(
+            f"config.json '{found}' is {value!r}: this model supports only {supported}"
         )
     if (reads := _reads.get()) is not None:
         reads[found] = value

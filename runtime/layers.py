@@ -41,34 +41,16 @@ def attend(
     scale: float,
     mask: mx.array | str | None,
     sinks: mx.array | None = None,
-    softcap: float | None = None,
 ) -> mx.array:
     """Scaled dot-product attention (GQA-aware) that refuses a mask not sized to the keys.
 
     ``sinks`` ``[n_heads]``: learned logits of a virtual key that takes softmax mass and adds
-    nothing (gpt-oss). ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the
-    softmax (Gemma); MLX's fused kernel has no such option, so that path is written out.
+    nothing (gpt-oss).
     """
     masks.check(mask, queries.shape[-2], keys.shape[-2])
-    if softcap is None:
-        return mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=scale, mask=mask, sinks=sinks
-        )
-    if sinks is not None:
-        raise ValueError("attention with both sinks and a softcap is not supported")
-    B, n_heads, L, D = queries.shape
-    n_kv = keys.shape[1]
-    q = queries.reshape(B, n_kv, n_heads // n_kv, L, D)  # query heads grouped by their kv head
-    scores = (q * scale) @ keys[:, :, None].swapaxes(-1, -2)
-    scores = mx.tanh(scores.astype(mx.float32) / softcap) * softcap
-    if isinstance(mask, str):  # "causal": the queries are the last L keys
-        mask = masks.causal_array(L, keys.shape[-2])
-    if mask is not None:
-        if mask.ndim == 4:  # [B|1, 1, L, S] -> broadcast over the grouped heads
-            mask = mask[:, :, None]
-        scores = mx.where(mask, scores, -mx.inf)
-    weights = mx.softmax(scores, axis=-1).astype(values.dtype)
-    return (weights @ values[:, :, None]).reshape(B, n_heads, L, -1)
+    return mx.fast.scaled_dot_product_attention(
+        queries, keys, values, scale=scale, mask=mask, sinks=sinks
+    )
 
 
 def softcap(x: mx.array, cap: float | None) -> mx.array:

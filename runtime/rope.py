@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx import nn
 
 from mlxc.runtime.config import ConfigError, lookup
+from mlxc.runtime.yarn import YarnRoPE
 
 
 @dataclass(frozen=True)
@@ -83,16 +84,6 @@ def llama3_periods(dims: int, cfg: RopeConfig) -> mx.array:
     return 1.0 / mx.where(medium, smoothed, scaled)
 
 
-def scale_rotated(x: mx.array, dims: int, factor: float) -> mx.array:
-    """``x`` with its first ``dims`` features (the rotated ones) times ``factor``: rope is
-    linear, so this before rotating equals YaRN's cos/sin scaled by it (transformers)."""
-    if factor == 1.0:
-        return x
-    if x.shape[-1] == dims:
-        return x * factor
-    return mx.concatenate([x[..., :dims] * factor, x[..., dims:]], -1)
-
-
 class RoPE(nn.Module):
     """``mx.fast.rope`` over the first ``dims`` features, at absolute position ``offset``."""
 
@@ -101,15 +92,8 @@ class RoPE(nn.Module):
         self.dims, self.traditional = dims, traditional
         self.base: float | None = cfg.theta
         self.scale = 1.0
-        self.attention_factor = 1.0  # YaRN's
         self._periods = None
-        if cfg.kind == "yarn":
-            # YaRN on GQA (gpt-oss): yarn.py's frequency table and cos/sin factor.
-            from mlxc.runtime.yarn import YarnRoPE  # yarn.py imports this module
-
-            yarn = YarnRoPE.from_config(dims, cfg, traditional)
-            self.base, self._periods, self.attention_factor = None, yarn._periods, yarn.mscale
-        elif cfg.kind == "linear":
+        if cfg.kind == "linear":
             self.scale = 1.0 / cfg.factor
         elif cfg.kind == "llama3":
             self.base, self._periods = None, llama3_periods(dims, cfg)
@@ -119,7 +103,6 @@ class RoPE(nn.Module):
             raise ConfigError(f"rope kind '{cfg.kind}' is not supported for this attention")
 
     def __call__(self, x: mx.array, offset: int) -> mx.array:
-        x = scale_rotated(x, self.dims, self.attention_factor)
         return mx.fast.rope(
             x,
             self.dims,
@@ -129,3 +112,10 @@ class RoPE(nn.Module):
             offset=offset,
             freqs=self._periods,
         )
+
+
+def make_rope(dims: int, cfg: RopeConfig, traditional: bool = False) -> RoPE | YarnRoPE:
+    """The rope of one attention layer, any kind: ``YarnRoPE`` for yarn, else ``RoPE``."""
+    if cfg.kind == "yarn":
+        return YarnRoPE.from_config(dims, cfg, traditional)
+    return RoPE(dims, cfg, traditional=traditional)

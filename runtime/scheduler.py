@@ -132,6 +132,7 @@ class CachePool:
         self.batch: BatchCache | None = None
         self.batch_keys: list[str] = []
         self.peak_bytes = 0
+        self.peak_batched = 0  # the most rows the decode batch has held at once
 
     @property
     def trims(self) -> bool:
@@ -156,6 +157,7 @@ class CachePool:
             self.batch = BatchCache.like(caches[0])
         self.batch.extend(caches)
         self.batch_keys += keys
+        self.peak_batched = max(self.peak_batched, len(self.batch_keys))
 
     def release(self, key: str) -> None:
         self._caches.pop(key, None)
@@ -340,6 +342,7 @@ class Scheduler:
             "pool": {
                 "sequences": snapshot["pool_sequences"],
                 "batched": snapshot["pool_batched"],  # rows of the decode batch
+                "peak_batched": self.pool.peak_batched,
                 "bytes": snapshot["pool_bytes"],
                 "peak_bytes": self.pool.peak_bytes,
                 "max_kv_size": self.pool.max_kv_size,

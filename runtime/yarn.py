@@ -14,17 +14,20 @@ Three separate multipliers, all as transformers 5 computes them:
   (``monotonic-position``: ``cache.offset + arange(L)``), so it keeps growing after a trim;
   ``cache.offset`` may be an int or a per-row ``[B]`` array.
 
-Positions for RoPE are absolute too: ``YarnRoPE(x, offset=cache.offset)``.
+Positions for RoPE are absolute too: ``YarnRoPE(x, offset=cache.offset)``. Attention builds
+its rope through ``rope.make_rope``, which picks ``YarnRoPE`` for a yarn config.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 from mlx import nn
 
-from mlxc.runtime.rope import RoPE, RopeConfig, scale_rotated
+if TYPE_CHECKING:  # rope.make_rope builds a YarnRoPE: rope.py imports this module
+    from mlxc.runtime.rope import RopeConfig
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -133,7 +136,12 @@ class YarnRoPE(nn.Module):
 
     def __call__(self, x: mx.array, offset: int | mx.array) -> mx.array:
         """``x [B, H, L, D]`` at absolute positions ``offset + arange(L)``."""
-        x = scale_rotated(x, self.dims, self.mscale)
+        if self.mscale != 1.0:
+            # rope is linear, so scaling before equals transformers' scaled cos/sin
+            if x.shape[-1] == self.dims:
+                x = x * self.mscale
+            else:
+                x = mx.concatenate([x[..., : self.dims] * self.mscale, x[..., self.dims :]], -1)
         return mx.fast.rope(
             x,
             self.dims,
@@ -143,13 +151,6 @@ class YarnRoPE(nn.Module):
             offset=offset,
             freqs=self._periods,
         )
-
-
-def mla_rope(dims: int, cfg: RopeConfig, traditional: bool = True) -> RoPE | YarnRoPE:
-    """The rope of an MLA layer's ``qk_rope_head_dim`` part: yarn, or any kind rope.py has."""
-    if cfg.kind == "yarn":
-        return YarnRoPE.from_config(dims, cfg, traditional)
-    return RoPE(dims, cfg, traditional=traditional)
 
 
 def yarn_softmax_scale(qk_head_dim: int, factor: float, mscale_all_dim: float | None) -> float:

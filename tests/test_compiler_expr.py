@@ -99,10 +99,3 @@ def test_unbounded_expressions_fail(text, message):
         expr.check(text, scope())
     assert err.value.code == "P002"
     assert message in str(err.value), str(err.value)
-
-
-def test_string_constants_compile_as_ruff_formats_them():
-    # ast.unparse would write 'sliding_attention': generated code must be ruff-formatted.
-    s = expr.Scope(frozenset({"layer_types", "name"}), layer_idx=True)
-    got = expr.to_python("layer_types[layer_idx] == \"sliding\" or name == 'it\\'s'", s)
-    assert got == 'args.layer_types[layer_idx] == "sliding" or args.name == "it\'s"'

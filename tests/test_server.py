@@ -53,8 +53,31 @@ def make_mistral4(path: Path, seed: int = 0) -> Path:
 
 KEY = "sekrit-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def make_gemma3_text(path: Path, seed: int = 0) -> Path:
+    from test_gemma3 import make_gemma3_text
+
+    return make_gemma3_text(path, seed)
+
+
+def make_qwen3_moe(path: Path, seed: int = 0) -> Path:
+    from test_qwen3_moe import make_qwen3_moe
+
+    return make_qwen3_moe(path, seed)
+
+
+def make_ministral3(path: Path, seed: int = 0) -> Path:
+    from test_ministral3 import make_ministral3
+
+    return make_ministral3(path, seed)
+
+
 ARCHS = {
     "llama": ckpt.make_llama,
+    "gemma3_text": make_gemma3_text,
+    "qwen3_moe": make_qwen3_moe,
+    "ministral3": make_ministral3,
     "qwen2": ckpt.make_qwen2,
     "qwen3": ckpt.make_qwen3,
     "nemotron_nas": ckpt.make_nemotron_nas,
@@ -287,6 +310,24 @@ def test_greedy_matches_mlxc_generate_with_trims(arch):
         body = chat(c, LONG, max_tokens=16).json()
     assert body["choices"][0]["message"]["content"] == want
     assert body["usage"]["completion_tokens"] == n
+
+
+def test_concurrent_requests_decode_batched_as_alone(arch):
+    """Three prompts of different lengths at once (one long enough to be trimmed, and to run
+    past any sliding window): they decode as rows of one batch, and each answer equals the one
+    it gets alone."""
+    _, _, server = arch
+    prompts = [LONG, SHORT, " ".join(LONG.split()[:40])]
+    with server.client() as c:
+        alone = [chat(c, p, max_tokens=12, ignore_eos=True).json() for p in prompts]
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda p: chat(c, p, max_tokens=12, ignore_eos=True), prompts))
+    for a, t in zip(alone, together):
+        assert t.status_code == 200, t.text
+        assert t.json()["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
+    health = server.wait_idle()
+    assert health["requests"]["failed"] == 0
+    assert health["pool"]["peak_batched"] >= 2  # the rows did decode together
 
 
 def test_no_trim_is_byte_identical_without_max_kv_size(arch, api):

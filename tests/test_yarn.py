@@ -9,11 +9,10 @@ from mlx import nn
 
 from mlxc.runtime import masks
 from mlxc.runtime.cache import KVCache
-from mlxc.runtime.rope import RopeConfig
+from mlxc.runtime.rope import RopeConfig, make_rope
 from mlxc.runtime.yarn import (
     YarnRoPE,
     llama4_attn_scale,
-    mla_rope,
     mla_softmax_scale,
     yarn_inv_freq,
 )
@@ -129,7 +128,7 @@ def test_rope_application_matches_mistral4(interleave, offset):
     cos, sin = m4.Mistral4RotaryEmbedding(cfg)(torch.from_numpy(q), pos)
     apply = m4.apply_rotary_pos_emb_interleave if interleave else m4.apply_rotary_pos_emb
     want_q, want_k = (t.numpy() for t in apply(torch.from_numpy(q), torch.from_numpy(k), cos, sin))
-    rope = mla_rope(ROPE, rope_config(cfg), traditional=interleave)
+    rope = make_rope(ROPE, rope_config(cfg), traditional=interleave)
     got_q, got_k = (np.array(rope(mx.array(t), offset=offset)) for t in (q, k))
     if interleave:
         # transformers writes the rotated even features, then the odd ones; mx.fast.rope keeps
@@ -158,7 +157,7 @@ def test_rope_application_matches_deepseek_v2_complex_form():
         torch.from_numpy(q), torch.arange(offset, offset + L)[None]
     )
     want = ds2.apply_rotary_emb(torch.from_numpy(q), torch.from_numpy(k), freqs_cis)
-    rope = mla_rope(ROPE, rope_config(cfg), traditional=True)
+    rope = make_rope(ROPE, rope_config(cfg), traditional=True)
     for got, w in zip((rope(mx.array(t), offset) for t in (q, k)), want):
         np.testing.assert_allclose(np.array(got), w.numpy(), atol=ATOL)
 
@@ -243,7 +242,7 @@ class RefMLA(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, HEADS * (NOPE + V), bias=False)
         self.o_proj = nn.Linear(HEADS * V, H, bias=cfg.attention_bias)
         rc = RopeConfig.from_config(cfg.to_dict())
-        self.rope = mla_rope(ROPE, rc, traditional=cfg.rope_interleave)
+        self.rope = make_rope(ROPE, rc, traditional=cfg.rope_interleave)
         self.scale = mla_softmax_scale(self.qk_head, rc)
         self.beta = rc.params.get("llama_4_scaling_beta")
         self.orig = rc.params.get("original_max_position_embeddings")

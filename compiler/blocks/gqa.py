@@ -32,14 +32,16 @@ class GQA(Block):
     # full attention then). Its cache keeps only those (cache kind windowed-kv).
     sliding_window: IntExpr | None = None
     sinks: BoolExpr = False  # learned per-head sink logits (gpt-oss)
-    softcap: FloatExpr | None = None  # scores -> softcap * tanh(scores / softcap); may be null
     inputs: dict[str, Any] = Field(default_factory=dict)
 
 
 class GQAKind(BlockKind):
     part = "attention"
     schema = GQA
-    doc = "grouped-query attention: RoPE or MRoPE, optional q/k norm and biases"
+    doc = (
+        "grouped-query attention: RoPE (yarn too) or MRoPE, optional q/k norm and biases, "
+        "sliding window, sinks, Llama-4 query scale"
+    )
     # In the order lint lists the known inputs (L005).
     inputs = (inp.ROPE_POSITIONS, inp.ROPE_DELTAS, inp.ATTN_SCALE, inp.MASK, inp.WINDOW)
     template = "attention_gqa.py.j2"
@@ -47,8 +49,9 @@ class GQAKind(BlockKind):
     cache = FULL_KV
 
     def not_compiled(self, b: GQA, spec):
-        if b.scale == "llama4":
-            yield NotCompiled(("scale",), "gqa llama4 scale is not compiled yet")
+        if b.scale == "llama4" and b.rope is None:
+            # its beta and period are read from the rope param
+            yield NotCompiled(("scale",), "the llama4 scale needs a rope")
         mrope_tower = spec.vision is not None and TOWERS[spec.vision.tower].mrope
         if b.rope and b.rope.mrope and not mrope_tower:
             yield NotCompiled(("rope", "mrope"), "mrope positions need a qwen vision tower")
@@ -58,7 +61,7 @@ class GQAKind(BlockKind):
 
     def context(self, b: GQA, gen) -> dict:
         values = [b.heads, b.kv_heads, b.head_dim, b.bias.qkv, b.bias.o]
-        values += [b.scaling, b.sliding_window, b.sinks, b.softcap]
+        values += [b.scaling, b.sliding_window, b.sinks]
         rope = None
         if b.rope is not None:
             values += [b.rope.dims, b.rope.traditional]
@@ -89,7 +92,6 @@ class GQAKind(BlockKind):
             "window": gen.py_optional(b.sliding_window),
             "window_route": route(b, "window") if b.sliding_window is not None else None,
             "sinks": gen.py(b.sinks),
-            "softcap": gen.py_optional(b.softcap),
         }
 
     def runtime_imports(self, b: GQA) -> dict[str, set[str]]:
@@ -103,7 +105,9 @@ class GQAKind(BlockKind):
         if b.rope is not None and b.rope.mrope:
             imports["mlxc.runtime"].add("mrope")
         elif b.rope is not None:
-            imports["mlxc.runtime.rope"] = {"RoPE"}
+            imports["mlxc.runtime.rope"] = {"make_rope"}
+        if b.scale == "llama4":
+            imports["mlxc.runtime"].add("yarn")  # TextModel's yarn.llama4_attn_scale
         return imports
 
     def model_context(self, b: GQA, gen) -> dict:

@@ -70,9 +70,10 @@ class MLAKind(BlockKind):
 
     def runtime_imports(self, b: MLA) -> dict[str, set[str]]:
         return {
-            "mlxc.runtime": {"masks", "yarn"},  # yarn: the mla rope, softmax and llama4 scales
+            "mlxc.runtime": {"masks", "yarn"},  # yarn: the mla softmax and llama4 scales
             "mlxc.runtime.cache": {"KVCache"},
             "mlxc.runtime.layers": {"attend"},
+            "mlxc.runtime.rope": {"make_rope"},
         }
 
 
