@@ -461,8 +461,11 @@ def _split_gate_up(w: mx.array, gate_up: str) -> tuple[mx.array, mx.array]:
 
 
 def _expect(name: str, w: mx.array, shape: tuple[int, ...], ins: int | None = None) -> mx.array:
+    """``w`` if it has ``shape``; ``ins``: the input width of MXFP4 bytes (uint8)."""
     if ins is not None and ins % MXFP4_GROUP:
         raise ValueError(f"{name}: MXFP4 needs an input width divisible by 32, not {ins}")
+    if ins is not None and w.dtype != mx.uint8:
+        raise ValueError(f"{name}: MXFP4 blocks and scales are uint8, not {w.dtype}")
     if tuple(w.shape) != shape:
         raise ValueError(f"{name}: shape {tuple(w.shape)}, expected {shape}")
     return w

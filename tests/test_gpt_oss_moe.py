@@ -306,6 +306,13 @@ def test_mxfp4_shapes_are_checked():
         convert_expert_weights(
             {"experts.gate_up_proj_blocks": blocks}, hidden=64, intermediate=32, num_experts=E
         )
+    with pytest.raises(ValueError, match="uint8, not"):
+        convert_expert_weights(
+            {"experts.down_proj_scales": mx.zeros((E, 64, 1))},
+            hidden=64,
+            intermediate=32,
+            num_experts=E,
+        )
     with pytest.raises(ValueError, match="divisible by 32"):
         convert_expert_weights(
             {"experts.down_proj_scales": mx.zeros((E, 64, 1), dtype=mx.uint8)},
