@@ -100,7 +100,7 @@ class Sublayer:
 
 
 class _Gen:
-    """What block kinds compile with: ``py`` for values, ``needs_layer_args``, ``spec``."""
+    """What block kinds compile with: ``py`` for values, ``layer_dependence``, ``spec``."""
 
     def __init__(self, spec: schema.Spec) -> None:
         self.spec = spec
@@ -132,12 +132,14 @@ class _Gen:
         cls = "layers.RMSNorm" if norm.unit_offset else "nn.RMSNorm"
         return f"{cls}({dims}, eps={self.py(norm.eps, layer=layer)})"
 
-    def needs_layer_args(self, *values) -> bool:
+    def layer_dependence(self, *values) -> dict[str, bool]:
+        """Template context of a class built from ``values``: ``per_layer``, whether they read
+        ``layer_idx`` or per-layer fields (the constructor then takes ``layer_idx``), and
+        ``layer_args``, whether they read fields (it then looks up its ``layer_args``)."""
         fields = set(self.layers.fields)
-        for v in values:
-            if isinstance(v, str) and any(n in fields for n, _ in expr.names(v)):
-                return True
-        return False
+        used = {n for v in values if isinstance(v, str) for n, _ in expr.names(v)}
+        reads_fields = bool(used & fields)
+        return {"per_layer": reads_fields or "layer_idx" in used, "layer_args": reads_fields}
 
     # --- params -------------------------------------------------------------------------
 
@@ -167,8 +169,6 @@ class _Gen:
                     else:
                         default = pyrepr(p.default)
                     reader += f", default={default}"
-                if p.choices is not None:
-                    reader += f", choices={pytuple(p.choices)}"
                 reader += ")"
             out.append({"name": name, "type": pytype, "reader": reader, "doc": p.doc})
         return out

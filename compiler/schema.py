@@ -33,9 +33,6 @@ class Param(Strict):
     from_: str | list[str] | None = Field(default=None, alias="from")
     # Literal default, or for non-str types a string expression over other params.
     default: Any = None
-    # The only values the model implements (``[null]``: a key it does not implement yet); a
-    # config.json holding another value is a ConfigError naming the key.
-    choices: list[Any] | None = None
     doc: str | None = None
     # type rope only. layer_type: the entry of a per-layer-type `rope_parameters` to read
     # (transformers 5: {sliding_attention: {...}, full_attention: {...}}); theta_from: where the

@@ -122,8 +122,8 @@ def _run(
         if max_kv is not None and any(c.live_len > max_kv for c in cache if c.trimmable):
             raise VerifyError("a cache is still over max-kv-size after enforce_max_kv")
         for c in cache:
-            if c.window is not None and c.live_len >= c.window - 1 + c.slack:
-                raise VerifyError(f"a window-{c.window} cache holds {c.live_len} keys")
+            if c.window is not None and (c.live_len >= c.window or c.held >= c.window + c.slack):
+                raise VerifyError(f"a window-{c.window} cache holds {c.held} keys")
     return outputs, first_trimmed
 
 

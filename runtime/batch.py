@@ -146,20 +146,19 @@ class BatchKVCache:
         def joined(mine: mx.array | None, theirs: list[mx.array]) -> mx.array:
             # Existing rows shift right by the growth of the width; new rows end with them.
             parts = [] if mine is None else [_right_aligned(mine, self.width, width, capacity)]
-            parts += [
-                _right_aligned(t, c.live_len, width, capacity) for t, c in zip(theirs, caches)
-            ]
+            parts += [_right_aligned(t, t.shape[2], width, capacity) for t in theirs]
             return mx.concatenate(parts)
 
-        self.keys = joined(self.keys, [c.keys for c in caches])
+        live = [c.live() for c in caches]
+        self.keys = joined(self.keys, [k for k, _ in live])
         if caches[0].values is not None:
-            self.values = joined(self.values, [c.values for c in caches])
+            self.values = joined(self.values, [v for _, v in live])
         self.pad = np.concatenate([self.pad + (width - self.width), width - lives])
         self.width = width
         self.offsets = np.concatenate([self.offsets, [c.offset for c in caches]])
         self.sink = np.concatenate([self.sink, [c.sink for c in caches]])
         self.gap = np.concatenate([self.gap, np.zeros(len(caches), np.int64)])
-        self.trimmed = np.concatenate([self.trimmed, [c.live_start > 0 for c in caches]])
+        self.trimmed = np.concatenate([self.trimmed, [c.offset > c.live_len for c in caches]])
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only ``rows`` (in that order), then compact if every row wastes ``step``."""

@@ -83,8 +83,13 @@ class KVCache:
         self.sink = 0  # the `keep` of the trims so far: these front tokens are never dropped
 
     @property
-    def live_len(self) -> int:
+    def held(self) -> int:
+        """Tokens in the buffer, ``[0, held)``: ``offset - live_start``."""
         return self.offset - self.live_start
+
+    @property
+    def live_len(self) -> int:
+        return self.held  # attention reads every token held
 
     @property
     def row_live_len(self) -> int:
@@ -102,7 +107,7 @@ class KVCache:
         ``values`` None keeps keys only (an MLA latent cache reads its values out of the keys).
         """
         n_new = keys.shape[2]
-        start = self.live_len
+        start = self.held
         end = start + n_new
         if self.keys is None or end > self.keys.shape[2]:
             self.keys = self._grown(self.keys, keys, end)
@@ -121,7 +126,7 @@ class KVCache:
         B, H, _, D = new.shape
         grown = mx.zeros((B, H, capacity, D), new.dtype)
         if buffer is not None:
-            n = self.live_len
+            n = self.held
             grown[..., :n, :] = buffer[..., :n, :]
         return grown
 
@@ -134,7 +139,7 @@ class KVCache:
         n = int(n)
         if n < 0 or keep < 0:
             raise ValueError(f"trim_front needs n >= 0 and keep >= 0, got n={n}, keep={keep}")
-        live = self.live_len
+        live = self.held
         n = min(n, max(live - keep, 0))
         if n == 0:
             return 0
@@ -150,14 +155,20 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the live window (not the spare capacity)."""
+        """Bytes of the tokens held (not the spare capacity)."""
         if self.keys is None:
             return 0
         held = self.keys.nbytes + (0 if self.values is None else self.values.nbytes)
-        return held // self.keys.shape[2] * self.live_len
+        return held // self.keys.shape[2] * self.held
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.keys, self.values) if a is not None]
+
+    def live(self) -> tuple[mx.array, mx.array | None]:
+        """The live keys and values ``[B, H, live_len, D]`` (what a decode batch's row takes)."""
+        start = self.held - self.live_len
+        live_values = None if self.values is None else self.values[..., start : self.held, :]
+        return self.keys[..., start : self.held, :], live_values
 
     def batch_layer(self) -> LayerCache:
         from mlxc.runtime.batch import BatchKVCache  # batch builds on this module
@@ -166,16 +177,16 @@ class KVCache:
 
 
 class WindowedKVCache(KVCache):
-    """The keys of a sliding-window layer: only what the window can still see is kept.
+    """The keys of a sliding-window layer: only what the window can still see is live.
 
     A query at position ``p`` attends to keys ``p - window + 1 .. p``, so once a chunk is
-    written the next chunk needs only the last ``window - 1`` keys. Dropping them one token at a
-    time would slide the whole window down every decode step, so the oldest are dropped in runs
-    of ``slack = min(step, window)``: between forwards ``live_len`` stays below
-    ``window - 1 + slack``, and the mask (built with the window, ``masks.causal``) hides the
-    extra keys. Positions are untouched:
-    ``offset`` keeps counting every token (no ring buffer whose index could stand for it).
-    ``--max-kv-size`` does not trim it: it bounds itself.
+    written the next chunk needs only the last ``window - 1`` keys: that is ``live_len``, and
+    ``update_and_fetch`` returns those plus the chunk's, so a decode step attends to exactly
+    ``window`` keys with no mask. The buffer drops older tokens in runs of
+    ``slack = min(step, window)`` (dropping one per decode step would slide the whole window
+    down every token): it ``held`` below ``window - 1 + slack`` tokens between forwards.
+    Positions are untouched: ``offset`` keeps counting every token (no ring buffer whose index
+    could stand for it). ``--max-kv-size`` does not trim it: it bounds itself.
     """
 
     trimmable = False
@@ -187,11 +198,18 @@ class WindowedKVCache(KVCache):
         self.window = window
         self.slack = min(self.step, window)
 
+    @property
+    def live_len(self) -> int:
+        return min(self.held, self.window - 1)
+
     def update_and_fetch(
         self, keys: mx.array, values: mx.array | None = None
     ) -> tuple[mx.array, mx.array | None]:
-        live_keys, live_values = super().update_and_fetch(keys, values)
-        unseen = self.live_len - (self.window - 1)  # keys no later query can see
+        n = self.live_len + keys.shape[2]  # what the chunk's queries may see
+        held_keys, held_values = super().update_and_fetch(keys, values)
+        live_keys = held_keys[..., -n:, :]
+        live_values = None if held_values is None else held_values[..., -n:, :]
+        unseen = self.held - (self.window - 1)  # tokens no later query can see
         if unseen >= self.slack:
             # The returned arrays hold the old buffer: the slide below does not change them.
             self.trim_front(unseen)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -54,12 +53,10 @@ def read(
     path: str | tuple[str, ...],
     kind: type | None,
     default: Any = _MISSING,
-    choices: tuple | None = None,
 ) -> Any:
     """``lookup`` plus a type check; ints are accepted where floats are expected.
 
-    An int must lie in ``[0, MAX_INT]``; a value present must be one of ``choices`` when given
-    (what the model implements). Inside :func:`recording_reads` the value is recorded.
+    An int must lie in ``[0, MAX_INT]``. Inside :func:`recording_reads` the value is recorded.
     """
     found, value = _find(config, path)
     if found is None:
@@ -78,11 +75,6 @@ def read(
         raise ConfigError(
             f"config.json '{found}' is {value}: sizes, counts and token ids lie between 0 and "
             f"{MAX_INT}"
-        )
-    if choices is not None and value not in choices:
-        supported = ", ".join(json.dumps(c) for c in choices)
-        raise ConfigError(
-            f"config.json '{found}' is {value!r}: this model supports only {supported}"
         )
     if (reads := _reads.get()) is not None:
         reads[found] = value

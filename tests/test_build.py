@@ -101,8 +101,8 @@ def test_labels_route_to_their_one_accessor(name):
         ("offset", "cache.offset"),
         ("mask", "kv.live_len + L"),  # kv: the first layer cache of each window
         ("rope", "inputs.offset"),
-        # llama serves mistral, whose config may set a sliding window
-        ("attend", "inputs.masks[self.window]" if name == "llama" else "inputs.masks[None]"),
+        # llama (serving mistral), qwen2 and qwen3 configs may set sliding windows
+        ("attend", "inputs.masks[None]" if name == "nemotron_nas" else "inputs.masks[self.window]"),
     }
     text = path.read_text()
     # Nowhere else does a generated model read either accessor.

@@ -155,7 +155,7 @@ def test_bounded_cache_trims_full_layers_only(checkpoint):
         if c.window is None:
             assert c.live_len == 16
         else:
-            assert WINDOW - 1 <= c.live_len < 2 * WINDOW - 1
+            assert c.live_len == WINDOW - 1 and c.held < 2 * WINDOW - 1
     # The first trim happens after the chunk that passes 16 tokens: chunks 0-3 are exact.
     np.testing.assert_allclose(
         np.concatenate(parts[:4], axis=1), reference(hf, ids)[:, :20], atol=ATOL
@@ -173,11 +173,11 @@ def test_windowed_cache_stays_flat_far_past_the_window(tmp_path):
     seen = []
     for i in range(10 * WINDOW):
         model(mx.array([[i % 100]]), cache=cache)
-        seen.append([(c.window, c.live_len, c.nbytes) for c in cache])
+        seen.append([(c.window, c.held, c.nbytes) for c in cache])
     for step in seen[WINDOW:]:
-        for window, live, _ in step:
+        for window, held, _ in step:
             if window is not None:
-                assert window - 1 <= live < 2 * window - 1
+                assert window - 1 <= held < 2 * window - 1
     full = [nbytes for window, _, nbytes in seen[-1] if window is None]
     windowed = [nbytes for window, _, nbytes in seen[-1] if window is not None]
     assert max(windowed) * 5 < min(full)

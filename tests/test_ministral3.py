@@ -19,7 +19,6 @@ from checkpoints import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, write_tokenizer
 from test_mistral3 import IMG, MERGE, PATCH, hf_logits, prompt, random_image, rerandomise
 
 import mlxc
-from mlxc.runtime.config import ConfigError, read
 
 ATOL = 1e-4
 ROPE = {  # Ministral-3's rope_parameters, with a short original context
@@ -162,15 +161,6 @@ def test_a_sliding_window_matches_transformers(tmp_path):
     np.testing.assert_allclose(np.concatenate(parts, axis=1), want, atol=ATOL)
     full = reference(make_checkpoint(tmp_path / "full"), IDS[:1])
     assert np.abs(full - want)[:, 8:].max() > 1e-2  # guard: the window changes the logits
-
-
-def test_read_checks_choices_only_of_present_values():
-    """A param's ``choices`` (qwen2/qwen3 refuse use_sliding_window: true with it): absent or
-    null reads the default, a listed value passes, any other names its key."""
-    assert read({"w": None}, "w", int, default=None, choices=(None,)) is None
-    assert read({"t": {"flag": False}}, "t.flag", bool, default=False, choices=(False,)) is False
-    with pytest.raises(ConfigError, match="'t.flag' is True: this model supports only false"):
-        read({"t": {"flag": True}}, "t.flag", bool, default=False, choices=(False,))
 
 
 def test_factory_checkpoint_loads_with_its_tokenizer(tmp_path):

@@ -45,16 +45,20 @@ def test_attention_over_the_window_equals_attention_over_every_key(rng, chunk):
             outs.append(np.array(attend(q, keys, values, scale=0.5, mask=mask)))
         np.testing.assert_allclose(outs[0], outs[1], atol=1e-6)
         assert windowed.offset == full.offset == start + chunk  # positions stay monotonic
-        # Between forwards: at least what the next query needs, at most window - 1 + slack.
-        assert min(W - 1, windowed.offset) <= windowed.live_len < W - 1 + windowed.slack
+        # Between forwards: live, what the next query may see; held, below window - 1 + slack.
+        assert windowed.live_len == min(W - 1, windowed.offset)
+        assert windowed.live_len <= windowed.held < W - 1 + windowed.slack
 
 
 def test_the_window_bounds_itself_and_max_kv_leaves_it(rng):
     cache = WindowedKVCache(W)
     cache.update_and_fetch(*kv(rng, 30))
     assert isinstance(cache, LayerCache) and not cache.trimmable and cache.window == W
-    assert cache.live_len == W - 1 and cache.nbytes == 2 * (W - 1) * H * D * 4
+    assert cache.live_len == cache.held == W - 1 and cache.nbytes == 2 * (W - 1) * H * D * 4
     assert enforce_max_kv([cache], 2) == 0 and cache.live_len == W - 1
+    keys, _ = cache.update_and_fetch(*kv(rng, 1))
+    assert keys.shape[2] == W  # a decode step attends to exactly the window
+    assert masks.causal(1, W - 1 + 1, window=W) is None  # ... with no mask
     assert isinstance(cache.batch_layer(), BatchWindowedKVCache)
     assert cache.key_valid(1) is None
     with pytest.raises(ValueError, match="at least 1"):
@@ -139,3 +143,39 @@ def test_mistral_sliding_window_matches_transformers(tmp_path, rng):
         parts.append(np.array(model(mx.array(ids[:, a:b]), cache=cache)))
     np.testing.assert_allclose(np.concatenate(parts, axis=1), want, atol=1e-4)
     np.testing.assert_allclose(np.array(model(mx.array(ids))), want, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "factory, layer_types",
+    [
+        ("make_qwen2", None),  # use_sliding_window: layers from max_window_layers on
+        ("make_qwen3", ["sliding_attention", "full_attention", "sliding_attention"]),
+    ],
+)
+def test_qwen_sliding_layers_match_transformers(tmp_path, rng, factory, layer_types):
+    """Qwen2/Qwen3 with use_sliding_window: the window is per layer (max_window_layers, or the
+    config's layer_types), one attention class whose window may be None."""
+    from transformers import AutoModelForCausalLM
+
+    extra = {} if layer_types is None else {"layer_types": layer_types}
+    path = getattr(ckpt, factory)(
+        tmp_path,
+        seed=4,
+        tokenizer=False,
+        use_sliding_window=True,
+        sliding_window=6,
+        max_window_layers=1,
+        **extra,
+    )
+    hf = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager").eval()
+    windows = [6 if t == "sliding_attention" else None for t in hf.config.layer_types]
+    assert None in windows and 6 in windows
+    ids = rng.integers(0, 300, size=(1, 29))
+    with torch.no_grad():
+        want = hf(input_ids=torch.from_numpy(ids)).logits.numpy()
+    model = mlxc.load_model(path)
+    assert [c.window for c in model.make_cache()] == windows
+    cache, parts = model.make_cache(), []
+    for a, b in [(0, 4), (4, 17), (17, 27), (27, 28), (28, 29)]:
+        parts.append(np.array(model(mx.array(ids[:, a:b]), cache=cache)))
+    np.testing.assert_allclose(np.concatenate(parts, axis=1), want, atol=1e-4)

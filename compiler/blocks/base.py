@@ -96,7 +96,8 @@ class BlockKind:
 
     def context(self, block, gen) -> dict:
         """The template's context; it includes ``per_layer``: whether the class reads per-layer
-        fields (its constructor then takes ``layer_idx``)."""
+        fields or ``layer_idx`` (its constructor then takes ``layer_idx``; see
+        ``codegen._Gen.layer_dependence``)."""
         raise NotImplementedError(f"{self.kind} has no template")
 
     def ctor(self, block, gen) -> str | None:

@@ -80,7 +80,7 @@ class GQAKind(BlockKind):
             "mask": route(b, "mask"),
             "positions": route(b, "positions") if b.rope is not None else None,
             "attn_scale": route(b, "attn_scale") if b.scale == "llama4" else None,
-            "per_layer": gen.needs_layer_args(*values),
+            **gen.layer_dependence(*values),
             "heads": gen.py(b.heads),
             "kv_heads": gen.py(b.kv_heads),
             "head_dim": gen.py(b.head_dim),

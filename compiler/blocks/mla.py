@@ -56,7 +56,7 @@ class MLAKind(BlockKind):
             "mask": route(b, "mask"),
             "positions": route(b, "positions"),
             "attn_scale": route(b, "attn_scale") if b.scale == "llama4" else None,
-            "per_layer": gen.needs_layer_args(*values),
+            **gen.layer_dependence(*values),
             "heads": gen.py(b.heads),
             "q_lora_rank": gen.py(b.q_lora_rank),
             "kv_lora_rank": gen.py(b.kv_lora_rank),
