@@ -96,7 +96,7 @@ class ModelArgs:
 
 
 class SlidingAttention(nn.Module):
-    """Grouped-query attention with RoPE, over a sliding window."""
+    """Grouped-query attention with RoPE, over its sliding window where it has one."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
