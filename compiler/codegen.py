@@ -37,7 +37,7 @@ MODEL_FEATURES = ("moe", "mrope")
 
 # What model.py.j2 imports from the runtime for itself, whatever the blocks (module -> names).
 MODEL_IMPORTS = {
-    "mlxc.runtime": {"layers", "masks"},
+    "mlxc.runtime": {"masks"},  # layers: where a kind, a norm or the softcap uses it
     "mlxc.runtime.cache": {"KVCache"},
     "mlxc.runtime.config": {"read"},
     "mlxc.runtime.layers": {"AttentionInputs", "attend"},  # TextModel resolves the inputs
@@ -110,6 +110,7 @@ class _Gen:
         self.layer_scope = expr.Scope(params, frozenset(self.layers.fields), layer_idx=True)
         self.uses_math = False
         self.uses_round_up = False
+        self.uses_layers = False  # runtime.layers as a module (its RMSNorm, softcap)
 
     def py(self, value, args: str = "args", layer: bool = True) -> str:
         """Compile a literal or expression to Python; note which helpers it needs."""
@@ -127,6 +128,7 @@ class _Gen:
 
     def norm(self, norm: schema.Norm, dims: str, layer: bool = True) -> str:
         """The constructor of a norm over ``dims`` (Python source)."""
+        self.uses_layers |= norm.unit_offset
         cls = "layers.RMSNorm" if norm.unit_offset else "nn.RMSNorm"
         return f"{cls}({dims}, eps={self.py(norm.eps, layer=layer)})"
 
@@ -334,6 +336,8 @@ def model_context(spec: schema.Spec, source: str, spec_label: str) -> dict:
     ctx["uses_math"] = gen.uses_math
     if gen.uses_round_up:
         imports["mlxc.runtime.config"].add("round_up")
+    if gen.uses_layers or ctx["logit_softcap"]:
+        imports["mlxc.runtime"].add("layers")
     ctx["runtime_imports"] = _import_lines(imports)
     return ctx
 

@@ -8,6 +8,7 @@ text; it takes precedence over a plain ``outer`` key.
 MODEL_TYPES = {
     "gemma3:gemma3_text": "gemma3",
     "gemma3_text": "gemma3_text",
+    "gpt_oss": "gpt_oss",
     "llama": "llama",
     "ministral3": "ministral3",
     "mistral": "llama",

@@ -36,6 +36,7 @@ from mlxc.runtime.loading import (
     INDEX_FILE,
     CheckpointError,
     load_model,
+    quantization,
     read_config,
     weight_files,
 )
@@ -206,10 +207,11 @@ def convert(
     model_dir, out = Path(model_dir), Path(out)
     config = read_config(model_dir)
     _check_settings(model_dir, out, quantize, bits, group_size, dtype)
-    if config.get("quantization") is not None:
+    if (quant := quantization(config)) is not None:
+        # (An MXFP4 checkpoint's experts would be written quantised under a config without it.)
         raise ConvertError(
-            f"{model_dir} is already quantised ({config['quantization']!r}): convert from the "
-            "float checkpoint instead"
+            f"{model_dir} is already quantised ({quant!r}): convert from the float checkpoint "
+            "instead"
         )
     target = dtype or _source_dtype(model_dir, config)
     model = load_model(model_dir, dtype=target)

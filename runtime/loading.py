@@ -328,6 +328,22 @@ def _check_weights(
 
 # --- quantisation and dtype -----------------------------------------------------------------
 
+# Hugging Face MXFP4 checkpoints (gpt-oss: ``quantization_config.quant_method: mxfp4``) store
+# their experts as blocks and scales that are MLX's mxfp4 layout (runtime/moe.py); their other
+# tensors (``modules_to_not_convert``) are float. Only modules with ``.scales`` get quantised.
+MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+
+
+def quantization(config: dict[str, Any]) -> Any:
+    """How the checkpoint's weights are quantised, as ``_quantize`` takes it: mlx's
+    ``quantization`` entry, :data:`MXFP4` for a Hugging Face MXFP4 checkpoint, or None."""
+    if (quant := config.get("quantization")) is not None:
+        return quant
+    hf = config.get("quantization_config")
+    if isinstance(hf, dict) and hf.get("quant_method") == "mxfp4":
+        return dict(MXFP4)
+    return None
+
 
 def _quantize(
     model: nn.Module, quant: Any, weights: dict[str, mx.array], config_file: Path
@@ -427,7 +443,7 @@ def load_model(
             f"the weights in {path} do not fit the {module.__name__} weight rules: {e!r}"
         ) from e
 
-    if (quant := config.get("quantization")) is not None:
+    if (quant := quantization(config)) is not None:
         _quantize(model, quant, weights, path / "config.json")
 
     where = files[0] if len(files) == 1 else path

@@ -1,8 +1,9 @@
 """Mixture-of-experts block shared by the MoE architectures, and checkpoint layout conversion.
 
 One block serves qwen3_vl_moe / qwen2_moe (softmax, top-k), deepseek_v2 (softmax, greedy or
-group-limited), mistral4 (softmax, group-limited, shared experts) and deepseek_v3 /
-glm4_moe_lite (sigmoid with ``e_score_correction_bias``, group-limited). Experts run through
+group-limited), mistral4 (softmax, group-limited, shared experts), deepseek_v3 /
+glm4_moe_lite (sigmoid with ``e_score_correction_bias``, group-limited) and gpt_oss (router
+and expert biases, clamped SwiGLU, MXFP4 experts). Experts run through
 ``mx.gather_mm`` (``mx.gather_qmm`` once quantised) over stacked weights; with many
 (token, expert) pairs the tokens are sorted by expert first so each expert's weights are read
 once in a contiguous run.
@@ -10,10 +11,13 @@ once in a contiguous run.
 Internal parameter layout (what the model's ``sanitize`` must produce), under the MoE's path::
 
     gate.weight                      [E, H]     router; nn.Linear (quantisable) for softmax
+    gate.bias                        [E]        softmax router with ``router_bias`` (gpt_oss)
     gate.e_score_correction_bias     [E]        sigmoid router only (kept float, as mlx-lm)
     experts.gate_proj.weight         [E, I, H]  (out, in) per expert, as nn.Linear stores it
     experts.up_proj.weight           [E, I, H]
     experts.down_proj.weight         [E, H, I]
+    experts.{gate,up}_proj.bias      [E, I]     with ``expert_bias`` (gpt_oss)
+    experts.down_proj.bias           [E, H]
     shared_experts.{gate,up,down}_proj.weight   SwiGLU of width ``shared_hidden``
     shared_expert.{gate,up,down}_proj.weight    qwen2_moe style instead (``shared_gate=True``)
     shared_expert_gate.weight        [1, H]     qwen2_moe style
@@ -29,23 +33,39 @@ tf5 = what transformers 5 ``save_pretrained`` writes):
   |            |                                     |                   | hub, and their tf5 save |
   | fused      | P.gate_up_proj, P.down_proj         | [E,2I,H] [E,H,I]  | mistral4 hub + tf5;     |
   | out-major  | (no ``.weight`` suffix)             |                   | qwen3_vl_moe tf5 save   |
-  | fused      | P.gate_up_proj, P.down_proj         | [E,H,2I] [E,I,H]  | qwen3_vl_moe hub        |
-  | in-major   |                                     |                   |                         |
+  | fused      | P.gate_up_proj, P.down_proj         | [E,H,2I] [E,I,H]  | qwen3_vl_moe hub;       |
+  | in-major   | (+ P.gate_up_proj_bias [E,2I],      |                   | gpt_oss bf16 hub + tf5  |
+  |            | P.down_proj_bias [E,H]: gpt_oss)    |                   |                         |
+  | MXFP4      | P.{gate_up,down}_proj_blocks        | [E,2I,H/32,16]    | gpt_oss hub             |
+  |            | P.{gate_up,down}_proj_scales        | [E,2I,H/32] and   | (quant_method: mxfp4)   |
+  |            | (+ the _bias tensors above)         | [E,H,I/32,16] ... |                         |
   | mlx-lm     | ...switch_mlp.{gate,up,down}_proj.* | [E,I,H] [E,H,I]   | mlx-community, also     |
   |            | (weight, scales, biases)            |                   | quantised               |
 
-Fused ``gate_up_proj`` holds gate in the first I rows and up in the last I (transformers'
-``.chunk(2, dim=-1)``). Fused tensors are told apart by shape exactly as transformers'
-``Transpose(1, 2, check_dims=True)`` does: a tensor already shaped ``[E, 2I, H]`` (``[E, H, I]``
-for down) is taken as is, anything else is transposed; so when ``H == 2I`` (or ``H == I``) we
-read the checkpoint as transformers reads it. mistral4 has no transformers conversion rule, so
-its HF-format hub checkpoints are already in the fused out-major layout. FP8 ``*_scale_inv``
-tensors must be dequantised before conversion.
+Fused ``gate_up_proj`` (its bias and its MXFP4 blocks and scales too) holds gate and up
+along its output axis as ``gate_up``, a property of the family: ``halves`` (gate in the first I,
+up in the last I: transformers' ``.chunk(2, dim=-1)``) or ``interleaved`` (gate at the even
+outputs, up at the odd: gpt_oss's ``[..., ::2]`` / ``[..., 1::2]``). Dense fused tensors are
+oriented by ``fused``: ``in_out`` (gpt_oss) takes them as ``[E, in, out]`` whatever the sizes
+(gpt_oss has ``H == I``, so no shape can tell); ``by_shape`` tells them apart exactly as
+transformers' ``Transpose(1, 2, check_dims=True)`` does: a tensor already shaped ``[E, 2I, H]``
+(``[E, H, I]`` for down) is taken as is, anything else is transposed; so when ``H == 2I`` (or
+``H == I``) we read the checkpoint as transformers reads it. mistral4 has no transformers
+conversion rule, so its HF-format hub checkpoints are already in the fused out-major layout.
+FP8 ``*_scale_inv`` tensors must be dequantised before conversion.
+
+MXFP4 (OCP microscaling FP4: E2M1 values in groups of 32 along the input axis, one E8M0 scale
+``2**(s - 127)`` per group) is MLX's ``mxfp4`` mode bit for bit: a block's 16 bytes hold 32
+values, the low nibble first, which read as four little-endian uint32 are MLX's packed weight;
+the scales are MLX's as they are. So the blocks are reinterpreted, never dequantised, and the
+loader (``runtime/loading.py: quantization``) makes those experts ``QuantizedExpertLinear`` in
+``mxfp4`` mode with group size 32.
 """
 
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import mlx.core as mx
 from mlx import nn
@@ -58,13 +78,23 @@ PROJS = ("gate_proj", "up_proj", "down_proj")
 # --- expert linears ------------------------------------------------------------------------
 
 
-class ExpertLinear(nn.Module):
-    """``E`` linears stacked as ``weight [E, out, in]``; each row of ``x`` goes to its expert."""
+def _add_bias(layer: nn.Module, y: mx.array, indices: mx.array) -> mx.array:
+    """``y`` plus each row's expert bias (``bias [E, out]``), if the layer has one."""
+    if "bias" not in layer:
+        return y
+    return y + mx.expand_dims(layer["bias"][indices], -2).astype(y.dtype)
 
-    def __init__(self, input_dims: int, output_dims: int, num_experts: int) -> None:
+
+class ExpertLinear(nn.Module):
+    """``E`` linears stacked as ``weight [E, out, in]`` (+ ``bias [E, out]``); each row of ``x``
+    goes to its expert."""
+
+    def __init__(self, input_dims: int, output_dims: int, num_experts: int, bias: bool = False):
         super().__init__()
         scale = input_dims**-0.5
         self.weight = mx.random.uniform(-scale, scale, (num_experts, output_dims, input_dims))
+        if bias:
+            self.bias = mx.zeros((num_experts, output_dims))
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         w = self.weight.swapaxes(-1, -2)
@@ -75,9 +105,10 @@ class ExpertLinear(nn.Module):
                 w.astype(mx.float32),
                 rhs_indices=indices,
                 sorted_indices=sorted_indices,
-            )
-            return y.astype(x.dtype)
-        return mx.gather_mm(x, w, rhs_indices=indices, sorted_indices=sorted_indices)
+            ).astype(x.dtype)
+        else:
+            y = mx.gather_mm(x, w, rhs_indices=indices, sorted_indices=sorted_indices)
+        return _add_bias(self, y, indices)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine"):
         # nn.quantize calls this for every module that has it (runtime/loading.py predicate).
@@ -85,7 +116,8 @@ class ExpertLinear(nn.Module):
 
 
 class QuantizedExpertLinear(nn.Module):
-    """Quantised :class:`ExpertLinear` (weight/scales/biases as mlx-lm's SwitchLinear saves)."""
+    """Quantised :class:`ExpertLinear` (weight/scales/biases as mlx-lm's SwitchLinear saves;
+    ``biases`` are affine mode's zero points, ``bias`` the layer's own bias)."""
 
     def __init__(self, group_size: int, bits: int, mode: str = "affine") -> None:
         super().__init__()
@@ -97,11 +129,13 @@ class QuantizedExpertLinear(nn.Module):
         q.weight, q.scales, *biases = mx.quantize(dense.weight, group_size, bits, mode=mode)
         if biases:
             q.biases = biases[0]
+        if "bias" in dense:
+            q.bias = dense.bias
         q.freeze()
         return q
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        return mx.gather_qmm(
+        y = mx.gather_qmm(
             x,
             self["weight"],
             self["scales"],
@@ -113,10 +147,24 @@ class QuantizedExpertLinear(nn.Module):
             mode=self.mode,
             sorted_indices=sorted_indices,
         )
+        return _add_bias(self, y, indices)
+
+
+def clamped_swiglu(gate: mx.array, up: mx.array, alpha: float, limit: float) -> mx.array:
+    """gpt_oss's gated activation: gate clamped from above and up both ways at ``limit``, then
+    ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    gate = mx.minimum(gate, limit)
+    up = mx.clip(up, -limit, limit)
+    return (up + 1) * (gate * mx.sigmoid(alpha * gate))
 
 
 class Experts(nn.Module):
-    """``E`` SwiGLU experts: ``down(act(gate(x)) * up(x))`` for each (token, chosen expert)."""
+    """``E`` gated experts: ``down(glu(gate(x), up(x)))`` for each (token, chosen expert).
+
+    ``act``: a name of ``layers.ACTIVATIONS`` (``glu = act(gate) * up``: SwiGLU for silu) or
+    ``clamped_swiglu`` (gpt_oss, with ``swiglu_alpha`` and ``swiglu_limit``). ``bias``: every
+    expert linear has a bias.
+    """
 
     def __init__(
         self,
@@ -125,12 +173,22 @@ class Experts(nn.Module):
         num_experts: int,
         act: str = "silu",
         sort_threshold: int = 64,
+        *,
+        bias: bool = False,
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
     ) -> None:
         super().__init__()
-        self.gate_proj = ExpertLinear(hidden, intermediate, num_experts)
-        self.up_proj = ExpertLinear(hidden, intermediate, num_experts)
-        self.down_proj = ExpertLinear(intermediate, hidden, num_experts)
-        self.act = ACTIVATIONS[act]
+        self.gate_proj = ExpertLinear(hidden, intermediate, num_experts, bias)
+        self.up_proj = ExpertLinear(hidden, intermediate, num_experts, bias)
+        self.down_proj = ExpertLinear(intermediate, hidden, num_experts, bias)
+        if act == "clamped_swiglu":
+            self.glu = partial(clamped_swiglu, alpha=swiglu_alpha, limit=swiglu_limit)
+        elif act in ACTIVATIONS:
+            self.glu = partial(_gated, ACTIVATIONS[act])
+        else:
+            known = ", ".join([*ACTIVATIONS, "clamped_swiglu"])
+            raise ValueError(f"expert act must be one of {known}, got {act!r}")
         # Sorting costs two argsorts and a gather; it pays once the pairs outnumber the experts
         # a few times over (prefill), not for one decode token. 64 is mlx-lm's choice too.
         self.sort_threshold = sort_threshold
@@ -150,11 +208,15 @@ class Experts(nn.Module):
         else:
             x = x[:, None, None, :]  # [N, 1, 1, H] broadcasts against indices [N, k]
             idx = indices
-        h = self.act(self.gate_proj(x, idx, do_sort)) * self.up_proj(x, idx, do_sort)
+        h = self.glu(self.gate_proj(x, idx, do_sort), self.up_proj(x, idx, do_sort))
         y = self.down_proj(h, idx, do_sort)
         if do_sort:
             return y[inverse].reshape(N, k, -1)
         return y.squeeze(-2)
+
+
+def _gated(act, gate: mx.array, up: mx.array) -> mx.array:
+    return act(gate) * up
 
 
 # --- routers -------------------------------------------------------------------------------
@@ -231,6 +293,9 @@ class MoE(nn.Module):
                     [topk_method]="group_limited_greedy" -> n_group/topk_group with
                     group_score="max", [routed_scaling_factor], shared as mistral4.
       deepseek_v3, glm4_moe_lite: scoring="sigmoid", group_score="top2", otherwise as mistral4.
+      gpt_oss:      softmax, norm_topk_prob=True (transformers' softmax over the top-k logits is
+                    the renormalised top-k of the softmax), router_bias=True, expert_bias=True,
+                    act="clamped_swiglu", [swiglu_alpha] (1.702), [swiglu_limit].
     """
 
     def __init__(
@@ -250,6 +315,10 @@ class MoE(nn.Module):
         shared_gate: bool = False,
         act: str = "silu",
         sort_threshold: int = 64,
+        router_bias: bool = False,
+        expert_bias: bool = False,
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
     ) -> None:
         super().__init__()
         if scoring not in ("softmax", "sigmoid"):
@@ -264,11 +333,24 @@ class MoE(nn.Module):
         self.routed_scaling_factor = routed_scaling_factor
         self.n_group, self.topk_group, self.group_score = n_group, topk_group, group_score
         self.shared_gate = shared_gate
+        if shared_hidden and act not in ACTIVATIONS:
+            raise ValueError(f"shared experts are SwiGLU layers: act {act!r} is not theirs")
+        if scoring == "sigmoid" and router_bias:
+            raise ValueError("a sigmoid router's bias is its e_score_correction_bias")
         if scoring == "sigmoid":
             self.gate = SigmoidRouter(hidden, num_experts)
         else:
-            self.gate = nn.Linear(hidden, num_experts, bias=False)
-        self.experts = Experts(hidden, intermediate, num_experts, act, sort_threshold)
+            self.gate = nn.Linear(hidden, num_experts, bias=router_bias)
+        self.experts = Experts(
+            hidden,
+            intermediate,
+            num_experts,
+            act,
+            sort_threshold,
+            bias=expert_bias,
+            swiglu_alpha=swiglu_alpha,
+            swiglu_limit=swiglu_limit,
+        )
         if shared_hidden and shared_gate:
             self.shared_expert = SwiGLU(hidden, shared_hidden, act=act)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
@@ -302,23 +384,34 @@ class MoE(nn.Module):
 # --- checkpoint conversion -----------------------------------------------------------------
 
 _PER_EXPERT = re.compile(
-    r"^((?:.*\.)?experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$"
+    r"^((?:.*\.)?experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases|bias)$"
 )
-_FUSED = re.compile(r"^((?:.*\.)?experts)\.(gate_up_proj|down_proj)$")
+_FUSED = re.compile(r"^((?:.*\.)?experts)\.(gate_up_proj|down_proj)(|_bias|_blocks|_scales)$")
 _SWITCH = re.compile(
-    r"^((?:.*\.)?)switch_mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$"
+    r"^((?:.*\.)?)switch_mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases|bias)$"
 )
+GATE_UP = ("halves", "interleaved")
+FUSED = ("by_shape", "in_out")
+MXFP4_GROUP = 32  # values per E8M0 scale, 16 bytes per block
 
 
 def convert_expert_weights(
-    weights: dict[str, mx.array], *, hidden: int, intermediate: int, num_experts: int
+    weights: dict[str, mx.array],
+    *,
+    hidden: int,
+    intermediate: int,
+    num_experts: int,
+    gate_up: str = "halves",
+    fused: str = "by_shape",
 ) -> dict[str, mx.array]:
     """Rewrite every expert tensor in ``weights`` into the internal stacked layout.
 
     Pure: returns a new dict; tensors that are not expert weights pass through unchanged.
     Raises ValueError on a shape that fits no layout or an incomplete per-expert set.
-    See the module docstring for the layouts.
+    See the module docstring for the layouts, ``gate_up`` and ``fused``.
     """
+    if gate_up not in GATE_UP or fused not in FUSED:
+        raise ValueError(f"gate_up must be one of {GATE_UP}, fused one of {FUSED}")
     E, H, I = num_experts, hidden, intermediate
     out: dict[str, mx.array] = {}
     per_expert: dict[tuple[str, str, str], dict[int, mx.array]] = {}
@@ -329,13 +422,25 @@ def convert_expert_weights(
         elif m := _SWITCH.match(name):
             out[f"{m[1]}experts.{m[2]}.{m[3]}"] = w
         elif m := _FUSED.match(name):
-            prefix, proj = m.groups()
-            if proj == "gate_up_proj":
-                w = _as_out_in(name, w, (E, 2 * I, H))
-                out[f"{prefix}.gate_proj.weight"] = w[:, :I, :]
-                out[f"{prefix}.up_proj.weight"] = w[:, I:, :]
+            prefix, proj, part = m.groups()
+            outs, ins = (2 * I, H) if proj == "gate_up_proj" else (H, I)
+            if part == "":
+                w = _as_out_in(name, w, (E, outs, ins), fused == "in_out")
+            elif part == "_bias":
+                w = _expect(name, w, (E, outs))
+            elif part == "_blocks":
+                # 16 bytes = 32 nibbles, low first = 4 little-endian uint32 of MLX's packing.
+                w = _expect(name, w, (E, outs, ins // MXFP4_GROUP, MXFP4_GROUP // 2), ins)
+                w = w.view(mx.uint32).flatten(-2)
             else:
-                out[f"{prefix}.down_proj.weight"] = _as_out_in(name, w, (E, H, I))
+                w = _expect(name, w, (E, outs, ins // MXFP4_GROUP), ins)
+            kind = {"": "weight", "_bias": "bias", "_blocks": "weight", "_scales": "scales"}[part]
+            if proj == "gate_up_proj":
+                gate, up = _split_gate_up(w, gate_up)
+                out[f"{prefix}.gate_proj.{kind}"] = gate
+                out[f"{prefix}.up_proj.{kind}"] = up
+            else:
+                out[f"{prefix}.down_proj.{kind}"] = w
         else:
             out[name] = w
     for (prefix, proj, kind), by_expert in per_expert.items():
@@ -346,10 +451,36 @@ def convert_expert_weights(
     return out
 
 
-def _as_out_in(name: str, w: mx.array, target: tuple[int, int, int]) -> mx.array:
-    """``w`` as ``target`` (E, out, in): kept if already so, else transposed, as transformers."""
-    if tuple(w.shape) == target:
+def _split_gate_up(w: mx.array, gate_up: str) -> tuple[mx.array, mx.array]:
+    """(gate, up) of a fused ``[E, 2I, ...]`` tensor, split along its output axis."""
+    if gate_up == "halves":
+        half = w.shape[1] // 2
+        return w[:, :half], w[:, half:]
+    # Contiguous copies: a strided view would be copied again by every matmul.
+    return mx.contiguous(w[:, 0::2]), mx.contiguous(w[:, 1::2])
+
+
+def _expect(name: str, w: mx.array, shape: tuple[int, ...], ins: int | None = None) -> mx.array:
+    """``w`` if it has ``shape``; ``ins``: the input width of MXFP4 bytes (uint8)."""
+    if ins is not None and ins % MXFP4_GROUP:
+        raise ValueError(f"{name}: MXFP4 needs an input width divisible by 32, not {ins}")
+    if ins is not None and w.dtype != mx.uint8:
+        raise ValueError(f"{name}: MXFP4 blocks and scales are uint8, not {w.dtype}")
+    if tuple(w.shape) != shape:
+        raise ValueError(f"{name}: shape {tuple(w.shape)}, expected {shape}")
+    return w
+
+
+def _as_out_in(
+    name: str, w: mx.array, target: tuple[int, int, int], in_out: bool = False
+) -> mx.array:
+    """``w`` as ``target`` (E, out, in): transposed from (E, in, out) when ``in_out``; else kept
+    if already so and transposed otherwise, as transformers."""
+    transposed = (target[0], target[2], target[1])
+    if tuple(w.shape) == target and not in_out:
         return w
-    if tuple(w.shape) == (target[0], target[2], target[1]):
+    if tuple(w.shape) == transposed:
         return w.swapaxes(1, 2)
+    if in_out:
+        raise ValueError(f"{name}: shape {tuple(w.shape)}, expected [E, in, out] {transposed}")
     raise ValueError(f"{name}: shape {tuple(w.shape)} fits neither {target} nor its transpose")

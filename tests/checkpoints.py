@@ -121,11 +121,13 @@ def _randomise_torch(model, seed: int):
         for name, p in model.named_parameters():
             if "norm" in name:  # input/post_attention_layernorm, q_norm, k_norm, model.norm
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):  # _bias: gpt-oss's fused expert biases
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".sinks"):  # gpt-oss: one logit per head, around the scores'
+                p.copy_(torch.randn(p.shape, generator=g))
             elif "embed_tokens" in name:
                 p.copy_(embed_std * torch.randn(p.shape, generator=g))
-            elif p.ndim == 2:  # nn.Linear weight [out, in]
+            elif p.ndim == 2 or p.ndim == 3:  # nn.Linear weight [out, in]
                 p.copy_(torch.randn(p.shape, generator=g) * (1.5 / p.shape[1] ** 0.5))
             else:
                 raise AssertionError(f"unexpected parameter {name} {tuple(p.shape)}")
@@ -273,6 +275,69 @@ def make_qwen3(
         legacy_config=legacy_config,
         max_shard_size=max_shard_size,
     )
+
+
+# Keys the gpt-oss hub config.json has and transformers 5 does not write (read by nothing).
+GPT_OSS_HUB_ONLY = {"experts_per_token": 2, "initial_context_length": 16}
+# yarn with a small original context, so that short prompts reach the interpolated dims.
+GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "original_max_position_embeddings": 16,
+    "truncate": False,
+}
+
+
+def make_gpt_oss(
+    path, *, seed=0, tokenizer=True, legacy_config=False, max_shard_size=None, **overrides
+):
+    """GptOssForCausalLM: GQA with q/k/v/o biases and per-head sinks, sliding (window 8) and
+    full layers alternating, yarn RoPE, routed experts (4, top-2) with a biased router and
+    clamped SwiGLU experts. ``swiglu_limit`` is 2.0 (the hub's is 7.0) so that the clamps act
+    at these weights' scale. Weights as the bf16 hub checkpoints and transformers 5 name them:
+    model.layers.N.mlp.router.{weight,bias}, mlp.experts.gate_up_proj [E, H, 2I] (gate and up
+    interleaved), gate_up_proj_bias, down_proj [E, I, H], down_proj_bias, self_attn.sinks.
+    ``legacy_config``: the hub's config form (rope_theta + rope_scaling, no swiglu_alpha, and
+    its extra keys); otherwise transformers 5's."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    defaults = dict(
+        _COMMON,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        max_position_embeddings=64,  # factor x original: transformers warns otherwise
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        swiglu_limit=2.0,
+        attention_bias=True,
+        rope_theta=150_000.0,
+        rope_scaling=GPT_OSS_ROPE,
+        router_aux_loss_coef=0.9,
+    )
+    path = _make_hf(
+        GptOssConfig,
+        GptOssForCausalLM,
+        path,
+        defaults,
+        overrides,
+        seed=seed,
+        tokenizer=tokenizer,
+        legacy_config=legacy_config,
+        max_shard_size=max_shard_size,
+    )
+    if legacy_config:
+        cfg_path = path / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        if cfg.pop("swiglu_alpha") != 1.702:
+            raise ValueError("the hub config has no swiglu_alpha: it is 1.702 there")
+        cfg_path.write_text(json.dumps(cfg | GPT_OSS_HUB_ONLY, indent=2, sort_keys=True) + "\n")
+    return path
 
 
 # --------------------------------------------------------------------------------------------
