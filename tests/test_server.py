@@ -78,6 +78,7 @@ ARCHS = {
     "gemma3_text": make_gemma3_text,
     "qwen3_moe": make_qwen3_moe,
     "ministral3": make_ministral3,
+    "gpt_oss": ckpt.make_gpt_oss,
     "qwen2": ckpt.make_qwen2,
     "qwen3": ckpt.make_qwen3,
     "nemotron_nas": ckpt.make_nemotron_nas,
