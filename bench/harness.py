@@ -44,7 +44,7 @@ class Side:
 
     def generate(self, ids: list[int], max_tokens: int, cache: list) -> Iterator[int]:
         if self.kind == "ours":
-            from mlxc.runtime.generate import generate_tokens
+            from mlxc.runtime.serving.generate import generate_tokens
 
             return generate_tokens(self.model, ids, max_tokens=max_tokens, cache=cache)
         from mlx_lm.generate import generate_step

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
 
     from bench import models
-    from mlxc.runtime.generate import generate_tokens
+    from mlxc.runtime.serving.generate import generate_tokens
 
     n = args.max_kv_size
     with tempfile.TemporaryDirectory(prefix="mlxc-kv-bench-") as tmp:

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from mlx_lm.generate import generate_step
 
-    from mlxc.runtime.generate import generate_tokens
+    from mlxc.runtime.serving.generate import generate_tokens
 
     n = args.warmup + args.steps + 1
     report["own_loop"] = {

@@ -55,7 +55,7 @@ def _log(msg: str) -> None:
 def prepare(archs: list[str], size: str, quants: list[str], work: Path) -> dict:
     """Write each checkpoint (and its 4-bit conversion); {arch: {quant: dir}}."""
     from bench import models
-    from mlxc.runtime.convert import convert
+    from mlxc.runtime.checkpoint.convert import convert
 
     dirs: dict[str, dict[str, str]] = {}
     for arch in archs:
@@ -105,7 +105,7 @@ def machine(device: str) -> dict:
     try:
         import inspect
 
-        from mlxc.runtime.generate import generate_tokens
+        from mlxc.runtime.serving.generate import generate_tokens
 
         default = inspect.signature(generate_tokens).parameters["prefill_chunk_size"].default
         info["mlxc_prefill_chunk"] = default

@@ -37,13 +37,13 @@ MODEL_FEATURES = ("moe", "mrope")
 
 # What model.py.j2 imports from the runtime for itself, whatever the blocks (module -> names).
 MODEL_IMPORTS = {
-    "mlxc.runtime": {"masks"},  # layers: where a kind, a norm or the softcap uses it
-    "mlxc.runtime.cache": {"KVCache"},
-    "mlxc.runtime.config": {"read"},
-    "mlxc.runtime.layers": {"AttentionInputs", "attend"},  # TextModel resolves the inputs
-    "mlxc.runtime.multimodal": {"SequenceCache"},
-    "mlxc.runtime.rope": {"RopeConfig"},
-    "mlxc.runtime.weights": {"WeightRules"},
+    "mlxc.runtime.model": {"masks"},  # layers: where a kind, a norm or the softcap uses it
+    "mlxc.runtime.model.cache": {"KVCache"},
+    "mlxc.runtime.model.config": {"read"},
+    "mlxc.runtime.model.layers": {"AttentionInputs", "attend"},  # TextModel resolves the inputs
+    "mlxc.runtime.model.multimodal": {"SequenceCache"},
+    "mlxc.runtime.model.rope": {"RopeConfig"},
+    "mlxc.runtime.model.weights": {"WeightRules"},
 }
 
 _PY_TYPES = {
@@ -283,10 +283,10 @@ def model_context(spec: schema.Spec, source: str, spec_label: str) -> dict:
     if spec.vision is not None:
         tower = TOWERS[spec.vision.tower]
         vision = dataclasses.asdict(tower) | {"image_token": spec.vision.image_token}
-        imports["mlxc.runtime.multimodal"].add("ImageFeatures")
-        imports["mlxc.runtime.vision"] = {tower.module}
+        imports["mlxc.runtime.model.multimodal"].add("ImageFeatures")
+        imports["mlxc.runtime.model.vision"] = {tower.module}
         if tower.bidirectional_images:
-            imports["mlxc.runtime"].add("image_attention")
+            imports["mlxc.runtime.model"].add("image_attention")
     tied = spec.text.lm_head.tied
     ctx = features | {
         "deepstack": layers.deepstack,
@@ -335,9 +335,9 @@ def model_context(spec: schema.Spec, source: str, spec_label: str) -> dict:
     # Compiling everything above registered the helpers it needs.
     ctx["uses_math"] = gen.uses_math
     if gen.uses_round_up:
-        imports["mlxc.runtime.config"].add("round_up")
+        imports["mlxc.runtime.model.config"].add("round_up")
     if gen.uses_layers or ctx["logit_softcap"]:
-        imports["mlxc.runtime"].add("layers")
+        imports["mlxc.runtime.model"].add("layers")
     ctx["runtime_imports"] = _import_lines(imports)
     return ctx
 

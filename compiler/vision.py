@@ -11,16 +11,16 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Tower:
-    module: str  # mlxc.runtime.vision.<module>
+    module: str  # mlxc.runtime.model.vision.<module>
     template: str  # renders VisionLanguageModel around the text decoder
     inputs: tuple[str, ...]  # what the model takes with the first chunk of a prompt
     tower_class: str | None = None  # the class in `module` (qwen family)
     mrope: bool = False  # keeps MRoPE positions per prompt: gqa `rope.mrope` needs it
     deepstack: bool = False  # returns DeepStack feature sets: `layers.deepstack` needs it
-    # rope_index settings of the qwen family (see runtime/mrope.py)
+    # rope_index settings of the qwen family (see runtime/model/mrope.py)
     tokens_per_second: bool = False
     frames_as_images: bool = False
-    # Image tokens attend to their whole image in prefill (runtime/image_attention.py): the
+    # Image tokens attend to their whole image in prefill (runtime/model/image_attention.py): the
     # TextModel ORs the overlay into its masks, and prefills keep each image in one chunk.
     bidirectional_images: bool = False
 

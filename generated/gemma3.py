@@ -16,14 +16,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx import nn
 
-from mlxc.runtime import image_attention, layers, masks
-from mlxc.runtime.cache import KVCache, attention_cache
-from mlxc.runtime.config import read
-from mlxc.runtime.layers import AttentionInputs, attend
-from mlxc.runtime.multimodal import ImageFeatures, SequenceCache
-from mlxc.runtime.rope import RopeConfig, make_rope
-from mlxc.runtime.vision import siglip
-from mlxc.runtime.weights import WeightRules
+from mlxc.runtime.model import image_attention, layers, masks
+from mlxc.runtime.model.cache import KVCache, attention_cache
+from mlxc.runtime.model.config import read
+from mlxc.runtime.model.layers import AttentionInputs, attend
+from mlxc.runtime.model.multimodal import ImageFeatures, SequenceCache
+from mlxc.runtime.model.rope import RopeConfig, make_rope
+from mlxc.runtime.model.vision import siglip
+from mlxc.runtime.model.weights import WeightRules
 
 SPEC = "gemma3"
 MODEL_TYPES = ("gemma3",)
@@ -301,7 +301,7 @@ class VisionLanguageModel(nn.Module):
 
 
 class Model(nn.Module):
-    cache_policy = CACHE_POLICY  # the runtime reads these off the model (runtime.cache, processor)
+    cache_policy = CACHE_POLICY  # the runtime reads these off the model (cache, processor)
     vision_tower = VISION_TOWER
 
     def __init__(self, args: ModelArgs) -> None:

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx import nn
 
-from mlxc.runtime import layers, masks, moe, yarn
-from mlxc.runtime.cache import KVCache
-from mlxc.runtime.config import read
-from mlxc.runtime.layers import AttentionInputs, attend
-from mlxc.runtime.multimodal import ImageFeatures, SequenceCache
-from mlxc.runtime.rope import RopeConfig, make_rope
-from mlxc.runtime.vision import pixtral
-from mlxc.runtime.weights import WeightRules
+from mlxc.runtime.model import layers, masks, moe, yarn
+from mlxc.runtime.model.cache import KVCache
+from mlxc.runtime.model.config import read
+from mlxc.runtime.model.layers import AttentionInputs, attend
+from mlxc.runtime.model.multimodal import ImageFeatures, SequenceCache
+from mlxc.runtime.model.rope import RopeConfig, make_rope
+from mlxc.runtime.model.vision import pixtral
+from mlxc.runtime.model.weights import WeightRules
 
 SPEC = "mistral_small4"
 MODEL_TYPES = ("mistral3",)
@@ -346,7 +346,7 @@ class VisionLanguageModel(nn.Module):
 
 
 class Model(nn.Module):
-    cache_policy = CACHE_POLICY  # the runtime reads these off the model (runtime.cache, processor)
+    cache_policy = CACHE_POLICY  # the runtime reads these off the model (cache, processor)
     vision_tower = VISION_TOWER
 
     def __init__(self, args: ModelArgs) -> None:

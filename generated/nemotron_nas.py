@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx import nn
 
-from mlxc.runtime import layers, masks
-from mlxc.runtime.cache import KVCache
-from mlxc.runtime.config import read, round_up
-from mlxc.runtime.layers import AttentionInputs, attend
-from mlxc.runtime.multimodal import SequenceCache
-from mlxc.runtime.rope import RopeConfig, make_rope
-from mlxc.runtime.weights import WeightRules
+from mlxc.runtime.model import layers, masks
+from mlxc.runtime.model.cache import KVCache
+from mlxc.runtime.model.config import read, round_up
+from mlxc.runtime.model.layers import AttentionInputs, attend
+from mlxc.runtime.model.multimodal import SequenceCache
+from mlxc.runtime.model.rope import RopeConfig, make_rope
+from mlxc.runtime.model.weights import WeightRules
 
 SPEC = "nemotron_nas"
 MODEL_TYPES = ("nemotron-nas",)
@@ -201,7 +201,7 @@ class TextModel(nn.Module):
 
 
 class Model(nn.Module):
-    cache_policy = CACHE_POLICY  # the runtime reads these off the model (runtime.cache, processor)
+    cache_policy = CACHE_POLICY  # the runtime reads these off the model (cache, processor)
     vision_tower = VISION_TOWER
 
     def __init__(self, args: ModelArgs) -> None:

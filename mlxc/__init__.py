@@ -16,7 +16,7 @@ __all__ = ["load", "load_model"]
 
 def __getattr__(name: str):
     if name in __all__:
-        from mlxc.runtime import loading
+        from mlxc.runtime.checkpoint import loading
 
         return getattr(loading, name)
     raise AttributeError(f"module 'mlxc' has no attribute '{name}'")

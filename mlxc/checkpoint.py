@@ -1,12 +1,12 @@
 """``mlxc checkpoint``: a checkpoint with RANDOM weights for a spec, to run it end to end.
 
-The spec is compiled in memory (``mlxc.runtime.user_specs``) and its model built from its
+The spec is compiled in memory (``mlxc.runtime.checkpoint.user_specs``) and its model built from its
 ``tiny_config`` (or a given config) with weights of real variance (``mlxc.verify.randomize``,
 seeded: the same seed writes the same bytes). The directory holds ``config.json``, one float32
 ``model.safetensors`` under the model's own tensor names (what ``mlxc convert`` writes; for a
 spec without ``weights.rename`` they are the hub names too), checked to load strictly, and the
 demo's byte-level tokenizer sized to the vocabulary, with a chat template
-(``mlxc.runtime.demo.write_tokenizer``: every id decodes). It is written to a temporary
+(``mlxc.runtime.checkpoint.demo.write_tokenizer``: every id decodes). It is written to a temporary
 directory renamed into place: it appears complete or not at all.
 """
 
@@ -19,10 +19,10 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlxc.runtime import demo, loading
-from mlxc.runtime.convert import new_directory
-from mlxc.runtime.loading import CheckpointError
-from mlxc.runtime.user_specs import compile_specs
+from mlxc.runtime.checkpoint import demo, loading
+from mlxc.runtime.checkpoint.convert import new_directory
+from mlxc.runtime.checkpoint.loading import CheckpointError
+from mlxc.runtime.checkpoint.user_specs import compile_specs
 from mlxc.verify import randomize
 
 

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from mlxc.runtime import serve_defaults
+from mlxc.runtime.serving import serve_defaults
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -45,8 +45,8 @@ def _user_specs_or_exit(specs: str | None) -> None:
     if specs is None:
         return
     from mlxc.compiler.findings import render
-    from mlxc.runtime.loading import registry
-    from mlxc.runtime.user_specs import SpecError
+    from mlxc.runtime.checkpoint.loading import registry
+    from mlxc.runtime.checkpoint.user_specs import SpecError
 
     try:
         _specs_or_exit(registry, specs)
@@ -291,17 +291,18 @@ def generate(
     """Generate a completion for PROMPT, streaming the text to stdout."""
     import time
 
+    from mlxc.runtime.checkpoint.loading import CheckpointError, load_checkpoint
+    from mlxc.runtime.checkpoint.processor import ImageInputError, load_image
+    from mlxc.runtime.checkpoint.tokenizer import StreamingDetokenizer, encode_prompt
+
     # MLX and transformers load here, not at CLI start-up: lint and build never need them.
-    from mlxc.runtime.generate import (
+    from mlxc.runtime.serving.generate import (
         DEFAULT_KV_SINK,
         ContextExceeded,
         completion_budget,
         generate_tokens,
     )
-    from mlxc.runtime.loading import CheckpointError, load_checkpoint
-    from mlxc.runtime.processor import ImageInputError, load_image
-    from mlxc.runtime.sample import make_sampler
-    from mlxc.runtime.tokenizer import StreamingDetokenizer, encode_prompt
+    from mlxc.runtime.serving.sample import make_sampler
 
     kv_sink = DEFAULT_KV_SINK if kv_sink is None else kv_sink
     if max_kv_size is not None and max_kv_size <= kv_sink:
@@ -310,7 +311,7 @@ def generate(
         )
     _user_specs_or_exit(specs)
     if model_dir is None:
-        from mlxc.runtime import demo
+        from mlxc.runtime.checkpoint import demo
 
         try:
             model_dir = demo.ensure_demo()
@@ -526,10 +527,10 @@ def serve(
     import logging
     from pathlib import Path
 
-    from mlxc.runtime.engine import Engine
-    from mlxc.runtime.generate import DEFAULT_KV_SINK
-    from mlxc.runtime.loading import CheckpointError
-    from mlxc.runtime.server import bind, create_app, run
+    from mlxc.runtime.checkpoint.loading import CheckpointError
+    from mlxc.runtime.serving.engine import Engine
+    from mlxc.runtime.serving.generate import DEFAULT_KV_SINK
+    from mlxc.runtime.serving.server import bind, create_app, run
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     log = logging.getLogger("mlxc.serve")
@@ -558,7 +559,7 @@ def serve(
 
     description = None
     if model_dir is None:
-        from mlxc.runtime import demo
+        from mlxc.runtime.checkpoint import demo
 
         try:
             model_dir = demo.ensure_demo()
@@ -666,8 +667,8 @@ def _comma_list(value: str) -> tuple[str, ...]:
 )
 def convert(model_dir, out_dir, quantize, bits, group_size, dtype):
     """Write a checkpoint as an MLX checkpoint: another dtype, or quantised (--quantize)."""
-    from mlxc.runtime.convert import convert as run_convert
-    from mlxc.runtime.loading import CheckpointError
+    from mlxc.runtime.checkpoint.convert import convert as run_convert
+    from mlxc.runtime.checkpoint.loading import CheckpointError
 
     if not quantize and (bits != "4" or group_size != "64"):
         click.echo("note: --bits/--group-size only apply with --quantize", err=True)
@@ -732,8 +733,8 @@ def checkpoint(spec, out_dir, config_file, seed):
     """
     from mlxc.checkpoint import read_config_file, write_checkpoint
     from mlxc.compiler.findings import render
-    from mlxc.runtime.loading import CheckpointError
-    from mlxc.runtime.user_specs import SpecError
+    from mlxc.runtime.checkpoint.loading import CheckpointError
+    from mlxc.runtime.checkpoint.user_specs import SpecError
 
     try:
         config = read_config_file(config_file) if config_file else None

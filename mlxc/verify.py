@@ -22,11 +22,11 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxc.compiler import build
-from mlxc.runtime import masks
-from mlxc.runtime.batch import BatchCache
-from mlxc.runtime.cache import cache_arrays, enforce_max_kv
-from mlxc.runtime.generate import prefill_spans
-from mlxc.runtime.user_specs import load_source
+from mlxc.runtime.checkpoint.user_specs import load_source
+from mlxc.runtime.model import masks
+from mlxc.runtime.model.batch import BatchCache
+from mlxc.runtime.model.cache import cache_arrays, enforce_max_kv
+from mlxc.runtime.serving.generate import prefill_spans
 
 PREFILL_CHUNK = 8
 MAX_KV = 16

@@ -14,9 +14,9 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten
 
-from mlxc.runtime import masks
-from mlxc.runtime.cache import KVCache
-from mlxc.runtime.multimodal import SequenceCache
+from mlxc.runtime.model import masks
+from mlxc.runtime.model.cache import KVCache
+from mlxc.runtime.model.multimodal import SequenceCache
 
 CONFIG = {
     "model_type": "toy",

@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 import yaml
 
-from mlxc.runtime import masks, mrope, yarn
+from mlxc.runtime.model import masks, mrope, yarn
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = sorted(p.stem for p in (ROOT / "specs").glob("*.yaml"))

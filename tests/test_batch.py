@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxc.runtime.batch import BatchKVCache
-from mlxc.runtime.cache import KVCache, enforce_max_kv
+from mlxc.runtime.model.batch import BatchKVCache
+from mlxc.runtime.model.cache import KVCache, enforce_max_kv
 
 H, D = 2, 3
 

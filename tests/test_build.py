@@ -155,3 +155,38 @@ def test_build_cli_errors():
     assert run("build").exit_code == 2  # no specs given
     result = build.render([SPECS])
     assert not result.findings and "registry.py" in result.files
+
+
+def test_generated_code_imports_only_the_model_layer():
+    """Generated models import the runtime's model layer (caches, masks, rope, layers, MoE,
+    towers, ...) and nothing of checkpoint I/O or serving: the layering docs/architecture.md
+    describes, so a model file stays usable without the server's or the loader's code."""
+    for path in sorted((ROOT / "generated").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module.startswith("mlxc"):
+                module = node.module
+                if module == "mlxc.generated" or path.name == "registry.py":
+                    continue
+                assert module == "mlxc.runtime.model" or module.startswith("mlxc.runtime.model."), (
+                    f"{path.name} imports {module}"
+                )
+            if isinstance(node, ast.Import):
+                assert not any(a.name.startswith("mlxc") for a in node.names), path.name
+
+
+def test_runtime_layers_import_downward_only():
+    """model imports neither checkpoint nor serving; checkpoint does not import serving."""
+    above = {
+        "model": ("mlxc.runtime.checkpoint", "mlxc.runtime.serving"),
+        "checkpoint": ("mlxc.runtime.serving",),
+    }
+    for layer, forbidden in above.items():
+        for path in sorted((ROOT / "runtime" / layer).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = []
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                bad = [n for n in names if n.startswith(forbidden)]
+                assert not bad, f"{path.relative_to(ROOT)} imports {bad}"

@@ -1,8 +1,8 @@
 import mlx.core as mx
 import pytest
 
-from mlxc.runtime import masks
-from mlxc.runtime.cache import KVCache, enforce_max_kv
+from mlxc.runtime.model import masks
+from mlxc.runtime.model.cache import KVCache, enforce_max_kv
 
 
 def kv(n, start=0):
@@ -87,7 +87,7 @@ def test_causal_array_mask_is_bottom_right_aligned():
 
 
 def _protocol_members() -> set[str]:
-    from mlxc.runtime.cache import LayerCache
+    from mlxc.runtime.model.cache import LayerCache
 
     # Its methods and properties, and its annotated attributes (trimmable).
     names = set(vars(LayerCache)) | set(LayerCache.__annotations__)
@@ -106,8 +106,8 @@ def test_readme_cache_contract_lists_the_protocol_members():
 
 
 def test_kv_caches_satisfy_the_protocol():
-    from mlxc.runtime.batch import BatchKVCache
-    from mlxc.runtime.cache import LayerCache
+    from mlxc.runtime.model.batch import BatchKVCache
+    from mlxc.runtime.model.cache import LayerCache
 
     cache = KVCache()
     cache.update_and_fetch(*kv(3))

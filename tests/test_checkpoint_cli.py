@@ -14,8 +14,8 @@ from test_user_specs import user_spec
 
 import mlxc
 from mlxc.cli import main
-from mlxc.runtime import demo
-from mlxc.runtime.tokenizer import StreamingDetokenizer, encode_prompt, load_tokenizer
+from mlxc.runtime.checkpoint import demo
+from mlxc.runtime.checkpoint.tokenizer import StreamingDetokenizer, encode_prompt, load_tokenizer
 
 SPECS = Path(__file__).parent.parent / "specs"
 TEXT_SPECS = ["llama", "mistral4", "nemotron_nas", "qwen2", "qwen3"]

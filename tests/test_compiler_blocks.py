@@ -254,7 +254,7 @@ def test_cache_policy_is_derived_unless_the_spec_says_it():
 
 
 def test_nemotron_nas_layers_build_their_own_caches():
-    from mlxc.runtime.cache import KVCache
+    from mlxc.runtime.model.cache import KVCache
 
     module = load_source(
         "nemotron_nas_caches", (ROOT / "generated" / "nemotron_nas.py").read_text()

@@ -188,7 +188,7 @@ def test_shipped_specs_extend():
 
 
 def test_user_specs_extend_in_their_directory(tmp_path):
-    from mlxc.runtime.user_specs import compile_specs
+    from mlxc.runtime.checkpoint.user_specs import compile_specs
 
     write(tmp_path, "base", base_text())
     write(tmp_path, "child", CHILD)

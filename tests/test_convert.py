@@ -4,7 +4,7 @@ Two kinds of check, on the tiny random checkpoints of tests/checkpoints.py and t
 
 * Mechanism (exact): a converted checkpoint loaded by ``mlxc.load_model`` gives the logits of
   the float model whose quantisable weights were replaced by ``dequantize(quantize(w))`` (the
-  reference built here, independently of runtime/convert.py), to atol 1e-4, and the same 10
+  reference built here, independently of runtime/checkpoint/convert.py), to atol 1e-4, and the same 10
   greedy tokens. A layer quantised that should not be, or left float that should be, or with
   another group size or bit width, moves the logits by the quantisation noise (>= 1e-2 here),
   far above 1e-4.
@@ -47,10 +47,10 @@ import test_mistral4 as m4
 
 import mlxc
 from mlxc.cli import main
-from mlxc.runtime import moe
-from mlxc.runtime.convert import ConvertError, convert
-from mlxc.runtime.generate import generate_tokens
-from mlxc.runtime.moe import QuantizedExpertLinear, route
+from mlxc.runtime.checkpoint.convert import ConvertError, convert
+from mlxc.runtime.model import moe
+from mlxc.runtime.model.moe import QuantizedExpertLinear, route
+from mlxc.runtime.serving.generate import generate_tokens
 
 GROUP = 32  # divides every width of the tiny checkpoints (64, 160, 24, 32 ...)
 STEPS = 10
@@ -252,7 +252,7 @@ def test_errors_are_clear_and_leave_nothing_behind(tmp_path, monkeypatch):
     with pytest.raises(ConvertError, match="already quantised"):
         convert(q, tmp_path / "again", quantize=True)
 
-    import mlxc.runtime.convert as conv
+    import mlxc.runtime.checkpoint.convert as conv
 
     def fail(*a, **k):
         raise OSError("disk full")

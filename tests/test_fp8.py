@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from test_mistral4 import make_checkpoint, reference
 
 import mlxc
-from mlxc.runtime import fp8
+from mlxc.runtime.checkpoint import fp8
 
 BLOCK = 8
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import checkpoints as ckpt
 
 import mlxc
-from mlxc.runtime.cache import KVCache, WindowedKVCache, enforce_max_kv
+from mlxc.runtime.model.cache import KVCache, WindowedKVCache, enforce_max_kv
 
 ATOL = 1e-4
 WINDOW = 6

@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mlxc.runtime.vision import siglip
+from mlxc.runtime.model.vision import siglip
 
 ATOL = 1e-4
 IMAGE, PATCH, MM_TOKENS = 16, 4, 4  # a 4x4 patch grid pooled 2x2 to 4 tokens
@@ -205,7 +205,7 @@ def hf_masks(ids: list[int], window: int) -> dict[str, np.ndarray]:
 
 def chunk_mask(ids, start, end, window):
     """What a TextModel builds for chunk [start, end) with every earlier key live."""
-    from mlxc.runtime import image_attention, masks
+    from mlxc.runtime.model import image_attention, masks
 
     is_image = mx.array([[t == IMG_ID for t in ids[start:end]]])
     L = end - start
@@ -218,8 +218,8 @@ def chunk_mask(ids, start, end, window):
 @pytest.mark.parametrize("window", [3, 5, 100])
 @pytest.mark.parametrize("chunk", [1, 2, 3, 5, 14])
 def test_image_overlay_matches_transformers(window, chunk):
-    from mlxc.runtime import image_attention
-    from mlxc.runtime.generate import prefill_chunks
+    from mlxc.runtime.model import image_attention
+    from mlxc.runtime.serving.generate import prefill_chunks
 
     want = hf_masks(LAYOUT, window)
     spans = image_attention.image_spans(LAYOUT, IMG_ID)
@@ -244,7 +244,7 @@ def test_a_cut_image_loses_exactly_its_cross_chunk_pairs():
 
 
 def test_overlay_shapes_and_groups():
-    from mlxc.runtime import image_attention
+    from mlxc.runtime.model import image_attention
 
     is_image = mx.array([[0, 1, 1, 0, 1], [1, 1, 0, 0, 0]]).astype(mx.bool_)
     groups = np.array(image_attention.image_groups(is_image))
@@ -272,7 +272,7 @@ def test_overlay_shapes_and_groups():
     ],
 )
 def test_prefill_chunks_keep_spans_whole(n, chunk, spans, want):
-    from mlxc.runtime.generate import prefill_chunks
+    from mlxc.runtime.serving.generate import prefill_chunks
 
     with mx.stream(mx.cpu):  # the CPU rule: the last token alone
         assert prefill_chunks(n, chunk, spans) == want
@@ -427,7 +427,7 @@ def hf_processor(path):
 
 
 def test_preprocessing_matches_transformers(gemma3_dir):
-    from mlxc.runtime.vision import gemma3_preprocess as gp
+    from mlxc.runtime.checkpoint import gemma3_preprocess as gp
 
     cfg = gp.Gemma3ProcessorConfig.from_pretrained(gemma3_dir)
     assert (cfg.height, cfg.width, cfg.resample, cfg.image_seq_length) == (896, 896, 2, 256)
@@ -446,9 +446,9 @@ def test_preprocessing_matches_transformers(gemma3_dir):
 def test_pan_and_scan_matches_transformers(tmp_path):
     """Off whatever the file says, as Gemma3Processor passes its own defaults; asked for, the
     crops and their prompt text match ``processor(..., do_pan_and_scan=True)``."""
-    from mlxc.runtime import processor as proc
-    from mlxc.runtime.tokenizer import load_tokenizer
-    from mlxc.runtime.vision import gemma3_preprocess as gp
+    from mlxc.runtime.checkpoint import gemma3_preprocess as gp
+    from mlxc.runtime.checkpoint import processor as proc
+    from mlxc.runtime.checkpoint.tokenizer import load_tokenizer
 
     path = write_gemma3_dir(
         tmp_path,
@@ -485,9 +485,9 @@ def gemma3_messages(part="image"):
 
 
 def test_prompt_matches_gemma3_processor(gemma3_dir):
-    from mlxc.runtime import image_attention
-    from mlxc.runtime import processor as proc
-    from mlxc.runtime.tokenizer import load_tokenizer
+    from mlxc.runtime.checkpoint import processor as proc
+    from mlxc.runtime.checkpoint.tokenizer import load_tokenizer
+    from mlxc.runtime.model import image_attention
 
     tokenizer = load_tokenizer(gemma3_dir)
     processor = proc.load_processor(gemma3_dir, tokenizer, "gemma3_siglip")
@@ -521,8 +521,8 @@ def test_prompt_matches_gemma3_processor(gemma3_dir):
 
 
 def test_prompt_without_chat_template_and_errors(gemma3_dir, tmp_path):
-    from mlxc.runtime import processor as proc
-    from mlxc.runtime.tokenizer import load_tokenizer
+    from mlxc.runtime.checkpoint import processor as proc
+    from mlxc.runtime.checkpoint.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(gemma3_dir)
     processor = proc.load_processor(gemma3_dir, tokenizer, "gemma3_siglip")

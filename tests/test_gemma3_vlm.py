@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from test_gemma3_vision import rerandomise
 
 import mlxc
-from mlxc.runtime.generate import prefill_chunks, prefill_spans
+from mlxc.runtime.serving.generate import prefill_chunks, prefill_spans
 
 ATOL = 1e-4
 MM, BOI, EOI, SOFT = 4, 120, 121, 122

@@ -16,17 +16,17 @@ sys.path.insert(0, str(Path(__file__).parent))  # the toy model lives beside the
 import _toy_model as toy
 
 from mlxc.cli import main
-from mlxc.runtime import loading
-from mlxc.runtime.cache import KVCache
-from mlxc.runtime.generate import generate_tokens, prefill_chunks
-from mlxc.runtime.loading import CheckpointError, load_model
-from mlxc.runtime.sample import make_sampler
-from mlxc.runtime.tokenizer import (
+from mlxc.runtime.checkpoint import loading
+from mlxc.runtime.checkpoint.loading import CheckpointError, load_model
+from mlxc.runtime.checkpoint.tokenizer import (
     StreamingDetokenizer,
     encode_prompt,
     eos_token_ids,
     load_tokenizer,
 )
+from mlxc.runtime.model.cache import KVCache
+from mlxc.runtime.serving.generate import generate_tokens, prefill_chunks
+from mlxc.runtime.serving.sample import make_sampler
 
 PROMPT = list(range(10, 47))  # 37 tokens
 

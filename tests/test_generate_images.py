@@ -42,9 +42,9 @@ import checkpoints as ck
 
 import mlxc
 from mlxc.cli import main
-from mlxc.runtime import generate as generate_mod
-from mlxc.runtime import processor as proc
-from mlxc.runtime.tokenizer import eos_token_ids, load_tokenizer
+from mlxc.runtime.checkpoint import processor as proc
+from mlxc.runtime.checkpoint.tokenizer import eos_token_ids, load_tokenizer
+from mlxc.runtime.serving import generate as generate_mod
 
 ATOL = 1e-4
 QWEN_MODEL_CLASS = {

@@ -1,4 +1,4 @@
-"""gpt_oss's MoE in runtime/moe.py against transformers' GptOssMLP, and MXFP4 experts.
+"""gpt_oss's MoE in runtime/model/moe.py against transformers' GptOssMLP, and MXFP4 experts.
 
 The block: re-randomised float32 weights, atol 1e-4, from the dense fused layout (the bf16 hub
 checkpoints and what transformers 5 ``save_pretrained`` writes: the same names and shapes) and
@@ -25,8 +25,8 @@ from mlx import nn
 from mlx.utils import tree_flatten
 
 import mlxc
-from mlxc.runtime import loading
-from mlxc.runtime.moe import MoE, QuantizedExpertLinear, convert_expert_weights
+from mlxc.runtime.checkpoint import loading
+from mlxc.runtime.model.moe import MoE, QuantizedExpertLinear, convert_expert_weights
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -386,7 +386,7 @@ def test_the_loader_builds_mxfp4_experts_from_blocks_and_scales(hub_mxfp4):
 
 def test_convert_refuses_an_mxfp4_checkpoint(hub_mxfp4, tmp_path):
     # Its experts would be written quantised under a config.json that no longer says so.
-    from mlxc.runtime.convert import ConvertError, convert
+    from mlxc.runtime.checkpoint.convert import ConvertError, convert
 
     mxfp4_dir, _ = hub_mxfp4
     with pytest.raises(ConvertError, match="already quantised"):

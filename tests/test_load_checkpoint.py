@@ -12,8 +12,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # the toy model lives beside the tests
 import _toy_model as toy
 
-from mlxc.runtime import loading
-from mlxc.runtime.loading import CheckpointError, load_checkpoint
+from mlxc.runtime.checkpoint import loading
+from mlxc.runtime.checkpoint.loading import CheckpointError, load_checkpoint
 
 
 @pytest.fixture

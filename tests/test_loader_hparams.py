@@ -17,7 +17,7 @@ import checkpoints as ck
 
 from mlxc.cli import main
 from mlxc.generated import llama
-from mlxc.runtime.loading import CheckpointError, load_model
+from mlxc.runtime.checkpoint.loading import CheckpointError, load_model
 
 
 @pytest.fixture(scope="module")

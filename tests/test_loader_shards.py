@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _toy_model as toy
 
 from mlxc.cli import main
-from mlxc.runtime import loading
-from mlxc.runtime.loading import CheckpointError, load_model
+from mlxc.runtime.checkpoint import loading
+from mlxc.runtime.checkpoint.loading import CheckpointError, load_model
 
 SHARD = "model-00002-of-00002.safetensors"
 

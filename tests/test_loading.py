@@ -15,8 +15,8 @@ from mlx.utils import tree_flatten
 sys.path.insert(0, str(Path(__file__).parent))  # the toy model lives beside the tests
 import _toy_model as toy
 
-from mlxc.runtime import loading
-from mlxc.runtime.loading import CheckpointError, load, load_model
+from mlxc.runtime.checkpoint import loading
+from mlxc.runtime.checkpoint.loading import CheckpointError, load, load_model
 
 
 @pytest.fixture(autouse=True)

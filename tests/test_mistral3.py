@@ -19,7 +19,7 @@ from PIL import Image
 from safetensors.numpy import load_file, save_file
 
 import mlxc
-from mlxc.runtime.vision import pixtral_preprocess as pp
+from mlxc.runtime.checkpoint import pixtral_preprocess as pp
 
 ATOL = 1e-4
 PATCH, MERGE = 4, 2

@@ -1,4 +1,4 @@
-"""runtime/moe.py against transformers' own MoE blocks on re-randomised float32 weights."""
+"""runtime/model/moe.py against transformers' own MoE blocks on re-randomised float32 weights."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mlx import nn
 
-from mlxc.runtime.moe import MoE, convert_expert_weights, route
+from mlxc.runtime.model.moe import MoE, convert_expert_weights, route
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""MRoPE (runtime/mrope.py) against transformers 5: get_rope_index, decode positions, rotation."""
+"""MRoPE (runtime/model/mrope.py) against transformers 5: get_rope_index, decode positions, rotation."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_qwen_vision import CONFIGS, build
 
-from mlxc.runtime import mrope
+from mlxc.runtime.model import mrope
 
 IMAGE, VIDEO, START, END = 120, 121, 122, 123  # token ids set by build()
 MERGE = 2

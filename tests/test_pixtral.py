@@ -17,8 +17,8 @@ from transformers.models.pixtral.image_processing_pil_pixtral import (
     get_resize_output_image_size,
 )
 
-from mlxc.runtime.vision import pixtral
-from mlxc.runtime.vision import pixtral_preprocess as pp
+from mlxc.runtime.checkpoint import pixtral_preprocess as pp
+from mlxc.runtime.model.vision import pixtral
 
 ATOL = 1e-4
 PATCH, MERGE = 4, 2
@@ -183,7 +183,7 @@ def test_sanitize_is_idempotent_and_leaves_others():
 
 def test_image_rows_match_masked_scatter_across_chunks(rng):
     """What the models use (ImageFeatures.take + replace), also split over two chunks."""
-    from mlxc.runtime.multimodal import ImageFeatures
+    from mlxc.runtime.model.multimodal import ImageFeatures
 
     img = 5
     ids = np.array([[1, img, img, 2, img], [img, 3, 4, img, img]])

@@ -1,4 +1,4 @@
-"""runtime/processor.py: chat messages + images -> prompt ids and vision inputs.
+"""runtime/checkpoint/processor.py: chat messages + images -> prompt ids and vision inputs.
 
 Qwen VL: pixel values and grids must equal transformers' ``Qwen2VLImageProcessorPil`` loaded by
 transformers itself from the same ``preprocessor_config.json`` (hub Qwen2-VL, Qwen2.5-VL and
@@ -28,9 +28,9 @@ from PIL import Image
 from test_qwen_vision import CONFIGS as QWEN_VISION_CONFIGS
 from test_qwen_vision import TEXT as QWEN_TEXT
 
-from mlxc.runtime import processor as proc
-from mlxc.runtime.tokenizer import load_tokenizer
-from mlxc.runtime.vision import pixtral_preprocess as pp
+from mlxc.runtime.checkpoint import pixtral_preprocess as pp
+from mlxc.runtime.checkpoint import processor as proc
+from mlxc.runtime.checkpoint.tokenizer import load_tokenizer
 
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
@@ -611,8 +611,8 @@ def test_prompt_building_never_imports_mlx(qwen_dirs, mistral_dir):
 import sys
 import numpy as np
 from PIL import Image
-from mlxc.runtime.processor import load_processor
-from mlxc.runtime.tokenizer import load_tokenizer, encode_prompt
+from mlxc.runtime.checkpoint.processor import load_processor
+from mlxc.runtime.checkpoint.tokenizer import load_tokenizer, encode_prompt
 image = Image.fromarray(np.zeros((20, 28, 3), np.uint8))
 for path, tower in [({str(qwen_dirs["qwen2_5_vl"])!r}, "qwen2_5_vit"), ({str(mistral_dir)!r}, "pixtral")]:
     tokenizer = load_tokenizer(path)
@@ -657,6 +657,6 @@ def test_image_size_reads_the_header_only(tmp_path, monkeypatch):
 def test_every_vision_tower_has_a_processor():
     """The compiler's towers (what specs may name) and the runtime's processors agree."""
     from mlxc.compiler.vision import TOWERS
-    from mlxc.runtime.processor import PROCESSORS
+    from mlxc.runtime.checkpoint.processor import PROCESSORS
 
     assert set(PROCESSORS) == set(TOWERS)

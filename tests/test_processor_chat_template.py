@@ -29,8 +29,8 @@ from test_processor import (
 )
 from transformers.processing_utils import ProcessorMixin
 
-from mlxc.runtime import processor as proc
-from mlxc.runtime.tokenizer import ChatTemplateError, encode_prompt, load_tokenizer
+from mlxc.runtime.checkpoint import processor as proc
+from mlxc.runtime.checkpoint.tokenizer import ChatTemplateError, encode_prompt, load_tokenizer
 
 TEXT_TEMPLATE = json.loads((QWEN2_5_VL_3B / "tokenizer_config.json").read_text())["chat_template"]
 VL_TEMPLATE = json.loads((QWEN2_5_VL_3B / "chat_template.json").read_text())["chat_template"]

@@ -1,4 +1,4 @@
-"""Qwen VL vision towers (runtime/vision/qwen.py) against transformers on tiny random weights.
+"""Qwen VL vision towers (runtime/model/vision/qwen.py) against transformers on tiny random weights.
 
 Pixel values come from transformers' PIL-backend image processor (no torchvision), on random
 PIL images of different sizes; a video-shaped grid (t = 2) checks per-frame attention.
@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from mlxc.runtime.vision import qwen
+from mlxc.runtime.model.vision import qwen
 
 PATCH, MERGE, TEMPORAL = 8, 2, 2
 ATOL = 1e-4

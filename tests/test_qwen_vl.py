@@ -18,7 +18,7 @@ import transformers
 from test_qwen_vision import CONFIGS, TEXT, pixels, randomise
 
 import mlxc
-from mlxc.runtime.cache import enforce_max_kv
+from mlxc.runtime.model.cache import enforce_max_kv
 
 ATOL = 1e-4
 IMAGE, VISION_START, VISION_END = 120, 122, 123

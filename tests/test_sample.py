@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxc.runtime.sample import make_sampler
+from mlxc.runtime.serving.sample import make_sampler
 
 # A crafted distribution over 8 tokens, probabilities 0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.015,
 # 0.005 in a shuffled order, for two rows (the second reversed).

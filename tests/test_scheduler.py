@@ -15,10 +15,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # the toy model lives beside the tests
 import _toy_model as toy
 
-from mlxc.runtime.cache import cache_policy
-from mlxc.runtime.generate import generate_tokens, prefill_chunks
-from mlxc.runtime.sample import make_sampler
-from mlxc.runtime.scheduler import (
+from mlxc.runtime.checkpoint.tokenizer import StreamingDetokenizer, load_tokenizer
+from mlxc.runtime.model.cache import cache_policy
+from mlxc.runtime.serving.generate import generate_tokens, prefill_chunks
+from mlxc.runtime.serving.sample import make_sampler
+from mlxc.runtime.serving.scheduler import (
     Delta,
     Failed,
     Finished,
@@ -27,7 +28,6 @@ from mlxc.runtime.scheduler import (
     Scheduler,
     StopMatcher,
 )
-from mlxc.runtime.tokenizer import StreamingDetokenizer, load_tokenizer
 
 POISON = 7  # a prompt holding this id makes FaultyModel raise inside its forward
 

@@ -665,7 +665,7 @@ def test_bare_serve_runs_the_demo_checkpoint(tmp_path, logs):
 
 
 def test_demo_checkpoint_is_deterministic(tmp_path):
-    from mlxc.runtime import demo
+    from mlxc.runtime.checkpoint import demo
 
     a = demo.ensure_demo(tmp_path / "a" / "demo-v1")
     b = demo.ensure_demo(tmp_path / "b" / "demo-v1")

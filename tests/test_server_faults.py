@@ -21,8 +21,8 @@ import uvicorn
 sys.path.insert(0, str(Path(__file__).parent))
 import _toy_model as toy
 
-from mlxc.runtime.server import Engine, create_app
-from mlxc.runtime.tokenizer import load_tokenizer
+from mlxc.runtime.checkpoint.tokenizer import load_tokenizer
+from mlxc.runtime.serving.server import Engine, create_app
 
 POISON = "\x07"  # byte 7: a prompt holding it fails inside the forward
 

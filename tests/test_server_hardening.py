@@ -313,7 +313,7 @@ def test_the_scheduler_thread_outlives_a_failed_load(tmp_path):
     import gc
     import weakref
 
-    from mlxc.runtime.scheduler import Scheduler
+    from mlxc.runtime.serving.scheduler import Scheduler
 
     def broken_load():
         import mlx.core as mx

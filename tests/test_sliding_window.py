@@ -17,10 +17,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import checkpoints as ckpt
 
 import mlxc
-from mlxc.runtime import masks
-from mlxc.runtime.batch import BatchKVCache, BatchWindowedKVCache
-from mlxc.runtime.cache import KVCache, LayerCache, WindowedKVCache, enforce_max_kv
-from mlxc.runtime.layers import attend
+from mlxc.runtime.model import masks
+from mlxc.runtime.model.batch import BatchKVCache, BatchWindowedKVCache
+from mlxc.runtime.model.cache import KVCache, LayerCache, WindowedKVCache, enforce_max_kv
+from mlxc.runtime.model.layers import attend
 
 H, D, W = 2, 4, 5
 

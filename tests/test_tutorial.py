@@ -51,7 +51,11 @@ def test_the_tutorial_runs_as_written_on_a_non_editable_install(tmp_path):
     )
     assert "checkpoint" in where.stdout
     imported = subprocess.run(
-        [sys.executable, "-c", "import mlxc.cli, mlxc.runtime.loading as m; print(m.__file__)"],
+        [
+            sys.executable,
+            "-c",
+            "import mlxc.cli, mlxc.runtime.checkpoint.loading as m; print(m.__file__)",
+        ],
         cwd=work,
         env=env,
         capture_output=True,

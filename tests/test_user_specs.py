@@ -15,9 +15,9 @@ import mlxc
 from mlxc.checkpoint import write_checkpoint
 from mlxc.cli import main
 from mlxc.compiler.lint import UnusableInput
-from mlxc.runtime import loading
-from mlxc.runtime.loading import CheckpointError, registry, resolve_module
-from mlxc.runtime.user_specs import MODULE_PREFIX, SpecError
+from mlxc.runtime.checkpoint import loading
+from mlxc.runtime.checkpoint.loading import CheckpointError, registry, resolve_module
+from mlxc.runtime.checkpoint.user_specs import MODULE_PREFIX, SpecError
 
 SPECS = Path(__file__).parent.parent / "specs"
 
@@ -169,7 +169,7 @@ def test_verify_specs_verifies_only_that_directory(mine):
 
 
 def test_serve_engine_with_specs(mine):
-    from mlxc.runtime.server import Engine
+    from mlxc.runtime.serving.server import Engine
 
     specs, ckpt = mine
     engine = Engine.from_path(ckpt, specs=specs, max_concurrency=1)

@@ -9,8 +9,8 @@ from click.testing import CliRunner
 
 from mlxc.cli import main
 from mlxc.compiler import build, lint
-from mlxc.runtime.batch import BatchKVCache, BatchPositions
-from mlxc.runtime.masks import MaskWidthError
+from mlxc.runtime.model.batch import BatchKVCache, BatchPositions
+from mlxc.runtime.model.masks import MaskWidthError
 from mlxc.verify import VerifyError, load_source, verify_module
 
 ROOT = Path(__file__).resolve().parents[1]

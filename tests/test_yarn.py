@@ -1,4 +1,4 @@
-"""runtime/yarn.py against transformers' rope init, rotary application and MLA attention."""
+"""runtime/model/yarn.py against transformers' rope init, rotary application and MLA attention."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from mlx import nn
 
-from mlxc.runtime import masks
-from mlxc.runtime.cache import KVCache
-from mlxc.runtime.rope import RopeConfig, make_rope
-from mlxc.runtime.yarn import (
+from mlxc.runtime.model import masks
+from mlxc.runtime.model.cache import KVCache
+from mlxc.runtime.model.rope import RopeConfig, make_rope
+from mlxc.runtime.model.yarn import (
     YarnRoPE,
     llama4_attn_scale,
     mla_softmax_scale,

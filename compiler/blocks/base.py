@@ -59,9 +59,9 @@ class CacheKind:
     built_by_layer: bool = False
 
 
-FULL_KV = CacheKind("full-kv", ("mlxc.runtime.cache", "KVCache"))  # trimmed by --max-kv-size
+FULL_KV = CacheKind("full-kv", ("mlxc.runtime.model.cache", "KVCache"))  # trimmed by --max-kv-size
 # Keeps what its sliding window can see, bounded by the window; full KV where it is null.
-WINDOWED_KV = CacheKind("windowed-kv", ("mlxc.runtime.cache", "attention_cache"), True)
+WINDOWED_KV = CacheKind("windowed-kv", ("mlxc.runtime.model.cache", "attention_cache"), True)
 NO_CACHE = CacheKind("none", None)
 
 

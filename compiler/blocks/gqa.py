@@ -96,18 +96,18 @@ class GQAKind(BlockKind):
 
     def runtime_imports(self, b: GQA) -> dict[str, set[str]]:
         imports = {
-            "mlxc.runtime": {"masks"},
-            "mlxc.runtime.cache": {"KVCache"},
-            "mlxc.runtime.layers": {"attend"},
+            "mlxc.runtime.model": {"masks"},
+            "mlxc.runtime.model.cache": {"KVCache"},
+            "mlxc.runtime.model.layers": {"attend"},
         }
         if b.sliding_window is not None:
-            imports["mlxc.runtime.cache"].add("attention_cache")
+            imports["mlxc.runtime.model.cache"].add("attention_cache")
         if b.rope is not None and b.rope.mrope:
-            imports["mlxc.runtime"].add("mrope")
+            imports["mlxc.runtime.model"].add("mrope")
         elif b.rope is not None:
-            imports["mlxc.runtime.rope"] = {"make_rope"}
+            imports["mlxc.runtime.model.rope"] = {"make_rope"}
         if b.scale == "llama4":
-            imports["mlxc.runtime"].add("yarn")  # TextModel's yarn.llama4_attn_scale
+            imports["mlxc.runtime.model"].add("yarn")  # TextModel's yarn.llama4_attn_scale
         return imports
 
     def model_context(self, b: GQA, gen) -> dict:

@@ -32,7 +32,7 @@ class LinearAttentionKind(BlockKind):
         return f"layers.LinearAttention({gen.py(gen.spec.text.embed.dim)}, bias={gen.py(b.bias)})"
 
     def runtime_imports(self, b) -> dict[str, set[str]]:
-        return {"mlxc.runtime": {"layers"}}
+        return {"mlxc.runtime.model": {"layers"}}
 
 
 class LinearMLPKind(BlockKind):
@@ -44,7 +44,7 @@ class LinearMLPKind(BlockKind):
         return f"layers.LinearMLP({gen.py(gen.spec.text.embed.dim)}, bias={gen.py(b.bias)})"
 
     def runtime_imports(self, b) -> dict[str, set[str]]:
-        return {"mlxc.runtime": {"layers"}}
+        return {"mlxc.runtime.model": {"layers"}}
 
 
 ATTENTION = LinearAttentionKind()

@@ -70,10 +70,10 @@ class MLAKind(BlockKind):
 
     def runtime_imports(self, b: MLA) -> dict[str, set[str]]:
         return {
-            "mlxc.runtime": {"masks", "yarn"},  # yarn: the mla softmax and llama4 scales
-            "mlxc.runtime.cache": {"KVCache"},
-            "mlxc.runtime.layers": {"attend"},
-            "mlxc.runtime.rope": {"make_rope"},
+            "mlxc.runtime.model": {"masks", "yarn"},  # yarn: the mla softmax and llama4 scales
+            "mlxc.runtime.model.cache": {"KVCache"},
+            "mlxc.runtime.model.layers": {"attend"},
+            "mlxc.runtime.model.rope": {"make_rope"},
         }
 
 

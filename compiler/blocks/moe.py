@@ -74,7 +74,7 @@ class MoEKind(BlockKind):
         )
 
     def runtime_imports(self, b) -> dict[str, set[str]]:
-        return {"mlxc.runtime": {"moe"}}
+        return {"mlxc.runtime.model": {"moe"}}
 
     def model_context(self, b: MoE, gen) -> dict:
         # sanitize() converts the checkpoint's expert tensors to moe.MoE's stacked layout.

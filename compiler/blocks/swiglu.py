@@ -27,7 +27,7 @@ class SwiGLUKind(BlockKind):
         return f"layers.SwiGLU({dim}, {hidden}, bias={bias}{act})"
 
     def runtime_imports(self, b) -> dict[str, set[str]]:
-        return {"mlxc.runtime": {"layers"}}
+        return {"mlxc.runtime.model": {"layers"}}
 
 
 KIND = SwiGLUKind()

@@ -12,8 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mlxc.runtime.scheduler import SamplingParams
-from mlxc.runtime.serve_defaults import (
+from mlxc.runtime.serving.scheduler import SamplingParams
+from mlxc.runtime.serving.serve_defaults import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_IMAGES,
     DEFAULT_MAX_REQUEST_PIXELS,

@@ -16,10 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mlxc.runtime.scheduler import Scheduler
+from mlxc.runtime.serving.scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from mlxc.runtime.processor import Prompt
+    from mlxc.runtime.checkpoint.processor import Prompt
 
 PROMPT_WORKERS = 2  # threads that turn request bodies into prompts
 
@@ -81,7 +81,11 @@ class Engine:
         """Load the checkpoint at ``path`` and start the scheduler; CheckpointError when it
         cannot be served. The model is built on the scheduler thread, which owns MLX.
         ``specs``: a directory of your own specs, as in ``loading.load_model``."""
-        from mlxc.runtime.loading import CheckpointError, ProcessorFilesError, load_checkpoint
+        from mlxc.runtime.checkpoint.loading import (
+            CheckpointError,
+            ProcessorFilesError,
+            load_checkpoint,
+        )
 
         path = Path(path)
         try:
@@ -141,7 +145,7 @@ class Engine:
             raise PromptError(str(e)) from e
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        from mlxc.runtime.tokenizer import OVERRIDE_SOURCE, render_chat_template
+        from mlxc.runtime.checkpoint.tokenizer import OVERRIDE_SOURCE, render_chat_template
 
         tok = self.prompt_tokenizer
         if not (self.chat_template or getattr(tok, "chat_template", None)):
@@ -162,7 +166,7 @@ class Engine:
             raise PromptError(str(e)) from e
 
     def encode_text(self, text: str) -> list[int]:
-        from mlxc.runtime.tokenizer import encode_prompt
+        from mlxc.runtime.checkpoint.tokenizer import encode_prompt
 
         with self._prompt_lock:
             return encode_prompt(self.prompt_tokenizer, text, chat_template=False)

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from mlxc.runtime.admission import Delta, Event, Finished, SamplingParams
-from mlxc.runtime.tokenizer import StreamingDetokenizer
+from mlxc.runtime.checkpoint.tokenizer import StreamingDetokenizer
+from mlxc.runtime.serving.admission import Delta, Event, Finished, SamplingParams
 
 
 class StopMatcher:

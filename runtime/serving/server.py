@@ -52,7 +52,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mlxc.runtime.api_schemas import (
+from mlxc.runtime.serving.api_schemas import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_IMAGES,
     DEFAULT_MAX_REQUEST_PIXELS,
@@ -71,10 +71,10 @@ from mlxc.runtime.api_schemas import (
     TextPart,
     validation_error,
 )
-from mlxc.runtime.engine import PROMPT_WORKERS, Engine, PromptError
-from mlxc.runtime.scheduler import Failed, Finished, QueueFull, SchedulerStopped
+from mlxc.runtime.serving.engine import PROMPT_WORKERS, Engine, PromptError
+from mlxc.runtime.serving.scheduler import Failed, Finished, QueueFull, SchedulerStopped
 
-__all__ = [  # what mlxc.runtime.server has always offered, wherever it now lives
+__all__ = [  # what mlxc.runtime.serving.server has always offered, wherever it now lives
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_IMAGES",
     "DEFAULT_MAX_REQUEST_PIXELS",
@@ -147,7 +147,7 @@ def _image_bytes(index: int, url: str) -> bytes:
 def _decode_images(urls: list[str], limits: Limits) -> list:
     """The request's images as decoded PIL images. Their count and their pixels (read from the
     headers) are checked against the limits before any image is decoded."""
-    from mlxc.runtime.processor import ImageInputError, image_size, load_image
+    from mlxc.runtime.checkpoint.processor import ImageInputError, image_size, load_image
 
     if len(urls) > limits.max_images:
         raise APIError(
@@ -237,7 +237,7 @@ def _max_tokens(
     engine: Engine, n_prompt: int, requested: int | None, limits: Limits, prompt_param: str
 ) -> int:
     """The completion budget; 400 when the prompt does not fit the context."""
-    from mlxc.runtime.generate import ContextExceeded, completion_budget
+    from mlxc.runtime.serving.generate import ContextExceeded, completion_budget
 
     if n_prompt == 0:
         raise APIError(400, "the prompt encodes to no tokens", param=prompt_param)
@@ -637,9 +637,9 @@ def create_app(
     """The FastAPI app serving ``engine``; its lifespan starts and stops the scheduler.
 
     ``bind_host``, ``allowed_hosts`` and ``allowed_origins`` configure the Host and Origin
-    checks (:class:`mlxc.runtime.http_guard.HostOriginGuard`).
+    checks (:class:`mlxc.runtime.serving.http_guard.HostOriginGuard`).
     """
-    from mlxc.runtime.http_guard import HostOriginGuard
+    from mlxc.runtime.serving.http_guard import HostOriginGuard
 
     limits = Limits(
         default_max_tokens=default_max_tokens,

@@ -29,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from mlxc.runtime.config import read
+from mlxc.runtime.model.config import read
 
 
 def _quick_gelu(x: mx.array) -> mx.array:

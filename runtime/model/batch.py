@@ -28,8 +28,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxc.runtime.cache import KVCache, LayerCache
-from mlxc.runtime.multimodal import SequenceCache
+from mlxc.runtime.model.cache import KVCache, LayerCache
+from mlxc.runtime.model.multimodal import SequenceCache
 
 
 class BatchKVCache:

@@ -13,8 +13,8 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
-from mlxc.runtime.config import ConfigError, lookup
-from mlxc.runtime.yarn import YarnRoPE
+from mlxc.runtime.model.config import ConfigError, lookup
+from mlxc.runtime.model.yarn import YarnRoPE
 
 
 @dataclass(frozen=True)

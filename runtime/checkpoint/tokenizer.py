@@ -39,7 +39,9 @@ def load_tokenizer(path: str | Path) -> Any | None:
     try:
         return AutoTokenizer.from_pretrained(str(path), config=PreTrainedConfig(), **offline)
     except Exception as e:
-        from mlxc.runtime.loading import CheckpointError  # loading imports MLX: only on failure
+        from mlxc.runtime.checkpoint.loading import (
+            CheckpointError,
+        )  # loading imports MLX: only on failure
 
         # Report the first error: it tells more than the retry's.
         raise CheckpointError(f"cannot load the tokenizer in {path}: {first_error}") from e

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx import nn
 
-from mlxc.runtime.config import ConfigError, read
-from mlxc.runtime.layers import ACTIVATIONS
-from mlxc.runtime.vision import pixtral
+from mlxc.runtime.model.config import ConfigError, read
+from mlxc.runtime.model.layers import ACTIVATIONS
+from mlxc.runtime.model.vision import pixtral
 
 # --- config ---------------------------------------------------------------------------------
 

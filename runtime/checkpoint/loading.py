@@ -27,8 +27,9 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten
 
-from mlxc.runtime import blas, fp8
-from mlxc.runtime.config import ConfigError, context_length, lookup, recording_reads
+from mlxc.runtime import blas
+from mlxc.runtime.checkpoint import fp8
+from mlxc.runtime.model.config import ConfigError, context_length, lookup, recording_reads
 
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_LISTED = 10  # tensor names listed per kind of mismatch; the rest are counted
@@ -55,12 +56,12 @@ Specs = str | Path | None  # a directory of your own specs (or one spec file), o
 
 def registry(specs: Specs = None) -> dict[str, str]:
     """The registry: the built-in one, plus the specs of ``specs`` compiled in memory
-    (``mlxc.runtime.user_specs``). A spec there with lint findings, or serving a model_type
+    (``mlxc.runtime.checkpoint.user_specs``). A spec there with lint findings, or serving a model_type
     the built-in registry serves (R001), raises ``user_specs.SpecError``."""
     types = model_types()
     if specs is None:
         return types
-    from mlxc.runtime.user_specs import compile_specs
+    from mlxc.runtime.checkpoint.user_specs import compile_specs
 
     extra = {}
     for compiled in compile_specs([specs], builtin=types):
@@ -329,7 +330,7 @@ def _check_weights(
 # --- quantisation and dtype -----------------------------------------------------------------
 
 # Hugging Face MXFP4 checkpoints (gpt-oss: ``quantization_config.quant_method: mxfp4``) store
-# their experts as blocks and scales that are MLX's mxfp4 layout (runtime/moe.py); their other
+# their experts as blocks and scales that are MLX's mxfp4 layout (runtime/model/moe.py); their other
 # tensors (``modules_to_not_convert``) are float. Only modules with ``.scales`` get quantised.
 MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
 
@@ -478,7 +479,7 @@ def load(
 ) -> tuple[nn.Module, Any]:
     """``(model, tokenizer)``; the tokenizer is None when the directory has no tokenizer files.
     ``dtype`` and ``specs`` as in :func:`load_model`."""
-    from mlxc.runtime.tokenizer import load_tokenizer
+    from mlxc.runtime.checkpoint.tokenizer import load_tokenizer
 
     model = load_model(path, dtype=dtype, specs=specs)
     return model, load_tokenizer(path)
@@ -543,7 +544,7 @@ def load_checkpoint(
     ``copy_tokenizer``: the processor and ``prompt_tokenizer`` get a deep copy of the tokenizer
     (the server encodes prompts in worker threads). Raises CheckpointError, and
     :class:`ProcessorFilesError` (a ValueError) when the processor files do not fit."""
-    from mlxc.runtime.tokenizer import eos_token_ids, load_tokenizer
+    from mlxc.runtime.checkpoint.tokenizer import eos_token_ids, load_tokenizer
 
     path = Path(path)
     config = read_config(path)  # "not a checkpoint" before anything else
@@ -560,7 +561,7 @@ def load_checkpoint(
     processor = None
     # A VL model renders every prompt, with images or without, through its processor.
     if tower := getattr(module, "VISION_TOWER", None):
-        from mlxc.runtime.processor import load_processor
+        from mlxc.runtime.checkpoint.processor import load_processor
 
         try:
             processor = load_processor(path, prompt_tokenizer, tower, chat_template=chat_template)

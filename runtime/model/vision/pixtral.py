@@ -23,8 +23,8 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from mlxc.runtime.config import ConfigError, lookup, read
-from mlxc.runtime.layers import ACTIVATIONS, SwiGLU
+from mlxc.runtime.model.config import ConfigError, lookup, read
+from mlxc.runtime.model.layers import ACTIVATIONS, SwiGLU
 
 # Hugging Face activation names -> runtime.layers.ACTIVATIONS keys.
 _HF_ACT = {

@@ -171,7 +171,7 @@ class KVCache:
         return self.keys[..., start : self.held, :], live_values
 
     def batch_layer(self) -> LayerCache:
-        from mlxc.runtime.batch import BatchKVCache  # batch builds on this module
+        from mlxc.runtime.model.batch import BatchKVCache  # batch builds on this module
 
         return BatchKVCache()
 
@@ -216,7 +216,7 @@ class WindowedKVCache(KVCache):
         return live_keys, live_values
 
     def batch_layer(self) -> LayerCache:
-        from mlxc.runtime.batch import BatchWindowedKVCache  # batch builds on this module
+        from mlxc.runtime.model.batch import BatchWindowedKVCache  # batch builds on this module
 
         return BatchWindowedKVCache(self.window)
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlxc.runtime import masks
+from mlxc.runtime.model import masks
 
 
 def image_groups(is_image: mx.array) -> mx.array:

@@ -14,9 +14,9 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from mlxc.runtime.cache import cache_arrays, check_kv_limits, enforce_max_kv
-from mlxc.runtime.cache import trimmable as caches_to_trim
-from mlxc.runtime.sample import Sampler, make_sampler
+from mlxc.runtime.model.cache import cache_arrays, check_kv_limits, enforce_max_kv
+from mlxc.runtime.model.cache import trimmable as caches_to_trim
+from mlxc.runtime.serving.sample import Sampler, make_sampler
 
 
 class ContextExceeded(ValueError):

@@ -46,7 +46,15 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
-from mlxc.runtime.admission import (
+from mlxc.runtime.model.batch import BatchCache
+from mlxc.runtime.model.cache import (
+    cache_arrays,
+    cache_policy,
+    check_kv_limits,
+    enforce_max_kv,
+    trimmable,
+)
+from mlxc.runtime.serving.admission import (
     AdmissionQueue,
     Delta,
     Event,
@@ -57,17 +65,14 @@ from mlxc.runtime.admission import (
     SamplingParams,
     SchedulerStopped,
 )
-from mlxc.runtime.batch import BatchCache
-from mlxc.runtime.cache import (
-    cache_arrays,
-    cache_policy,
-    check_kv_limits,
-    enforce_max_kv,
-    trimmable,
+from mlxc.runtime.serving.generate import (
+    DEFAULT_KV_SINK,
+    as_model_inputs,
+    prefill_chunks,
+    prefill_spans,
 )
-from mlxc.runtime.generate import DEFAULT_KV_SINK, as_model_inputs, prefill_chunks, prefill_spans
-from mlxc.runtime.output import SequenceOutput, StopMatcher
-from mlxc.runtime.sample import greedy, make_sampler
+from mlxc.runtime.serving.output import SequenceOutput, StopMatcher
+from mlxc.runtime.serving.sample import greedy, make_sampler
 
 __all__ = [
     "CachePool",

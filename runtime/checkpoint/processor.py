@@ -9,11 +9,11 @@
   ``<|image_pad|>`` (config.json ``image_token_id``) becomes ``t*h*w / merge_size**2`` copies,
   as ``Qwen2VLProcessor`` / ``Qwen3VLProcessor`` expand it. Vision inputs: ``pixel_values``
   float32 ``[N_patches, C*T*P*P]`` and ``image_grid_thw`` int64 ``[N_images, 3]``.
-* ``pixtral``: :mod:`mlxc.runtime.vision.pixtral_preprocess` (matches transformers'
+* ``pixtral``: :mod:`mlxc.runtime.checkpoint.pixtral_preprocess` (matches transformers'
   ``PixtralImageProcessorPil`` + ``PixtralProcessor``). Each ``[IMG]`` becomes rows of ``[IMG]``
   with ``[IMG_BREAK]`` after each row, the last one ``[IMG_END]``. Vision inputs:
   ``pixel_values`` float32 ``[N, 3, H, W]`` and ``image_sizes`` int64 ``[N, 2]``.
-* ``gemma3_siglip``: :mod:`mlxc.runtime.vision.gemma3_preprocess` (matches transformers'
+* ``gemma3_siglip``: :mod:`mlxc.runtime.checkpoint.gemma3_preprocess` (matches transformers'
   ``Gemma3ImageProcessorPil`` + ``Gemma3Processor``). Each ``<start_of_image>`` becomes
   ``\\n\\n<start_of_image>``, ``image_seq_length`` ``<image_soft_token>`` and
   ``<end_of_image>\\n\\n`` in the text before it is tokenized (pan-and-scan crops add their own
@@ -49,7 +49,7 @@ from typing import Any, BinaryIO
 import numpy as np
 from PIL import Image
 
-from mlxc.runtime.tokenizer import (
+from mlxc.runtime.checkpoint.tokenizer import (
     OVERRIDE_SOURCE,
     render_chat_template,
     tokenizer_template_source,
@@ -539,7 +539,7 @@ class PixtralProcessor(Processor):
         template_source: str | None = None,
     ) -> None:
         super().__init__(tokenizer, chat_template, template_source)
-        from mlxc.runtime.vision import pixtral_preprocess as pp
+        from mlxc.runtime.checkpoint import pixtral_preprocess as pp
 
         self._pp = pp
         self.cfg = pp.PixtralProcessorConfig.from_pretrained(path)
@@ -568,7 +568,7 @@ class PixtralProcessor(Processor):
 
 class Gemma3Processor(Processor):
     """``Gemma3Processor``: each ``<start_of_image>`` the template renders becomes the image's
-    soft-token sequence in the text (:mod:`mlxc.runtime.vision.gemma3_preprocess`)."""
+    soft-token sequence in the text (:mod:`mlxc.runtime.checkpoint.gemma3_preprocess`)."""
 
     expands_text = True
 
@@ -580,7 +580,7 @@ class Gemma3Processor(Processor):
         template_source: str | None = None,
     ) -> None:
         super().__init__(tokenizer, chat_template, template_source)
-        from mlxc.runtime.vision import gemma3_preprocess as gp
+        from mlxc.runtime.checkpoint import gemma3_preprocess as gp
 
         self._gp = gp
         self.cfg = gp.Gemma3ProcessorConfig.from_pretrained(path)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from mlxc.runtime.cache import LayerCache
+from mlxc.runtime.model.cache import LayerCache
 
 
 class SequenceCache(list):

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from mlxc.runtime.vision.pixtral_preprocess import to_rgb
+from mlxc.runtime.checkpoint.pixtral_preprocess import to_rgb
 
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)
 

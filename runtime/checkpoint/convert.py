@@ -4,7 +4,7 @@ The model is loaded through mlxc (so every checkpoint mlxc loads converts: HF la
 experts, FP8 block-scaled weights), optionally quantised with ``nn.quantize``, and written in
 mlxc's own parameter layout (the names ``model.sanitize`` produces, which it maps to
 themselves) as safetensors, with ``config.json`` carrying a ``quantization: {group_size, bits,
-mode}`` key that ``runtime/loading.py::_quantize`` (and mlx-lm) read back. Tokenizer, chat
+mode}`` key that ``runtime/checkpoint/loading.py::_quantize`` (and mlx-lm) read back. Tokenizer, chat
 template and processor files are copied.
 
 Quantisation follows mlx-lm's rules: every module with ``to_quantized`` (linears, embeddings,
@@ -14,7 +14,7 @@ features are sensitive to it. MoE routers stay float too (see ``ROUTERS``).
 
 The output appears atomically: everything is written to a hidden temporary directory beside
 ``out``, which is renamed to ``out`` only when complete. Problems raise :class:`ConvertError`
-(a :class:`~mlxc.runtime.loading.CheckpointError`) with a one-line reason.
+(a :class:`~mlxc.runtime.checkpoint.loading.CheckpointError`) with a one-line reason.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten
 
-from mlxc.runtime.loading import (
+from mlxc.runtime.checkpoint.loading import (
     INDEX_FILE,
     CheckpointError,
     load_model,

@@ -27,7 +27,7 @@ import mlx.core as mx
 from mlx import nn
 
 if TYPE_CHECKING:  # rope.make_rope builds a YarnRoPE: rope.py imports this module
-    from mlxc.runtime.rope import RopeConfig
+    from mlxc.runtime.model.rope import RopeConfig
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
