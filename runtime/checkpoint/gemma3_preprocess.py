@@ -25,7 +25,6 @@ config.json's ``mm_tokens_per_image``). Token strings come from the tokenizer's
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from mlxc.runtime.checkpoint.pixtral_preprocess import to_rgb
+from mlxc.runtime.checkpoint.pixtral_preprocess import processor_files, to_rgb
 
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)
 
@@ -68,18 +67,7 @@ class Gemma3ProcessorConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Gemma3ProcessorConfig:
-        path = Path(path)
-
-        def load(name: str) -> dict:
-            f = path / name
-            return json.loads(f.read_text()) if f.is_file() else {}
-
-        proc, pre, model = (
-            load("processor_config.json"),
-            load("preprocessor_config.json"),
-            load("config.json"),
-        )
-        pre = {**(proc.get("image_processor") or {}), **pre}
+        proc, pre, model = processor_files(path)
 
         def get(key: str, default: Any) -> Any:
             value = pre.get(key)

@@ -58,18 +58,7 @@ class PixtralProcessorConfig:
     def from_pretrained(cls, path: str | Path) -> PixtralProcessorConfig:
         """Read ``processor_config.json`` and ``preprocessor_config.json`` in ``path``; missing
         values fall back to ``config.json`` (patch/merge sizes) and then to the defaults above."""
-        path = Path(path)
-
-        def load(name: str) -> dict:
-            f = path / name
-            return json.loads(f.read_text()) if f.is_file() else {}
-
-        proc, pre, model = (
-            load("processor_config.json"),
-            load("preprocessor_config.json"),
-            load("config.json"),
-        )
-        pre = {**proc.get("image_processor", {}), **pre}
+        proc, pre, model = processor_files(path)
         vision = model.get("vision_config") or {}
 
         def pick(*values: Any, default: Any) -> Any:
@@ -101,6 +90,20 @@ class PixtralProcessorConfig:
 
 
 # --- images ---------------------------------------------------------------------------------
+
+
+def processor_files(path: str | Path) -> tuple[dict, dict, dict]:
+    """``processor_config.json``, the image-processor settings (``preprocessor_config.json``
+    over the processor file's ``image_processor``) and ``config.json`` of a checkpoint; a
+    missing file reads as empty."""
+    path = Path(path)
+
+    def load(name: str) -> dict:
+        f = path / name
+        return json.loads(f.read_text()) if f.is_file() else {}
+
+    proc, pre = load("processor_config.json"), load("preprocessor_config.json")
+    return proc, {**(proc.get("image_processor") or {}), **pre}, load("config.json")
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
