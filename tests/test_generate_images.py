@@ -308,6 +308,73 @@ def test_cli_generates_with_images(checkpoint, monkeypatch):
     assert len(prompt.ids) > 40  # the images' tokens are in the prompt
 
 
+def hf_generate(hf, path, files, text, n):
+    """(prompt ids, greedy tokens, their logits) of transformers' ``generate`` on the prompt its
+    own processor builds from the checkpoint's files (chat template, prompt expansion, pixel
+    values and ``token_type_ids``), cut at the first end-of-sequence token."""
+    processor = transformers.AutoProcessor.from_pretrained(str(path))
+    images = [{"type": "image", "image": Image.open(f).convert("RGB")} for f in files]
+    messages = [{"role": "user", "content": [*images, {"type": "text", "text": text}]}]
+    inputs = processor.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    eos = sorted(eos_token_ids(load_tokenizer(path), path))
+    with torch.no_grad():
+        out = hf.generate(
+            **inputs,
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=eos,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    cut = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
+    logits = np.concatenate([step.numpy() for step in out.logits[:cut]])
+    return inputs["input_ids"][0].tolist(), tokens[:cut], logits
+
+
+# transformers' Qwen-VL and Pixtral processors need torchvision (not installed): their
+# AutoProcessor cannot load, so only gemma3 is checked against transformers' generate here.
+@pytest.mark.parametrize("checkpoint", ["gemma3"], indirect=True)
+@pytest.mark.parametrize("n_images", [1, 2])
+def test_cli_greedy_equals_transformers_generate(checkpoint, n_images, monkeypatch):
+    """``mlxc generate --image`` token for token as transformers' greedy ``generate`` given
+    Gemma3Processor's prompt, and the logits each token was picked from: 16 image tokens each,
+    a window of 8, prefill chunks of 6 (a boundary would cut each image: prefill_spans moves it
+    to the image's end; cut, the logits move by ~0.2)."""
+    from mlxc.runtime import sample as sample_mod
+
+    _, path, hf, files = checkpoint
+    files = files[:n_images]
+    recorded, seen = [], []
+    real_generate, real_sampler = generate_mod.generate_tokens, sample_mod.make_sampler
+
+    def recording(*args, **kwargs):
+        for token in real_generate(*args, **kwargs):
+            recorded.append(token)
+            yield token
+
+    def recording_sampler(**kwargs):
+        sampler = real_sampler(**kwargs)
+        return lambda logits: seen.append(logits) or sampler(logits)
+
+    monkeypatch.setattr(generate_mod, "generate_tokens", recording)
+    monkeypatch.setattr(sample_mod, "make_sampler", recording_sampler)
+    text = "describe the images"
+    images = [a for f in files for a in ("--image", f)]
+    args = ["--model", path, *images, "--prompt", text, "--max-tokens", 8]
+    result = run_cli(*args, "--prefill-chunk-size", 6)
+    assert result.exit_code == 0, result.output
+    want_ids, want, want_logits = hf_generate(hf, path, files, text, 8)
+    assert encode(path, files, text)[2].ids == want_ids
+    assert f"prompt: {len(want_ids)} tokens" in result.stderr
+    assert want_ids.count(SOFT) == 16 * n_images and len(want_ids) > 2 * 8
+    assert recorded == want and len(want) > 1
+    got = np.concatenate([np.array(x) for x in seen[: len(want)]])
+    np.testing.assert_allclose(got, want_logits, atol=ATOL, rtol=0)
+
+
 def assert_one_error_line(result, *needles):
     assert result.exit_code != 0, result.output
     lines = result.stderr.strip().splitlines()
