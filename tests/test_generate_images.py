@@ -1,6 +1,7 @@
 """Images end to end on each vision-language architecture: processor output -> logits against
 transformers, and ``mlxc generate --image PATH`` (streamed text, greedy tokens equal to a manual
-greedy loop over the model) and its errors.
+greedy loop over the model; gemma3's also to transformers' generate on its processor's prompt)
+and its errors.
 
 Tiny re-randomised float32 checkpoints (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe,
 mistral3 with a mistral and with a mistral4 text backbone, and gemma3) with the tokenizers, chat
@@ -294,7 +295,8 @@ def test_cli_generates_with_images(checkpoint, monkeypatch):
     monkeypatch.setattr(generate_mod, "generate_tokens", recording)
     text = "describe both images"
     args = ["--model", path, "--image", files[0], "--image", files[1], "--prompt", text]
-    # A small prefill chunk: chunk boundaries fall inside the images' tokens.
+    # A small prefill chunk: chunk boundaries fall inside the images' tokens (gemma3's move to
+    # the image's end: its prefill_spans).
     result = run_cli(*args, "--max-tokens", 5, "--prefill-chunk-size", 16)
     assert result.exit_code == 0, result.output
 
