@@ -155,7 +155,11 @@ class _Gen:
             if p.type == "rope":
                 options = "".join(
                     f", {key}={pyrepr(value)}"
-                    for key, value in (("layer_type", p.layer_type), ("theta_from", p.theta_from))
+                    for key, value in (
+                        ("layer_type", p.layer_type),
+                        ("theta_from", p.theta_from),
+                        ("default_theta", p.default),
+                    )
                     if value is not None
                 )
                 path_arg = path_src if p.from_ else pyrepr("")

@@ -329,6 +329,11 @@ def _semantic_findings(spec: schema.Spec, rep: _Reporter) -> None:
         for key in ("layer_type", "theta_from"):
             if getattr(p, key) is not None and p.type != "rope":
                 rep.at_key(("params", name, key), "S003", f"`{key}` is for params of type rope")
+        is_number = isinstance(p.default, int | float) and not isinstance(p.default, bool)
+        if p.type == "rope" and p.default is not None and not is_number:
+            rep.at_key(
+                ("params", name, "default"), "S003", "a rope's default is its theta, a number"
+            )
     _check_param_cycles(spec, rep)
 
     layers = spec.text.layers

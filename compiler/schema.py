@@ -37,7 +37,8 @@ class Param(Strict):
     # type rope only. layer_type: the entry of a per-layer-type `rope_parameters` to read
     # (transformers 5: {sliding_attention: {...}, full_attention: {...}}); theta_from: where the
     # older form keeps this rope's theta instead of `rope_theta` (gemma3's rope_local_base_freq),
-    # and that rope then takes no `rope_scaling` (which belongs to the main rope).
+    # and that rope then takes no `rope_scaling` (which belongs to the main rope). A rope's
+    # `default` is the theta of a config that names none (a number).
     layer_type: str | None = None
     theta_from: str | None = None
 

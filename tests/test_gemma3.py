@@ -162,6 +162,19 @@ def test_bounded_cache_trims_full_layers_only(checkpoint):
     )
 
 
+def test_config_without_rope_thetas_takes_gemma3s_defaults(tmp_path):
+    """google/gemma-3-4b-it's text_config names neither rope_theta nor rope_local_base_freq:
+    Gemma3TextConfig's 1e6 and 1e4 (the 10000 every other model defaults to made the global
+    layers rotate at the wrong frequencies)."""
+    config = hub_config(rope_scaling={"rope_type": "linear", "factor": 8.0})
+    del config["rope_theta"], config["rope_local_base_freq"]
+    hf = make_checkpoint(tmp_path, config)
+    assert hf.config.rope_parameters["full_attention"]["rope_theta"] == 1e6
+    model = mlxc.load_model(tmp_path)
+    ids = np.random.default_rng(3).integers(0, 128, size=(1, 40))
+    np.testing.assert_allclose(np.array(model(mx.array(ids))), reference(hf, ids), atol=ATOL)
+
+
 def test_windowed_cache_stays_flat_far_past_the_window(tmp_path):
     """Decoding 10x past the window, each windowed layer's resident keys stay bounded by
     window - 1 + slack (slack = min(256, window) = 6 here), while full layers grow."""

@@ -57,12 +57,19 @@ def build_hf(window: int):
     )
     config._attn_implementation = "eager"
     model = Gemma3ForConditionalGeneration(config).eval()
-    rerandomise(model, seed=window)
-    with torch.no_grad():  # Gemma's text norms scale by 1 + weight: weights around 0
+    randomise(model, seed=window)
+    return model
+
+
+def randomise(model, seed: int) -> None:
+    """The tower's and projector's weights as test_gemma3_vision's; Gemma's text norms scale by
+    1 + weight: weights around 0."""
+    rerandomise(model, seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "language_model" in name and p.ndim == 1:
-                p.copy_(0.2 * torch.randn(p.shape))
-    return model
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
 
 
 def save_hub(model, path) -> None:

@@ -1,14 +1,17 @@
 """Images end to end on each vision-language architecture: processor output -> logits against
 transformers, and ``mlxc generate --image PATH`` (streamed text, greedy tokens equal to a manual
-greedy loop over the model) and its errors.
+greedy loop over the model; gemma3's also to transformers' generate on its processor's prompt)
+and its errors.
 
-Tiny re-randomised float32 checkpoints (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, and
-mistral3 with a mistral and with a mistral4 text backbone) with the tokenizers, chat templates
-and processor files of test_processor.py; atol 1e-4 as in test_qwen_vl.py / test_mistral3.py.
+Tiny re-randomised float32 checkpoints (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe,
+mistral3 with a mistral and with a mistral4 text backbone, and gemma3) with the tokenizers, chat
+templates and processor files of test_processor.py (gemma3: google/gemma-3-4b-it's, from
+test_gemma3_vision.py); atol 1e-4 as in test_qwen_vl.py / test_mistral3.py / test_gemma3_vlm.py.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -20,6 +23,9 @@ import torch
 import transformers
 from click.testing import CliRunner
 from PIL import Image
+from test_gemma3_vision import BOI, EOI, GEMMA3_FILES, SOFT, write_gemma_tokenizer
+from test_gemma3_vlm import randomise as randomise_gemma3
+from test_gemma3_vlm import save_hub
 from test_mistral3 import TEXT_CONFIGS as MISTRAL_TEXT
 from test_mistral3 import rerandomise
 from test_processor import (
@@ -53,13 +59,77 @@ QWEN_MODEL_CLASS = {
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
 }
-ARCHS = [*QWEN_MODEL_CLASS, "mistral3:mistral", "mistral3:mistral4"]
+ARCHS = [*QWEN_MODEL_CLASS, "mistral3:mistral", "mistral3:mistral4", "gemma3"]
 IMAGE_SIZES = [(50, 70), (30, 44)]  # (height, width): two images of different sizes
+
+# google/gemma-3-4b-it's config.json key for key, sizes shrunk; text_config adds the sizes the
+# hub leaves to Gemma3TextConfig's defaults. The token ids are the tiny tokenizer's (hub 106,
+# <end_of_turn>, is 6 there). A 32x32 image is 8x8 patches, pooled to 4x4 = 16 tokens, longer
+# than the sliding window (8): prompts run past the window, inside an image too.
+GEMMA3_CONFIG = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "boi_token_index": BOI,
+    "eoi_token_index": EOI,
+    "eos_token_id": [1, 6],
+    "image_token_index": SOFT,
+    "initializer_range": 0.02,
+    "mm_tokens_per_image": 16,
+    "model_type": "gemma3",
+    "text_config": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 3,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 8,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,
+        "sliding_window_pattern": 3,  # layers 0, 1 sliding, 2 full
+        "vocab_size": 300,  # the tokenizer's 299 tokens
+    },
+    "torch_dtype": "float32",
+    "transformers_version": "4.50.0.dev0",
+    "vision_config": {
+        "hidden_size": 32,
+        "image_size": 32,
+        "intermediate_size": 48,
+        "model_type": "siglip_vision_model",
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "patch_size": 4,
+        "vision_use_head": False,
+    },
+}
+
+
+def build_gemma3(path):
+    """Hub layout (config.json, tensor names) with the hub's tokenizer_config.json,
+    chat_template.json and processor files, their sizes shrunk to the tiny tower's."""
+    config = transformers.Gemma3Config(**GEMMA3_CONFIG)
+    config._attn_implementation = "eager"
+    model = transformers.Gemma3ForConditionalGeneration(config).float().eval()
+    randomise_gemma3(model, 7)
+    save_hub(model, path)
+    (path / "config.json").write_text(json.dumps(GEMMA3_CONFIG, indent=2))
+    write_gemma_tokenizer(path)
+    size = GEMMA3_CONFIG["vision_config"]["image_size"]
+    tokens = GEMMA3_CONFIG["mm_tokens_per_image"]
+    for name, shrunk in (
+        ("preprocessor_config.json", {"size": {"height": size, "width": size}}),
+        ("processor_config.json", {}),
+    ):
+        files = json.loads((GEMMA3_FILES / name).read_text())
+        (path / name).write_text(json.dumps(files | shrunk | {"image_seq_length": tokens}))
+    return model
 
 
 def build(arch, path):
     """A re-randomised transformers model saved to ``path`` with its tokenizer and processor
     files; returns the transformers model (float32, eval)."""
+    if arch == "gemma3":
+        return build_gemma3(path)
     if arch in QWEN_MODEL_CLASS:
         extra = {"num_hidden_layers": 2, **(MOE_TEXT if arch == "qwen3_vl_moe" else {})}
         config = qwen_config(arch, **extra)
@@ -116,6 +186,9 @@ def hf_logits(arch, hf, ids, vision):
         kwargs["mm_token_type_ids"] = torch.from_numpy(
             (ids == QWEN_IDS["image_token_id"]).astype(np.int64)
         )
+    if arch == "gemma3":
+        # What Gemma3Processor returns: image tokens attend to their whole image.
+        kwargs["token_type_ids"] = torch.from_numpy((ids == SOFT).astype(np.int64))
     with torch.no_grad():
         return hf(input_ids=torch.from_numpy(ids), **kwargs).logits.numpy()
 
@@ -222,7 +295,8 @@ def test_cli_generates_with_images(checkpoint, monkeypatch):
     monkeypatch.setattr(generate_mod, "generate_tokens", recording)
     text = "describe both images"
     args = ["--model", path, "--image", files[0], "--image", files[1], "--prompt", text]
-    # A small prefill chunk: chunk boundaries fall inside the images' tokens.
+    # A small prefill chunk: chunk boundaries fall inside the images' tokens (gemma3's move to
+    # the image's end: its prefill_spans).
     result = run_cli(*args, "--max-tokens", 5, "--prefill-chunk-size", 16)
     assert result.exit_code == 0, result.output
 
@@ -234,6 +308,73 @@ def test_cli_generates_with_images(checkpoint, monkeypatch):
     stats = result.stderr.strip().splitlines()
     assert len(stats) == 1 and f"prompt: {len(prompt.ids)} tokens" in stats[0]
     assert len(prompt.ids) > 40  # the images' tokens are in the prompt
+
+
+def hf_generate(hf, path, files, text, n):
+    """(prompt ids, greedy tokens, their logits) of transformers' ``generate`` on the prompt its
+    own processor builds from the checkpoint's files (chat template, prompt expansion, pixel
+    values and ``token_type_ids``), cut at the first end-of-sequence token."""
+    processor = transformers.AutoProcessor.from_pretrained(str(path))
+    images = [{"type": "image", "image": Image.open(f).convert("RGB")} for f in files]
+    messages = [{"role": "user", "content": [*images, {"type": "text", "text": text}]}]
+    inputs = processor.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    eos = sorted(eos_token_ids(load_tokenizer(path), path))
+    with torch.no_grad():
+        out = hf.generate(
+            **inputs,
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=eos,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    cut = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
+    logits = np.concatenate([step.numpy() for step in out.logits[:cut]])
+    return inputs["input_ids"][0].tolist(), tokens[:cut], logits
+
+
+# transformers' Qwen-VL and Pixtral processors need torchvision (not installed): their
+# AutoProcessor cannot load, so only gemma3 is checked against transformers' generate here.
+@pytest.mark.parametrize("checkpoint", ["gemma3"], indirect=True)
+@pytest.mark.parametrize("n_images", [1, 2])
+def test_cli_greedy_equals_transformers_generate(checkpoint, n_images, monkeypatch):
+    """``mlxc generate --image`` token for token as transformers' greedy ``generate`` given
+    Gemma3Processor's prompt, and the logits each token was picked from: 16 image tokens each,
+    a window of 8, prefill chunks of 6 (a boundary would cut each image: prefill_spans moves it
+    to the image's end; cut, the logits move by ~0.2)."""
+    from mlxc.runtime import sample as sample_mod
+
+    _, path, hf, files = checkpoint
+    files = files[:n_images]
+    recorded, seen = [], []
+    real_generate, real_sampler = generate_mod.generate_tokens, sample_mod.make_sampler
+
+    def recording(*args, **kwargs):
+        for token in real_generate(*args, **kwargs):
+            recorded.append(token)
+            yield token
+
+    def recording_sampler(**kwargs):
+        sampler = real_sampler(**kwargs)
+        return lambda logits: seen.append(logits) or sampler(logits)
+
+    monkeypatch.setattr(generate_mod, "generate_tokens", recording)
+    monkeypatch.setattr(sample_mod, "make_sampler", recording_sampler)
+    text = "describe the images"
+    images = [a for f in files for a in ("--image", f)]
+    args = ["--model", path, *images, "--prompt", text, "--max-tokens", 8]
+    result = run_cli(*args, "--prefill-chunk-size", 6)
+    assert result.exit_code == 0, result.output
+    want_ids, want, want_logits = hf_generate(hf, path, files, text, 8)
+    assert encode(path, files, text)[2].ids == want_ids
+    assert f"prompt: {len(want_ids)} tokens" in result.stderr
+    assert want_ids.count(SOFT) == 16 * n_images and len(want_ids) > 2 * 8
+    assert recorded == want and len(want) > 1
+    got = np.concatenate([np.array(x) for x in seen[: len(want)]])
+    np.testing.assert_allclose(got, want_logits, atol=ATOL, rtol=0)
 
 
 def assert_one_error_line(result, *needles):

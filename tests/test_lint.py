@@ -149,3 +149,18 @@ def test_readme_rule_table_is_the_rules():
     section = section.split("\n## ", 1)[0]
     rows = re.findall(r"^\| `(\w+)` \| (.*) \|$", section, re.MULTILINE)
     assert rows == [(rule.code, rule.doc) for rule in RULES.values()]
+
+
+def test_a_ropes_default_is_a_number(tmp_path):
+    """A rope param's ``default`` is the theta of a config that names none (gemma3_text's 1e6)."""
+    ok = (FIXTURES / "ok.yaml").read_text()
+    assert "  rope: {type: rope}\n" in ok
+    for default, bad in (("1000000.0", False), ("'1e6'", True), ("{rope_theta: 1}", True)):
+        spec = tmp_path / "ok.yaml"
+        spec.write_text(
+            ok.replace("rope: {type: rope}", f"rope: {{type: rope, default: {default}}}")
+        )
+        result = lint(str(spec))
+        assert (result.exit_code == 1) == bad, result.output
+        if bad:
+            assert "S003 a rope's default is its theta, a number" in result.output

@@ -71,6 +71,31 @@ def test_greedy_matches_mlxc_generate_with_an_image(served):
     assert r.json()["usage"]["completion_tokens"] == n
 
 
+def test_concurrent_image_requests_decode_batched_as_alone(served):
+    """Two image chats of different lengths (one trimmed, past any sliding window) and a text
+    chat at once: they decode as rows of one batch (32 tokens: the short ones still decode
+    while the long one prefills), each answer the one it gets alone."""
+    import concurrent.futures
+
+    _, image, server = served
+    messages = [[image_message(image, LONG)], [{"role": "user", "content": SHORT}]]
+    messages.append([image_message(image, " ".join(LONG.split()[:12]))])
+
+    def chat(c, m):
+        body = {"messages": m, "max_tokens": 32, "ignore_eos": True}
+        return c.post("/v1/chat/completions", json=body)
+
+    with server.client() as c:
+        alone = [chat(c, m).json()["choices"][0]["message"]["content"] for m in messages]
+        with concurrent.futures.ThreadPoolExecutor(len(messages)) as pool:
+            together = list(pool.map(lambda m: chat(c, m), messages))
+    for want, r in zip(alone, together):
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == want
+    health = server.wait_idle()
+    assert health["requests"]["failed"] == 0 and health["pool"]["peak_batched"] >= 2
+
+
 @pytest.mark.parametrize(
     "url, words",
     [

@@ -32,6 +32,7 @@ class RopeConfig:
         path: str | tuple[str, ...] = "",
         layer_type: str | None = None,
         theta_from: str | None = None,
+        default_theta: float = 10000.0,
     ) -> RopeConfig:
         """Read RoPE settings from the (sub-)config at dotted ``path``, or from the first of
         several paths whose sub-config holds RoPE keys ("" is the top level).
@@ -39,6 +40,8 @@ class RopeConfig:
         Models whose layer types rotate differently (gemma3) name ``layer_type``, the entry of
         a transformers-5 ``rope_parameters`` keyed by layer type, and ``theta_from``, the key
         that the older form keeps that rope's theta under (it then takes no ``rope_scaling``).
+        ``default_theta``: the theta of a config that names none (the model's config class
+        default: Gemma 3's hub configs leave its 1e6 out).
         """
         paths = path if isinstance(path, tuple) else (path,)
         subs = [config if not p else lookup(config, p, {}) for p in paths]
@@ -49,12 +52,12 @@ class RopeConfig:
         per_type = sub.get("rope_parameters")
         if layer_type is not None and isinstance((per_type or {}).get(layer_type), dict):
             scaling = per_type[layer_type]
-            theta = scaling.get("rope_theta", 10000.0)
+            theta = scaling.get("rope_theta", default_theta)
         elif theta_from is not None:
-            scaling, theta = {}, sub.get(theta_from, 10000.0)
+            scaling, theta = {}, sub.get(theta_from, default_theta)
         else:
             scaling = sub.get("rope_parameters") or sub.get("rope_scaling") or {}
-            theta = scaling.get("rope_theta", sub.get("rope_theta", 10000.0))
+            theta = scaling.get("rope_theta", sub.get("rope_theta", default_theta))
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind == "default" and "mrope_section" in scaling:
             kind = "mrope"
