@@ -345,7 +345,7 @@ def test_cli_greedy_equals_transformers_generate(checkpoint, n_images, monkeypat
     Gemma3Processor's prompt, and the logits each token was picked from: 16 image tokens each,
     a window of 8, prefill chunks of 6 (a boundary would cut each image: prefill_spans moves it
     to the image's end; cut, the logits move by ~0.2)."""
-    from mlxc.runtime import sample as sample_mod
+    from mlxc.runtime.serving import sample as sample_mod
 
     _, path, hf, files = checkpoint
     files = files[:n_images]
