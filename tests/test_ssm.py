@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxc.runtime.model.batch import BatchCache, BatchKVCache
 from mlxc.runtime.model.cache import KVCache, LayerCache, WindowedKVCache, enforce_max_kv
 from mlxc.runtime.model.multimodal import SequenceCache
 from mlxc.runtime.model.ssm import (
@@ -208,6 +209,14 @@ def test_recurrent_cache_kind_in_the_protocol(mixers):
         assert np.array_equal(np.array(a), b)
     with pytest.raises(ValueError):
         state.trim_front(-1)
+
+    # The pool's decode batch takes a hybrid's caches, each layer into its kind's batch layer.
+    hybrid = SequenceCache([state, full])
+    assert BatchCache.accepts(hybrid)
+    batch = BatchCache.like(hybrid)
+    batch.extend([hybrid])
+    assert isinstance(batch[0], BatchRecurrentCache) and isinstance(batch[1], BatchKVCache)
+    assert batch.windows() == {None: batch[1]} and batch[0].offset.tolist() == [6]
 
 
 def test_conv_weight_conversion():

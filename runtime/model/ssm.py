@@ -33,8 +33,8 @@ from mlx import nn
 # --- the cache kind -----------------------------------------------------------------------------
 
 
-class RecurrentCache:
-    """One Mamba2 layer's state of one sequence (or of a batch moving in lockstep).
+class _RecurrentState:
+    """What the two recurrent kinds share: the state arrays, and no keys (module docstring).
 
     ``conv``: ``[B, conv_kernel - 1, conv_dim]``, the convolution's last inputs (the input
     dtype); ``ssm``: ``[B, heads, head_dim, state_size]`` float32. Both None before the first
@@ -44,28 +44,14 @@ class RecurrentCache:
     trimmable = False  # recurrent state is never trimmed
     holds_keys = False  # no mask is built from it (SequenceCache.windows skips it)
     window = None
+    live_len = 0  # no key columns
 
     def __init__(self) -> None:
         self.conv: mx.array | None = None
         self.ssm: mx.array | None = None
-        self.offset = 0
 
-    def update(self, conv: mx.array, ssm: mx.array, n_new: int) -> None:
-        """The state after ``n_new`` more tokens (what the mixer computed from this one)."""
-        self.conv, self.ssm = conv, ssm
-        self.offset += n_new
-
-    live_len = 0  # no key columns
-    row_live_len = 0
-
-    def key_valid(self, n_new: int) -> None:
+    def key_valid(self, n_new: int = 0) -> None:
         return None
-
-    def trim_front(self, n: int, keep: int = 0) -> int:
-        """Drops nothing (no tokens held; see the module docstring): 0."""
-        if int(n) < 0 or keep < 0:
-            raise ValueError(f"trim_front needs n >= 0 and keep >= 0, got n={n}, keep={keep}")
-        return 0
 
     @property
     def nbytes(self) -> int:
@@ -74,26 +60,46 @@ class RecurrentCache:
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.conv, self.ssm) if a is not None]
 
+
+def _check_trim(n, keep: int) -> None:
+    if (np.asarray(n) < 0).any() or keep < 0:
+        raise ValueError(f"trim_front needs n >= 0 and keep >= 0, got n={n}, keep={keep}")
+
+
+class RecurrentCache(_RecurrentState):
+    """One Mamba2 layer's state of one sequence (or of a batch moving in lockstep)."""
+
+    row_live_len = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offset = 0
+
+    def update(self, conv: mx.array, ssm: mx.array, n_new: int) -> None:
+        """The state after ``n_new`` more tokens (what the mixer computed from this one)."""
+        self.conv, self.ssm = conv, ssm
+        self.offset += n_new
+
+    def trim_front(self, n: int, keep: int = 0) -> int:
+        """Drops nothing (no tokens held; see the module docstring): 0."""
+        _check_trim(n, keep)
+        return 0
+
     def batch_layer(self) -> BatchRecurrentCache:
         return BatchRecurrentCache()
 
 
-class BatchRecurrentCache:
+class BatchRecurrentCache(_RecurrentState):
     """The recurrent state of a decode batch's rows, stacked on the batch axis.
 
     The state has no time axis, so rows of different lengths need no padding: ``extend``
     concatenates single-sequence states, ``keep_rows`` gathers rows, and ``offset`` is per row
-    (``[B]``) like ``BatchKVCache``'s. Every other protocol member is ``RecurrentCache``'s.
+    (``[B]``) like ``BatchKVCache``'s.
     """
 
-    trimmable = False
-    holds_keys = False
-    window = None
-
     def __init__(self) -> None:
-        self.conv: mx.array | None = None
-        self.ssm: mx.array | None = None
-        self.offsets = np.zeros(0, np.int64)
+        super().__init__()
+        self.offsets = np.zeros(0, np.int64)  # [B] tokens seen, per row
 
     @property
     def offset(self) -> mx.array:
@@ -103,26 +109,14 @@ class BatchRecurrentCache:
         self.conv, self.ssm = conv, ssm
         self.offsets = self.offsets + n_new
 
-    live_len = 0
-
     @property
     def row_live_len(self) -> np.ndarray:
         return np.zeros(len(self.offsets), np.int64)
 
-    def key_valid(self, n_new: int = 0) -> None:
-        return None
-
     def trim_front(self, n: np.ndarray, keep: int = 0) -> np.ndarray:
-        if (np.asarray(n) < 0).any() or keep < 0:
-            raise ValueError(f"trim_front needs n >= 0 and keep >= 0, got n={n}, keep={keep}")
+        """Drops nothing in any row: zeros."""
+        _check_trim(n, keep)
         return self.row_live_len
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays())
-
-    def arrays(self) -> list[mx.array]:
-        return [a for a in (self.conv, self.ssm) if a is not None]
 
     def batch_layer(self) -> None:
         return None  # already a batch
@@ -132,16 +126,15 @@ class BatchRecurrentCache:
         for cache in caches:
             if cache.ssm is None or cache.ssm.shape[0] != 1:
                 raise ValueError("only a single sequence's filled cache joins a decode batch")
-        mine = [] if self.ssm is None else [(self.conv, self.ssm)]
-        rows = mine + [(c.conv, c.ssm) for c in caches]
-        self.conv = mx.concatenate([conv for conv, _ in rows])
-        self.ssm = mx.concatenate([ssm for _, ssm in rows])
+        rows = ([] if self.ssm is None else [self]) + caches
+        self.conv = mx.concatenate([r.conv for r in rows])
+        self.ssm = mx.concatenate([r.ssm for r in rows])
         self.offsets = np.concatenate([self.offsets, [c.offset for c in caches]])
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only ``rows`` (in that order)."""
         if not rows:
-            self.__init__()
+            self.__init__()  # empty, as new
             return
         index = mx.array(rows)
         self.conv, self.ssm = self.conv[index], self.ssm[index]
@@ -242,7 +235,9 @@ class Mamba2Mixer(nn.Module):
     def new_cache(self) -> RecurrentCache:
         return RecurrentCache()
 
-    def __call__(self, x: mx.array, cache: RecurrentCache | BatchRecurrentCache | None = None):
+    def __call__(
+        self, x: mx.array, cache: RecurrentCache | BatchRecurrentCache | None = None
+    ) -> mx.array:
         """``x`` ``[B, L, hidden]`` -> ``[B, L, hidden]``, advancing ``cache`` by ``L`` tokens
         (None: a whole sequence from zero state, nothing kept)."""
         B, L, _ = x.shape
@@ -278,10 +273,10 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(y.astype(x.dtype))
 
 
-def _per_head(m: mx.array, num_heads: int) -> mx.array:
-    """Grouped ``[..., groups, N]`` -> ``[..., heads, N]``: head ``h`` reads group
+def _per_head(m: mx.array, num_heads: int, axis: int = -2) -> mx.array:
+    """Grouped (``groups`` on ``axis``) -> per head: head ``h`` reads group
     ``h // (heads / groups)`` (consecutive heads share a group)."""
-    return mx.repeat(m, num_heads // m.shape[-2], axis=-2)
+    return mx.repeat(m, num_heads // m.shape[axis], axis=axis)
 
 
 def ssm_step(x, dt, A, B, C, state):
@@ -308,6 +303,7 @@ def ssd_scan(x, dt, A, B, C, state, chunk_size: int):
     decays the state nor adds to it.
     """
     b, L, h, p = x.shape
+    g = B.shape[2]
     Q = min(chunk_size, L)
     pad = -L % Q
     if pad:
@@ -315,24 +311,27 @@ def ssd_scan(x, dt, A, B, C, state, chunk_size: int):
             mx.pad(t, [(0, 0), (0, pad)] + [(0, 0)] * (t.ndim - 2)) for t in (x, dt, B, C)
         )
     c = (L + pad) // Q
-    x = x.reshape(b, c, Q, h, p)
-    B = _per_head(B, h).reshape(b, c, Q, h, -1)
-    C = _per_head(C, h).reshape(b, c, Q, h, -1)
-    a = (dt * A).reshape(b, c, Q, h).transpose(0, 3, 1, 2)  # [b, h, c, Q] log-decay per step
-    xdt = x * dt.reshape(b, c, Q, h)[..., None]  # [b, c, Q, h, p]
-    cum = mx.cumsum(a, axis=-1)  # [b, h, c, Q]
 
-    # Within each chunk: y[l] = sum_{s <= l} exp(cum[l] - cum[s]) (C[l] . B[s]) xdt[s].
+    def chunked(t: mx.array) -> mx.array:
+        """``[b, L, k, ...]`` -> ``[b, k, c, Q, ...]`` (heads or groups, then chunks)."""
+        return mx.moveaxis(t.reshape(b, c, Q, *t.shape[2:]), 3, 1)
+
+    xdt = chunked(x * dt[..., None])  # [b, h, c, Q, p]
+    cum = mx.cumsum(chunked(dt * A), axis=-1)  # [b, h, c, Q]: log-decay since the chunk began
+    B, C = chunked(B), chunked(C)  # [b, g, c, Q, n]
+
+    # Within each chunk: y[l] = sum_{s <= l} exp(cum[l] - cum[s]) (C[l] . B[s]) xdt[s]. The
+    # scores C B^T are per group (its heads share them), the decays per head.
     causal = mx.tril(mx.ones((Q, Q), mx.bool_))
     decay = mx.exp(mx.where(causal, cum[..., :, None] - cum[..., None, :], -mx.inf))
-    scores = C.transpose(0, 3, 1, 2, 4) @ B.transpose(0, 3, 1, 4, 2)  # [b, h, c, Q, Q]
-    y = (scores * decay) @ xdt.transpose(0, 3, 1, 2, 4)  # [b, h, c, Q, p]
+    scores = (C @ B.swapaxes(-1, -2))[:, :, None]  # [b, g, 1, c, Q, Q]
+    weights = (decay.reshape(b, g, h // g, c, Q, Q) * scores).reshape(b, h, c, Q, Q)
+    y = weights @ xdt  # [b, h, c, Q, p]
 
     # Each chunk's own contribution to the state at its end (as if it started from zero).
+    B, C = _per_head(B, h, axis=1), _per_head(C, h, axis=1)  # [b, h, c, Q, n]
     to_end = mx.exp(cum[..., -1:] - cum)  # [b, h, c, Q]
-    chunk_states = (xdt.transpose(0, 3, 1, 4, 2) * to_end[:, :, :, None, :]) @ B.transpose(
-        0, 3, 1, 2, 4
-    )  # [b, h, c, p, n]
+    chunk_states = (xdt * to_end[..., None]).swapaxes(-1, -2) @ B  # [b, h, c, p, n]
 
     # Across chunks: the state entering chunk k is the initial state and every earlier chunk's
     # own state, each decayed through the chunks in between (one [c + 1, c + 1] product).
@@ -341,12 +340,9 @@ def ssd_scan(x, dt, A, B, C, state, chunk_size: int):
     later = mx.tril(mx.ones((c + 1, c + 1), mx.bool_))
     across = mx.exp(mx.where(later, run[..., :, None] - run[..., None, :], -mx.inf))
     states = mx.concatenate([state[:, :, None], chunk_states], axis=2)  # [b, h, c + 1, p, n]
-    entering = (across @ states.reshape(b, h, c + 1, -1)).reshape(b, h, c + 1, p, -1)
-    final = entering[:, :, -1]
+    entering = (across @ states.reshape(b, h, c + 1, -1)).reshape(states.shape)
 
     # What each chunk's entering state gives its tokens: exp(cum[l]) state C[l].
-    from_state = (C.transpose(0, 3, 1, 2, 4) @ entering[:, :, :-1].swapaxes(-1, -2)) * mx.exp(cum)[
-        ..., None
-    ]  # [b, h, c, Q, p]
-    y = (y + from_state).transpose(0, 2, 3, 1, 4).reshape(b, c * Q, h, p)
-    return y[:, :L], final
+    from_state = (C @ entering[:, :, :-1].swapaxes(-1, -2)) * mx.exp(cum)[..., None]
+    y = mx.moveaxis(y + from_state, 1, 3).reshape(b, c * Q, h, p)  # [b, L + pad, h, p]
+    return y[:, :L], entering[:, :, -1]
