@@ -54,13 +54,19 @@ CONFIG = {
 L = 37
 
 
-def _reference(seed=0):
-    """transformers' mixer with every parameter re-randomised, and ours with its weights."""
+def _reference(seed=0, time_step_limit=None):
+    """transformers' mixer with every parameter re-randomised, and ours with its weights.
+
+    ``time_step_limit`` None: transformers' own, ``(time_step_min, inf)``; else set on both
+    (the published implementation reads the config's ``time_step_limit``, ``(0, inf)``:
+    transformers PR #48989, mlx-lm PR #1026)."""
     from transformers import NemotronHConfig
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
 
     config = NemotronHConfig(**CONFIG)
     ref = NemotronHMamba2Mixer(config, layer_idx=0).eval()
+    if time_step_limit is not None:
+        ref.time_step_limit = time_step_limit
     g = torch.Generator().manual_seed(seed)
     H = config.mamba_num_heads
     with torch.no_grad():
@@ -122,6 +128,12 @@ def test_full_sequence_matches_transformers(mixers):
     _close(ours(mx.array(x), cache), expected)  # from an empty cache: the same
     assert cache.offset == L and cache.ssm.dtype == mx.float32
     assert cache.conv.shape == (2, CONFIG["conv_kernel"] - 1, ours.conv_dim)
+
+    ref, ours = _reference(time_step_limit=tuple(CONFIG["time_step_limit"]))  # the config's
+    with torch.no_grad():
+        unclamped = ref(torch.from_numpy(x)).numpy()
+    assert np.abs(unclamped - expected).max() > 1e-3  # the limit changes the output
+    _close(ours(mx.array(x)), unclamped)
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 64])  # 2 < conv_kernel - 1: spans the kernel
