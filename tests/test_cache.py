@@ -111,6 +111,7 @@ def test_kv_caches_satisfy_the_protocol():
 
     cache = KVCache()
     cache.update_and_fetch(*kv(3))
-    assert isinstance(cache, LayerCache) and cache.trimmable
+    assert isinstance(cache, LayerCache) and cache.trimmable and cache.holds_keys
+    assert BatchKVCache.holds_keys
     assert len(cache.arrays()) == 2 and isinstance(cache.batch_layer(), BatchKVCache)
     assert BatchKVCache().batch_layer() is None  # a batch's rows do not join another batch

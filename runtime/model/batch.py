@@ -37,6 +37,7 @@ class BatchKVCache:
 
     step = KVCache.step
     trimmable = True
+    holds_keys = True
     window = None
 
     def __init__(self) -> None:

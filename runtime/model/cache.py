@@ -25,11 +25,13 @@ class LayerCache(Protocol):
 
     The runtime reads capabilities, never concrete types: ``trimmable`` says whether
     ``enforce_max_kv`` may trim it (full KV: yes; a window bounds itself; recurrent state never),
-    ``batch_layer`` whether and how its rows join a decode batch. The README's cache contract
-    lists these members (tests/test_cache.py checks it).
+    ``holds_keys`` whether masks are built for it (``SequenceCache.windows``; recurrent state
+    holds none), ``batch_layer`` whether and how its rows join a decode batch. The README's
+    cache contract lists these members (tests/test_cache.py checks it).
     """
 
     trimmable: ClassVar[bool]
+    holds_keys: ClassVar[bool]  # attention keys, which masks are built for; False: recurrent state
     window: int | None  # the sliding window its keys serve; None: full attention
 
     @property
@@ -73,6 +75,7 @@ class KVCache:
 
     step = 256
     trimmable = True  # full KV: --max-kv-size trims it
+    holds_keys = True
     window = None
 
     def __init__(self) -> None:

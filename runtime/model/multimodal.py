@@ -35,10 +35,12 @@ class SequenceCache(list):
     def windows(self) -> dict[int | None, LayerCache]:
         """The first layer cache of each attention window (None: full attention). The layers
         of one window hold the same keys (``live-window``): one mask per window is sized from
-        that cache, and ``attend`` refuses it in any layer holding another number of keys."""
+        that cache, and ``attend`` refuses it in any layer holding another number of keys.
+        Caches that hold no keys (a recurrent layer's state) have no mask and are skipped."""
         first: dict[int | None, LayerCache] = {}
         for cache in self:
-            first.setdefault(cache.window, cache)
+            if cache.holds_keys:
+                first.setdefault(cache.window, cache)
         return first
 
 
