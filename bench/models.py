@@ -7,6 +7,7 @@ checkpoint is the same on every machine and in every run. No transformers or tor
 
 Sizes:
   medium (GPU): hidden 2048, 16 layers, realistic head dims, vocab and expert counts
+                (gemma3_text: Gemma-3-1B's widths, 18 layers; qwen3_moe: experts 256 wide)
   small  (CPU): hidden 1024, 8 layers, vocab 32k, so a CPU run takes minutes
 """
 
