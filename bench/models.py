@@ -7,6 +7,7 @@ checkpoint is the same on every machine and in every run. No transformers or tor
 
 Sizes:
   medium (GPU): hidden 2048, 16 layers, realistic head dims, vocab and expert counts
+                (gemma3_text: Gemma-3-1B's widths, 18 layers; qwen3_moe: experts 256 wide)
   small  (CPU): hidden 1024, 8 layers, vocab 32k, so a CPU run takes minutes
 """
 
@@ -186,7 +187,98 @@ def _mistral4(size: str) -> dict:
     }
 
 
-CONFIGS = {"llama": _llama, "qwen3": _qwen3, "nemotron_nas": _nemotron_nas, "mistral4": _mistral4}
+def _gemma3_text(size: str) -> dict:
+    # Gemma-3-1B's widths (hidden 1152, 4 x 256 heads, 1 kv head, GeGLU 6912) at medium with 18
+    # of its 26 layers: five sliding-window layers (window 512) to each full one, as released.
+    # Every key of gemma-3-1b-it's config.json (tests/fixtures/gemma3).
+    small = size == "small"
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_logit_softcapping": None,
+        "bos_token_id": 2,
+        "cache_implementation": "hybrid",
+        "eos_token_id": [1, 106],
+        "final_logit_softcapping": None,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 1024 if small else 1152,
+        "initializer_range": 0.02,
+        "intermediate_size": 4096 if small else 6912,
+        "max_position_embeddings": 32768,
+        "model_type": "gemma3_text",
+        "num_attention_heads": 4,
+        "num_hidden_layers": 8 if small else 18,
+        "num_key_value_heads": 1,
+        "pad_token_id": 0,
+        "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06,
+        "rope_local_base_freq": 10000,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.50.0.dev0",
+        "use_cache": True,
+        "vocab_size": 32000 if small else 262144,
+    }
+
+
+def _qwen3_moe(size: str) -> dict:
+    # Qwen3-30B-A3B's attention (32 x 128 heads, 4 kv heads), router (128 experts, top 8) and
+    # vocabulary at medium, with 16 of its 48 layers and experts a third as wide (256 of 768) so
+    # the checkpoint is 7.7 GB rather than 19; small: 32 experts of 256, top 4. Every key of
+    # its config.json.
+    small = size == "small"
+    n = 8 if small else 16
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "decoder_sparse_step": 1,
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 1024 if small else 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 3072 if small else 6144,
+        "max_position_embeddings": 40960,
+        "max_window_layers": n,
+        "mlp_only_layers": [],
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": 256,
+        "norm_topk_prob": True,
+        "num_attention_heads": 16 if small else 32,
+        "num_experts": 32 if small else 128,
+        "num_experts_per_tok": 4 if small else 8,
+        "num_hidden_layers": n,
+        "num_key_value_heads": 4,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.51.0",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 32000 if small else 151936,
+    }
+
+
+CONFIGS = {
+    "llama": _llama,
+    "qwen3": _qwen3,
+    "nemotron_nas": _nemotron_nas,
+    "mistral4": _mistral4,
+    "gemma3_text": _gemma3_text,
+    "qwen3_moe": _qwen3_moe,
+}
 ARCHS = tuple(CONFIGS)
 
 
@@ -213,15 +305,21 @@ def shapes(cfg: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
     yield "model.embed_tokens.weight", (v, h)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        if mt in ("llama", "qwen3"):
+        if mt in ("llama", "qwen3", "qwen3_moe", "gemma3_text"):
             nh, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
             yield p + "input_layernorm.weight", (h,)
             yield from _gqa(p, h, nh, kv, hd)
-            if mt == "qwen3":
+            if mt != "llama":
                 yield p + "self_attn.q_norm.weight", (hd,)
                 yield p + "self_attn.k_norm.weight", (hd,)
             yield p + "post_attention_layernorm.weight", (h,)
-            yield from _swiglu(p + "mlp.", h, cfg["intermediate_size"])
+            if mt == "gemma3_text":
+                yield p + "pre_feedforward_layernorm.weight", (h,)
+                yield p + "post_feedforward_layernorm.weight", (h,)
+            if mt == "qwen3_moe":
+                yield from _qwen3_moe_mlp(p + "mlp.", cfg)
+            else:
+                yield from _swiglu(p + "mlp.", h, cfg["intermediate_size"])
         elif mt == "nemotron-nas":
             blk = cfg["block_configs"][i]
             nh = cfg["num_attention_heads"]
@@ -237,7 +335,8 @@ def shapes(cfg: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
         else:
             raise ValueError(mt)
     yield "model.norm.weight", (h,)
-    if not cfg.get("tie_word_embeddings"):
+    # Gemma's configs leave tie_word_embeddings out: tied, and the hub files hold no lm_head.
+    if not cfg.get("tie_word_embeddings", mt == "gemma3_text"):
         yield "lm_head.weight", (v, h)
 
 
@@ -252,6 +351,14 @@ def _swiglu(p: str, h: int, inter: int):
     yield p + "gate_proj.weight", (inter, h)
     yield p + "up_proj.weight", (inter, h)
     yield p + "down_proj.weight", (h, inter)
+
+
+def _qwen3_moe_mlp(p: str, cfg: dict):
+    # Every layer sparse (mlp_only_layers [], step 1); experts one tensor each, as on the hub.
+    h, mi = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    yield p + "gate.weight", (cfg["num_experts"], h)
+    for e in range(cfg["num_experts"]):
+        yield from _swiglu(f"{p}experts.{e}.", h, mi)
 
 
 def _mistral4_layer(p: str, cfg: dict, i: int):
