@@ -64,6 +64,7 @@ loader (``runtime/checkpoint/loading.py: quantization``) makes those experts ``Q
 
 from __future__ import annotations
 
+import functools
 import re
 from functools import partial
 
@@ -185,7 +186,7 @@ class Experts(nn.Module):
         if act == "clamped_swiglu":
             self.glu = partial(clamped_swiglu, alpha=swiglu_alpha, limit=swiglu_limit)
         elif act in ACTIVATIONS:
-            self.glu = partial(_gated, ACTIVATIONS[act])
+            self.glu = _gated(ACTIVATIONS[act])
         else:
             known = ", ".join([*ACTIVATIONS, "clamped_swiglu"])
             raise ValueError(f"expert act must be one of {known}, got {act!r}")
@@ -215,8 +216,11 @@ class Experts(nn.Module):
         return y.squeeze(-2)
 
 
-def _gated(act, gate: mx.array, up: mx.array) -> mx.array:
-    return act(gate) * up
+@functools.lru_cache
+def _gated(act):
+    """``act(gate) * up`` as one compiled kernel: a decode step runs it once per MoE layer, and
+    separate kernels for the activation and the product cost a launch each."""
+    return mx.compile(lambda gate, up: act(gate) * up, shapeless=True)
 
 
 # --- routers -------------------------------------------------------------------------------
@@ -269,12 +273,17 @@ def route(
         # -inf, not 0: sigmoid scores plus a negative bias can be below zero.
         grouped = mx.put_along_axis(grouped, drop, mx.array(-mx.inf, mx.float32), axis=-2)
         choice = mx.flatten(grouped, -2, -1)
-    inds = mx.argpartition(-choice, top_k - 1, axis=-1)[..., :top_k]
+    # The k largest, taken from the top of the partition (no negated copy of the scores).
+    inds = mx.argpartition(choice, -top_k, axis=-1)[..., -top_k:]
     inds = mx.stop_gradient(inds)
     weights = mx.take_along_axis(scores, inds, axis=-1)
     if norm_topk_prob:
-        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-    return inds, weights * routed_scaling_factor
+        # softmax weights are positive; sigmoid ones may all be tiny
+        total = weights.sum(axis=-1, keepdims=True)
+        weights = weights / (total if scoring == "softmax" else total + 1e-20)
+    if routed_scaling_factor != 1.0:  # a decode step pays a kernel per operation
+        weights = weights * routed_scaling_factor
+    return inds, weights
 
 
 # --- the block -----------------------------------------------------------------------------
