@@ -4,8 +4,8 @@ The model is loaded through mlxc (so every checkpoint mlxc loads converts: HF la
 experts, FP8 block-scaled weights), optionally quantised with ``nn.quantize``, and written in
 mlxc's own parameter layout (the names ``model.sanitize`` produces, which it maps to
 themselves) as safetensors, with ``config.json`` carrying a ``quantization: {group_size, bits,
-mode}`` key that ``runtime/checkpoint/loading.py::_quantize`` (and mlx-lm) read back. Tokenizer, chat
-template and processor files are copied.
+mode}`` key that ``runtime/checkpoint/loading.py::_quantize`` (and mlx-lm) read back. Tokenizer,
+chat template and processor files are copied.
 
 Quantisation follows mlx-lm's rules: every module with ``to_quantized`` (linears, embeddings,
 stacked experts) whose input dimension divides by the group size; the rest stays float. Vision

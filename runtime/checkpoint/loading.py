@@ -56,8 +56,8 @@ Specs = str | Path | None  # a directory of your own specs (or one spec file), o
 
 def registry(specs: Specs = None) -> dict[str, str]:
     """The registry: the built-in one, plus the specs of ``specs`` compiled in memory
-    (``mlxc.runtime.checkpoint.user_specs``). A spec there with lint findings, or serving a model_type
-    the built-in registry serves (R001), raises ``user_specs.SpecError``."""
+    (``mlxc.runtime.checkpoint.user_specs``). A spec there with lint findings, or serving a
+    model_type the built-in registry serves (R001), raises ``user_specs.SpecError``."""
     types = model_types()
     if specs is None:
         return types

@@ -3,8 +3,8 @@
 ``compile_specs(paths, builtin)`` lints the specs under ``paths`` (a directory or spec files),
 reports as R001 any registry key that ``builtin`` (the built-in registry) already serves, renders
 them with ``mlxc.compiler.build`` and executes each generated file as a module that exists only
-in this process (in ``sys.modules``). Nothing is written to disk. ``mlxc.runtime.checkpoint.loading``
-merges the result into its registry (``registry(specs)``); ``mlxc verify`` and
+in this process (in ``sys.modules``). Nothing is written to disk.
+``mlxc.runtime.checkpoint.loading`` merges the result into its registry (``registry(specs)``); ``mlxc verify`` and
 ``mlxc checkpoint`` import generated source with the same :func:`load_source`.
 
 Compiles are cached on the specs' text: the same specs compile once per process, and an edited
@@ -52,7 +52,7 @@ class Compiled:
     module: types.ModuleType
 
     def registry(self) -> dict[str, str]:
-        """Registry key -> module name, as ``mlxc.runtime.checkpoint.loading.model_types()`` has them."""
+        """Registry key -> module name, as ``checkpoint.loading.model_types()`` has them."""
         return dict.fromkeys(self.spec.serves.registry_keys(), self.module.__name__)
 
 

@@ -58,8 +58,8 @@ MXFP4 (OCP microscaling FP4: E2M1 values in groups of 32 along the input axis, o
 ``2**(s - 127)`` per group) is MLX's ``mxfp4`` mode bit for bit: a block's 16 bytes hold 32
 values, the low nibble first, which read as four little-endian uint32 are MLX's packed weight;
 the scales are MLX's as they are. So the blocks are reinterpreted, never dequantised, and the
-loader (``runtime/checkpoint/loading.py: quantization``) makes those experts ``QuantizedExpertLinear`` in
-``mxfp4`` mode with group size 32.
+loader (``runtime/checkpoint/loading.py: quantization``) makes those experts
+``QuantizedExpertLinear`` in ``mxfp4`` mode with group size 32.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class ExpertLinear(nn.Module):
         return _add_bias(self, y, indices)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine"):
-        # nn.quantize calls this for every module that has it (runtime/checkpoint/loading.py predicate).
+        # nn.quantize calls this for every module that has it (checkpoint/loading.py's predicate).
         return QuantizedExpertLinear.from_dense(self, group_size, bits, mode)
 
 
