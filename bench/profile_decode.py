@@ -10,7 +10,7 @@ evaluate it, and the total; plus a few mlxc variants that isolate candidate cost
   state before ``lm_head`` (one pass; what ``generate_tokens`` does on a GPU), or mlx-lm's way,
   all but the last token with only the caches evaluated, then a one-token step (what
   ``generate_tokens`` does on a CPU: the first pass skips the last layer's attention output
-  and MLP, ``runtime.generate.prefill_chunks``).
+  and MLP, ``runtime.serving.generate.prefill_chunks``).
 
 A compiled decode step was measured once, by a prototype since removed: it does not pay on the
 CUDA backend (``bench/results/gpu-h200-compiled-decode-proto.md``).

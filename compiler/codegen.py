@@ -110,7 +110,7 @@ class _Gen:
         self.layer_scope = expr.Scope(params, frozenset(self.layers.fields), layer_idx=True)
         self.uses_math = False
         self.uses_round_up = False
-        self.uses_layers = False  # runtime.layers as a module (its RMSNorm, softcap)
+        self.uses_layers = False  # runtime.model.layers as a module (its RMSNorm, softcap)
 
     def py(self, value, args: str = "args", layer: bool = True) -> str:
         """Compile a literal or expression to Python; note which helpers it needs."""

@@ -260,7 +260,7 @@ class TextModel(nn.Module):
         L = input_ids.shape[1]
         offset = cache.offset
         # Prefill: each image's tokens also attend to the image's later tokens in this chunk
-        # (runtime.image_attention); prefill_spans keeps every image inside one chunk.
+        # (runtime.model.image_attention); prefill_spans keeps every image inside one chunk.
         images = rows.mask[..., 0] if rows is not None else None
         inputs = AttentionInputs(
             masks={
@@ -345,7 +345,7 @@ class Model(nn.Module):
         return layers.softcap(logits, self.logit_softcap)
 
     def prefill_spans(self, prompt_ids: list[int]) -> list[tuple[int, int]]:
-        """Spans of the prompt one prefill chunk must hold (runtime.generate.prefill_chunks)."""
+        """Prompt spans one prefill chunk must hold (runtime.serving.generate.prefill_chunks)."""
         return self.model.prefill_spans(prompt_ids)
 
     def make_cache(self) -> SequenceCache:

@@ -97,7 +97,7 @@ def _schedule(
 
     ``image``: (placeholder token id, count) placed at ``IMAGE_AT``; other tokens avoid the id.
     A prefill boundary inside one of the ``model``'s ``prefill_spans`` moves to its end, as
-    ``runtime.generate.prefill_chunks`` moves it (Gemma 3's images stay in one chunk).
+    ``runtime.serving.generate.prefill_chunks`` moves it (Gemma 3's images stay in one chunk).
     """
     tokens = rng.integers(0, vocab, size=PROMPT_LEN + CONTINUATION + DECODE_STEPS)
     if image is not None:

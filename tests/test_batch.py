@@ -1,4 +1,4 @@
-"""The decode batch (runtime.batch): every row keeps exactly its own sequence's live keys, in
+"""The decode batch (runtime.model.batch): every row keeps exactly its own sequence's live keys, in
 order, through joins, leaves, per-row trims with sinks and compaction. (`mlxc verify` checks
 batched logits against decoding alone for every spec; test_scheduler that the server batches.)"""
 

@@ -47,8 +47,8 @@ class NotCompiled:
 
 @dataclass(frozen=True)
 class CacheKind:
-    """What a layer caches between forwards: the ``runtime.cache.LayerCache`` class its generated
-    ``make_cache`` builds for it (None: nothing, and the layer has no entry in the cache list).
+    """What a layer caches between forwards: the ``runtime.model.cache.LayerCache`` class its
+    generated ``make_cache`` builds for it (None: nothing, and no entry in the cache list).
 
     ``built_by_layer``: the cache depends on the layer's settings (a window), so the attention
     class builds it (its ``new_cache()``) and ``runtime`` is what that method calls.

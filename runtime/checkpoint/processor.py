@@ -30,7 +30,7 @@ that fails raises ``ChatTemplateError`` (a ValueError) naming the template.
 
 No torch and no MLX here: transformers' image processor runs on numpy, and the vision inputs
 stay numpy arrays. Prompts are built on the server's event-loop thread; MLX arrays are made on
-the thread that runs the model (``runtime.generate.as_model_inputs``).
+the thread that runs the model (``runtime.serving.generate.as_model_inputs``).
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def load_image(source: ImageSource, *, max_pixels: int | None = None) -> Image.I
 class Prompt:
     """Token ids of a prompt (image placeholders expanded) and the model's vision inputs for its
     first prefill chunk (None without images): numpy arrays, made MLX arrays by whoever runs the
-    model (``runtime.generate.as_model_inputs``)."""
+    model (``runtime.serving.generate.as_model_inputs``)."""
 
     ids: list[int]
     vision: dict[str, np.ndarray] | None = None

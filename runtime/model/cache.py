@@ -283,7 +283,7 @@ def enforce_max_kv(caches: list[LayerCache], max_kv_size: int | None, keep: int 
     for cache in caches:
         if not cache.trimmable:
             continue  # a kind that bounds itself (window) or is never trimmed (recurrent state)
-        # Per row: the rows of a decode batch (runtime.batch) have different lengths.
+        # Per row: the rows of a decode batch (runtime.model.batch) have different lengths.
         excess = np.maximum(np.asarray(cache.row_live_len) - max_kv_size, 0)
         if excess.any():
             dropped = max(dropped, int(np.max(cache.trim_front(excess, keep=keep))))

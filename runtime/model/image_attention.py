@@ -9,12 +9,12 @@ layers ``window AND (causal OR same_image)``. Generated tokens are never image t
 Here an image is a run of consecutive image-token positions (transformers' ``block_sequence_ids``:
 a new block starts at each image token not preceded by one; Gemma 3 wraps every image in
 ``<start_of_image>`` / ``<end_of_image>``, so two images never touch). Masks follow
-``runtime.masks``: boolean, True = attend, ``[..., n_queries, n_keys]`` over the live keys with
+``runtime.model.masks``: boolean, True = attend, ``[..., n_queries, n_keys]`` over the live keys with
 the chunk's queries last.
 
 Within one forward only the chunk's own keys can lie after a query, so the overlay only covers
 the chunk's ``[L, L]`` corner: an image cut by a chunk boundary is not bidirectional across it.
-:func:`image_spans` gives the spans a prefill must not cut (``runtime.generate.prefill_chunks``).
+:func:`image_spans` gives the spans a prefill must not cut (``runtime.serving.generate.prefill_chunks``).
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def causal(
     """Causal mask for ``n_queries`` new tokens against ``n_keys`` live keys (queries last).
 
     ``key_valid`` ``[B, 1, 1, n_keys]``: the columns each row may attend to (the rows of a
-    decode batch, ``runtime.batch``). ``window``: a query at key column ``q`` also attends only
+    decode batch, ``runtime.model.batch``). ``window``: a query at key column ``q`` also attends only
     to columns ``q - window + 1 .. q`` (sliding-window attention; the live keys are contiguous
     positions, so columns count positions). Returns None when no masking is needed (one query, no
     window, every key valid), ``"causal"`` where the string form is exact, else a boolean

@@ -1,14 +1,14 @@
 """Requests, the events they receive, and the admission queue in front of the scheduler.
 
-This is the part of ``runtime.scheduler`` that other threads touch. A server thread builds a
+This is the part of ``runtime.serving.scheduler`` that other threads touch. A server thread builds a
 :class:`SamplingParams`, calls ``Scheduler.submit`` (which queues a :class:`Request` here or
 raises :class:`QueueFull` / :class:`SchedulerStopped`), receives :class:`Delta`, then one
 :class:`Finished` or :class:`Failed` through its ``emit`` callback, may ``cancel()`` the request
 at any time, and reads ``stats()``. :class:`AdmissionQueue` holds everything those threads
 share with the scheduler thread behind one condition variable: the waiting requests, the
 count of slots taken, the stop flag, the request counters and the stats snapshot the scheduler
-thread publishes after each tick. It holds no MLX state; the step (``runtime.scheduler``) and
-per-sequence output (``runtime.output``) live apart. ``runtime.scheduler`` re-exports the
+thread publishes after each tick. It holds no MLX state; the step (``runtime.serving.scheduler``) and
+per-sequence output (``runtime.serving.output``) live apart. ``runtime.serving.scheduler`` re-exports the
 public names, which is where callers import them from.
 """
 

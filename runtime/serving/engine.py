@@ -4,7 +4,7 @@ processor (a VL model), its scheduler and the prompt workers.
 The scheduler thread owns MLX and the model, and detokenizes with the tokenizer it was given.
 Prompts are encoded in ``Engine.workers`` (threads of the server's side, never the event loop) on
 a copy of that tokenizer, so no stream waits on another request's preprocessing. The HTTP app
-over it is ``runtime.server``.
+over it is ``runtime.serving.server``.
 """
 
 from __future__ import annotations

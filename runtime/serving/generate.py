@@ -68,7 +68,7 @@ DEFAULT_KV_SINK = 4
 def as_model_inputs(inputs: Mapping[str, Any] | None) -> dict[str, Any]:
     """Model keyword inputs with numpy arrays made MLX arrays, other values as they are.
 
-    Prompts are built (``runtime.processor``) where MLX must not be touched, so their vision
+    Prompts are built (``runtime.checkpoint.processor``) where MLX must not be touched, so their vision
     inputs are numpy; call this on the thread that runs the model.
     """
     return {k: mx.array(v) if isinstance(v, np.ndarray) else v for k, v in (inputs or {}).items()}
@@ -139,7 +139,7 @@ def generate_tokens(
     when one stopped the run).
 
     ``vision_inputs``: keyword arguments of the model's image inputs for this prompt (e.g.
-    ``pixel_values`` and ``image_grid_thw`` or ``image_sizes``, numpy as ``runtime.processor``
+    ``pixel_values`` and ``image_grid_thw`` or ``image_sizes``, numpy as ``runtime.checkpoint.processor``
     makes them, or MLX arrays); passed with the first prefill chunk only, later chunks use the
     features the model keeps on the cache.
     """

@@ -1,10 +1,10 @@
 """Per-sequence output of the scheduler: sampled token ids become a request's events.
 
 A running sequence's text is its own business, apart from the step that samples its tokens
-(``runtime.scheduler``): :class:`SequenceOutput` feeds each token to a
+(``runtime.serving.scheduler``): :class:`SequenceOutput` feeds each token to a
 ``StreamingDetokenizer``, cuts the text at the first stop string (:class:`StopMatcher`), counts
 completion tokens against ``max_tokens``, and turns each token into the :class:`Delta` and
-:class:`Finished` events of ``runtime.admission``. It holds no MLX state and runs on the
+:class:`Finished` events of ``runtime.serving.admission``. It holds no MLX state and runs on the
 scheduler thread only (the detokenizer uses the scheduler's tokenizer).
 """
 

@@ -20,7 +20,7 @@ Each tick of the loop:
 A decode step reads every weight once whatever the batch size, which is what makes serving
 many streams cheaper than serving them one by one. Prefill runs per sequence in its own
 ``KVCache``; when its prompt is done, a sequence's caches move into the pool's ``BatchCache``
-(``runtime.batch``), which keeps each row's offset, trims and sinks apart. Caches that cannot
+(``runtime.model.batch``), which keeps each row's offset, trims and sinks apart. Caches that cannot
 join (model-owned state) decode one forward per sequence.
 
 After every prefill chunk and every decode step the pool calls ``enforce_max_kv`` on the caches
@@ -29,8 +29,8 @@ failure in one sequence's forward ends that request with a :class:`Failed` event
 caches; the others carry on. A failure of the batched decode forward ends the requests in it.
 
 This module holds the step: the cache pool, the tick and the forwards. Requests, their events
-and the admission queue (everything other threads touch) are in ``runtime.admission``; turning
-a sampled token into a request's events (detokenizing, stop strings) is ``runtime.output``.
+and the admission queue (everything other threads touch) are in ``runtime.serving.admission``; turning
+a sampled token into a request's events (detokenizing, stop strings) is ``runtime.serving.output``.
 Callers import the request and event names from here (re-exported, see ``__all__``).
 """
 

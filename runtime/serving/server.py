@@ -5,14 +5,14 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/mo
 with ``data: [DONE]``. Every error is OpenAI-shaped: ``{"error": {"message", "type", "param",
 "code"}}``; bad input is rejected before anything is queued, so it changes no state.
 
-Layout: ``runtime.engine`` holds the :class:`Engine` (model, tokenizers, processor, scheduler,
-prompt workers), ``runtime.api_schemas`` the request schemas, :class:`APIError` and
+Layout: ``runtime.serving.engine`` holds the :class:`Engine` (model, tokenizers, processor, scheduler,
+prompt workers), ``runtime.serving.api_schemas`` the request schemas, :class:`APIError` and
 :class:`Limits`; this module the app: request preparation, the disconnect watcher, the JSON and
 SSE replies, and binding and running it. The app's settings live on ``app.state`` (``engine``,
 ``settings``); the API key check and the size-limited body read are FastAPI dependencies
 (:func:`check_auth` on every ``/v1`` route, :func:`read_body` on the completion routes).
 
-Request path: Host/Origin guard (``runtime.http_guard``) -> API key -> body (size-limited) ->
+Request path: Host/Origin guard (``runtime.serving.http_guard``) -> API key -> body (size-limited) ->
 in a worker thread: JSON -> pydantic schema (strict types) -> prompt ids (chat template, or the
 raw prompt) -> context and ``max_tokens`` checks -> ``Scheduler.submit`` -> events from the
 scheduler thread, handed to the event loop with ``call_soon_threadsafe`` -> JSON or SSE.

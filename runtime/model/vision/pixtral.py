@@ -26,7 +26,7 @@ from mlx import nn
 from mlxc.runtime.model.config import ConfigError, lookup, read
 from mlxc.runtime.model.layers import ACTIVATIONS, SwiGLU
 
-# Hugging Face activation names -> runtime.layers.ACTIVATIONS keys.
+# Hugging Face activation names -> runtime.model.layers.ACTIVATIONS keys.
 _HF_ACT = {
     "silu": "silu",
     "swish": "silu",
