@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from mlxc.compiler.blocks.base import BlockKind
+from mlxc.compiler.blocks.base import BlockKind, Sharding
 from mlxc.compiler.pysource import pyrepr
 from mlxc.compiler.schema_base import Block, BoolExpr, FloatExpr, IntExpr
 
@@ -47,6 +47,18 @@ class MoEKind(BlockKind):
         "top-k, shared experts, silu or clamped SwiGLU (gpt_oss), expert biases, MXFP4 "
         "checkpoint experts as MLX mxfp4"
     )
+    # Every expert's width splits over the ranks (each rank holds all experts, a slice of
+    # each), as do the shared experts'; the router stays whole. The weights split in place and
+    # the block sums its ranks' outputs once, routed and shared together (moe.MoE).
+    sharding = Sharding(
+        by_output=(
+            "experts.gate_proj", "experts.up_proj", "shared_experts.gate_proj",
+            "shared_experts.up_proj",
+        ),
+        by_input=("experts.down_proj", "shared_experts.down_proj"),
+        widths=("expert_hidden", "shared_experts_hidden"),
+        reduces=True,
+    )  # fmt: skip
 
     def ctor(self, b: MoE, gen) -> str:
         options = [

@@ -1,0 +1,60 @@
+"""Tensor parallelism (issue 17): the generated ``Model.shard`` over two ranks of the ring
+backend on localhost (``mlx.launch -n 2``), every spec's sharded logits against its unsharded
+logits in one launched pair of processes (``tp_worker.py``): launch costs are paid once."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCH = Path(sys.executable).with_name("mlx.launch")
+
+
+def free_ports(n: int) -> int:
+    """A port p with p .. p + n - 1 free on loopback (the ring backend takes one per rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + n > 65535:
+            continue
+        try:
+            socks = []
+            for p in range(port, port + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def launch(*command: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``mlx.launch -n 2 --backend ring`` on localhost, ports chosen free."""
+    if not LAUNCH.exists():
+        pytest.skip(f"mlx.launch is not installed next to {sys.executable}")
+    args = [str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(free_ports(2)), "--"]
+    return subprocess.run(
+        [*args, *command], check=False, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_sharded_logits_equal_unsharded_for_every_spec():
+    proc = launch(sys.executable, str(ROOT / "tests" / "tp_worker.py"), str(ROOT / "specs"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    lines = [line for line in proc.stdout.splitlines() if line[:4] in ("ok  ", "FAIL")]
+    specs = sorted(p.stem for p in (ROOT / "specs").glob("*.yaml"))
+    reported = [line.split()[1].rstrip(":") for line in lines]
+    assert all(s in reported for s in specs), out
+    assert not [line for line in lines if line.startswith("FAIL")], out
+    assert "ok   llama 8-bit" in proc.stdout, out
