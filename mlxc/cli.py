@@ -288,12 +288,17 @@ def generate(
     images,
     specs,
 ):
-    """Generate a completion for PROMPT, streaming the text to stdout."""
+    """Generate a completion for PROMPT, streaming the text to stdout.
+
+    Under `mlx.launch -n N` the model is sharded over the N processes (tensor parallelism);
+    every rank generates, rank 0 prints.
+    """
     import time
 
     from mlxc.runtime.checkpoint.loading import CheckpointError, load_checkpoint
     from mlxc.runtime.checkpoint.processor import ImageInputError, load_image
     from mlxc.runtime.checkpoint.tokenizer import StreamingDetokenizer, encode_prompt
+    from mlxc.runtime.serving.distributed import agree_on_seed, world
 
     # MLX and transformers load here, not at CLI start-up: lint and build never need them.
     from mlxc.runtime.serving.generate import (
@@ -310,6 +315,8 @@ def generate(
             f"must be larger than --kv-sink ({kv_sink})", param_hint="'--max-kv-size'"
         )
     _user_specs_or_exit(specs)
+    group = world()  # under mlx.launch: the ranks the model is sharded over
+    lead = group is None or group.rank() == 0  # the rank that prints
     if model_dir is None:
         from mlxc.runtime.checkpoint import demo
 
@@ -317,7 +324,8 @@ def generate(
             model_dir = demo.ensure_demo()
         except (OSError, RuntimeError) as e:
             raise _OneLineError(f"cannot write the demo checkpoint: {e}") from e
-        click.echo(f"warning: {demo.no_model_warning('generating with', model_dir)}", err=True)
+        if lead:
+            click.echo(f"warning: {demo.no_model_warning('generating with', model_dir)}", err=True)
     pil_images = []
 
     def refuse_images(config, module) -> None:  # before the tokenizer and the weights load
@@ -358,10 +366,12 @@ def generate(
     except ContextExceeded as e:
         raise click.BadParameter(str(e), param_hint=f"'--{e.param.replace('_', '-')}'") from e
     try:
-        model = checkpoint.load_model()
+        model = checkpoint.load_model(group=group)
     except CheckpointError as e:
         raise _OneLineError(str(e), 1) from e
 
+    if group is not None and seed is None:
+        agree_on_seed(group)  # the ranks must draw the same tokens
     sampler = make_sampler(temp=temp, top_p=top_p, top_k=top_k, seed=seed)
     tokens = generate_tokens(
         model,
@@ -382,10 +392,15 @@ def generate(
         if n == 0:
             first = time.perf_counter()  # prefill time = time to the first token
         n += 1
-        click.echo(detok.add(token), nl=False)
-        sys.stdout.flush()
+        text = detok.add(token)
+        if lead:
+            click.echo(text, nl=False)
+            sys.stdout.flush()
     end = time.perf_counter()
-    click.echo(detok.finalize())
+    text = detok.finalize()
+    if not lead:
+        return
+    click.echo(text)
 
     if n == 0:
         first = end  # stopped on EOS at once: all the time went to prefill

@@ -10,6 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
+
+from mlxc.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
@@ -58,3 +61,26 @@ def test_sharded_logits_equal_unsharded_for_every_spec():
     assert all(s in reported for s in specs), out
     assert not [line for line in lines if line.startswith("FAIL")], out
     assert "ok   llama 8-bit" in proc.stdout, out
+
+
+@pytest.fixture(scope="module")
+def qwen3_checkpoint(tmp_path_factory):
+    from mlxc.checkpoint import write_checkpoint
+
+    out = tmp_path_factory.mktemp("tp") / "qwen3"
+    write_checkpoint(str(ROOT / "specs" / "qwen3.yaml"), out)
+    return out
+
+
+def test_generate_on_two_ranks_prints_once_what_one_process_generates(qwen3_checkpoint):
+    mlxc = str(Path(sys.executable).with_name("mlxc"))
+    # A bounded cache trimmed after every small prefill chunk and decode step.
+    flags = ["--model", str(qwen3_checkpoint), "--prompt", "hello there, tiny model"]
+    flags += ["--max-tokens", "16", "--max-kv-size", "12", "--prefill-chunk-size", "5"]
+    alone = CliRunner().invoke(main, ["generate", *flags])  # in this process: one rank
+    assert alone.exit_code == 0, alone.output
+    pair = launch(mlxc, "generate", *flags, timeout=120)
+    assert pair.returncode == 0, pair.stdout + pair.stderr
+    assert alone.stdout.strip()
+    assert pair.stdout == alone.stdout  # rank 1 prints nothing
+    assert pair.stderr.count("generated: 16 tokens") == 1, pair.stderr

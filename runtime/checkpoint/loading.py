@@ -409,7 +409,10 @@ def _cast(
 
 
 def load_model(
-    path: str | Path, dtype: mx.Dtype | str | None = None, specs: Specs = None
+    path: str | Path,
+    dtype: mx.Dtype | str | None = None,
+    specs: Specs = None,
+    group: mx.distributed.Group | None = None,
 ) -> nn.Module:
     """Build the generated model for the checkpoint at ``path`` and load its weights.
 
@@ -417,7 +420,10 @@ def load_model(
     and bfloat16 weights become float32; a floating dtype (``mx.float16`` or ``"float16"``)
     casts every floating weight to it. ``specs``: a directory of your own specs, compiled in
     memory next to the built-in ones (:func:`registry`; ``user_specs.SpecError`` on lint
-    findings). Raises :class:`CheckpointError` on any problem with the checkpoint.
+    findings). ``group``: a distributed group of more than one rank: the model is sharded over
+    it (tensor parallelism, the generated ``Model.shard``) before any weight is read, so each
+    rank keeps only its share. Raises :class:`CheckpointError` on any problem with the
+    checkpoint.
     """
     path = Path(path)
     blas.log_status()  # once per process: which CPU BLAS MLX uses, or how to get a fast one
@@ -451,6 +457,8 @@ def load_model(
     _check_weights(model, weights, source, str(where), reads)
 
     weights = _cast(weights, target, explicit=dtype is not None)
+    if group is not None and group.size() > 1:
+        return _load_sharded(model, weights, group, files, path / "config.json")
     try:
         # Read every tensor before the model sees any (loads are lazy: a read can fail here).
         mx.eval(list(weights.values()))
@@ -461,6 +469,31 @@ def load_model(
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
     mx.eval(model.parameters())
+    return model
+
+
+def _load_sharded(
+    model: nn.Module,
+    weights: dict[str, mx.array],
+    group: mx.distributed.Group,
+    files: list[Path],
+    config_file: Path,
+) -> nn.Module:
+    """Load the still-lazy ``weights``, shard the model over ``group``, then read: each rank
+    evaluates only its slices, and the whole tensors are dropped as soon as they are cut."""
+    from mlxc.runtime.model.parallel import ShardError
+
+    model.load_weights(list(weights.items()), strict=True)
+    del weights
+    try:
+        model.shard(group)
+    except ShardError as e:
+        raise CheckpointError(f"{config_file}: {e}") from e
+    model.eval()
+    try:
+        mx.eval(model.parameters())
+    except Exception as e:
+        raise CheckpointError(f"cannot read the weights: {_find_unreadable(files, e)}") from e
     return model
 
 
@@ -515,9 +548,11 @@ class Checkpoint:
         """The module's ``VISION_TOWER`` (None: a text-only model)."""
         return getattr(self.module, "VISION_TOWER", None)
 
-    def load_model(self, dtype: mx.Dtype | str | None = None) -> nn.Module:
-        """The model with its weights (:func:`load_model`)."""
-        return load_model(self.path, dtype=dtype, specs=self.specs)
+    def load_model(
+        self, dtype: mx.Dtype | str | None = None, group: mx.distributed.Group | None = None
+    ) -> nn.Module:
+        """The model with its weights, sharded over ``group`` if given (:func:`load_model`)."""
+        return load_model(self.path, dtype=dtype, specs=self.specs, group=group)
 
 
 def _config_int(config: dict[str, Any], key: str) -> int | None:
