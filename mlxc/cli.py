@@ -538,11 +538,16 @@ def serve(
     log_level,
     specs,
 ):
-    """Serve a model over an OpenAI-compatible HTTP API (chat, completions, streaming)."""
+    """Serve a model over an OpenAI-compatible HTTP API (chat, completions, streaming).
+
+    Under `mlx.launch -n N` the model is sharded over the N processes (tensor parallelism):
+    rank 0 serves HTTP, every rank runs the scheduler's steps in lockstep.
+    """
     import logging
     from pathlib import Path
 
     from mlxc.runtime.checkpoint.loading import CheckpointError
+    from mlxc.runtime.serving.distributed import Lockstep, agree_on_seed, world
     from mlxc.runtime.serving.engine import Engine
     from mlxc.runtime.serving.generate import DEFAULT_KV_SINK
     from mlxc.runtime.serving.server import bind, create_app, run
@@ -565,6 +570,14 @@ def serve(
             template = Path(chat_template).read_text()
         except (OSError, UnicodeDecodeError) as e:
             raise _OneLineError(f"cannot read --chat-template {chat_template}: {e}") from e
+
+    group = world()  # under mlx.launch: the ranks the model is sharded over
+    distributed = {}
+    if group is not None:
+        agree_on_seed(group)  # samplers without a seed draw the same tokens on every rank
+        distributed = {"group": group, "lockstep": Lockstep(group)}
+        if group.rank() != 0:
+            return _follow(model_dir, distributed, max_kv_size, kv_sink, prefill_chunk_size, specs)
 
     # Bind first: a port in use is reported now, not after the model has loaded.
     try:
@@ -596,6 +609,7 @@ def serve(
             max_concurrency=max_concurrency,
             max_queue=max_queue,
             specs=specs,
+            **distributed,
         )
     except CheckpointError as e:
         sock.close()
@@ -631,6 +645,31 @@ def serve(
         bound_port,
     )
     run(app, sock, log_level=log_level)
+
+
+def _follow(model_dir, distributed, max_kv_size, kv_sink, prefill_chunk_size, specs) -> None:
+    """A rank other than 0 of `mlx.launch ... mlxc serve`: no HTTP; its scheduler runs the
+    ticks rank 0 broadcasts (the same cache settings, so every rank trims alike) until rank 0
+    stops."""
+    import time
+
+    from mlxc.runtime.checkpoint import demo
+    from mlxc.runtime.checkpoint.loading import CheckpointError
+    from mlxc.runtime.serving.engine import Engine
+
+    try:
+        engine = Engine.from_path(
+            model_dir or demo.ensure_demo(),
+            max_kv_size=max_kv_size,
+            kv_sink=kv_sink,
+            prefill_chunk_size=prefill_chunk_size,
+            specs=specs,
+            **distributed,
+        )
+    except CheckpointError as e:
+        raise _OneLineError(str(e), 1) from e
+    while engine.scheduler.alive:
+        time.sleep(0.5)
 
 
 def _comma_list(value: str) -> tuple[str, ...]:

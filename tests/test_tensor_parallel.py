@@ -4,6 +4,8 @@ logits in one launched pair of processes (``tp_worker.py``): launch costs are pa
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -11,6 +13,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).parent))
+import test_server
+from test_server import Server, free_port
 
 from mlxc.cli import main
 
@@ -84,3 +90,80 @@ def test_generate_on_two_ranks_prints_once_what_one_process_generates(qwen3_chec
     assert alone.stdout.strip()
     assert pair.stdout == alone.stdout  # rank 1 prints nothing
     assert pair.stderr.count("generated: 16 tokens") == 1, pair.stderr
+
+
+class LaunchedServer(Server):
+    """``mlx.launch -n 2 mlxc serve ARGS``: rank 0 on a free loopback port. Its own session, so
+    that closing it reaches the launcher and both ranks."""
+
+    def __init__(self, args: list[str], log_dir: Path) -> None:
+        if not LAUNCH.exists():
+            pytest.skip(f"mlx.launch is not installed next to {sys.executable}")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log_dir / f"launched-serve-{self.port}.log"
+        mlxc = str(Path(sys.executable).with_name("mlxc"))
+        launch = [str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(free_ports(2)), "--"]
+        serve = [mlxc, "serve", "--port", str(self.port), *map(str, args)]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [*launch, *serve],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                start_new_session=True,
+            )
+        if not self._wait_ready():
+            self.close()
+            raise AssertionError(f"launched server did not start\n{self.log_text()}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def test_serve_on_two_ranks_answers_as_one_process(tmp_path):
+    from openai import OpenAI
+
+    path = test_server.make_qwen3_moe(tmp_path / "qwen3_moe")
+    # Bounded cache, trimmed after each small prefill chunk and decode step on every rank.
+    args = ["--model", path, "--max-kv-size", "24", "--prefill-chunk-size", "8"]
+    asks = ["hello there, tiny model", "count: one two three four five six"]
+
+    def answers(server: Server) -> list[str]:
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        out = []
+        for ask in asks:
+            r = client.chat.completions.create(
+                model=path.name,
+                messages=[{"role": "user", "content": ask}],
+                max_tokens=24,
+                temperature=0,
+            )
+            assert r.usage.completion_tokens == 24 or r.choices[0].finish_reason == "stop"
+            out.append(r.choices[0].message.content)
+        return out
+
+    alone = Server(args, tmp_path)
+    try:
+        expected = answers(alone)
+    finally:
+        alone.close()
+    pair = LaunchedServer(args, tmp_path)
+    try:
+        # A stream dropped mid-way: its cancellation reaches both ranks in the same tick.
+        with pair.client() as c:
+            body = {"messages": [{"role": "user", "content": "stream"}], "max_tokens": 200}
+            with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                next(r.iter_lines())
+        assert answers(pair) == expected, pair.log_text()
+        assert pair.wait_idle()["pool"]["trims"] is True
+    finally:
+        pair.close()
+    assert "Traceback" not in pair.log_text(), pair.log_text()

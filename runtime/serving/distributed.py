@@ -8,14 +8,24 @@ other ranks what they need through :func:`broadcast` (a small all-sum, as mlx-lm
 does). The logits are the same on every rank (each all-reduce hands every rank the same sum),
 so greedy decoding agrees without any exchange; sampling agrees once the random seeds do
 (:func:`agree_on_seed`).
+
+``mlxc serve``: every rank runs the scheduler; :class:`Lockstep` is its once-per-tick hook.
+Rank 0 admits from its HTTP queue and broadcasts the tick's work (the admitted requests with
+their prompt ids, sampling parameters and model inputs; the requests cancelled); the other
+ranks admit the same requests (their events go nowhere) and drop the same ones. Everything
+else in a tick (prefill chunks, the decode batch, ``--max-kv-size`` trims, stop strings, a
+failing request) follows from those inputs the same way on every rank.
 """
 
 from __future__ import annotations
 
-import json
+import pickle
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
+
+from mlxc.runtime.serving.admission import Request
 
 
 def world() -> mx.distributed.Group | None:
@@ -25,20 +35,20 @@ def world() -> mx.distributed.Group | None:
 
 
 def broadcast(payload: object, group: mx.distributed.Group) -> object:
-    """Rank 0's ``payload`` (anything JSON can hold) on every rank; other ranks pass None.
+    """Rank 0's ``payload`` on every rank; other ranks pass None.
 
-    Two all-sums: the length, then the bytes (zeros from every rank but 0). On the CPU so that
-    the exchange never waits behind the device's queue.
+    Two all-sums: the length, then the pickled bytes (zeros from every rank but 0, so no byte
+    overflows). The ranks are one job started together (``mlx.launch``), so they trust each
+    other's pickles. On the default stream: the collectives of a forward still in flight
+    there come first on every rank, so the ranks' collectives always pair up in order.
     """
-    data = json.dumps(payload).encode() if group.rank() == 0 else b""
-    size = mx.distributed.all_sum(mx.array([len(data)], mx.int32), group=group, stream=mx.cpu)
-    n = int(size.item())
+    data = pickle.dumps(payload) if group.rank() == 0 else b""
+    n = int(mx.distributed.all_sum(mx.array([len(data)], mx.int32), group=group).item())
     buffer = np.zeros(n, np.uint8)
     if group.rank() == 0:
         buffer[:] = np.frombuffer(data, np.uint8)
-    # uint8 sums: every rank but rank 0 adds zeros, so no byte overflows.
-    total = mx.distributed.all_sum(mx.array(buffer), group=group, stream=mx.cpu)
-    return json.loads(bytes(np.array(total)).decode()) if n else None
+    total = mx.distributed.all_sum(mx.array(buffer), group=group)
+    return pickle.loads(bytes(np.array(total)))
 
 
 def agree_on_seed(group: mx.distributed.Group) -> int:
@@ -48,3 +58,44 @@ def agree_on_seed(group: mx.distributed.Group) -> int:
     seed = broadcast(seed, group)
     mx.random.seed(seed)
     return seed
+
+
+class Lockstep:
+    """The scheduler's hook under ``mlx.launch``: each tick's admissions and cancellations,
+    decided on rank 0 and the same on every rank (see the module docstring)."""
+
+    def __init__(self, group: mx.distributed.Group) -> None:
+        self.group = group
+        self.cancelled: set[str] = set()  # ids the scheduler drops this tick
+
+    def admit(
+        self, admit: Callable[[], list[Request] | None], running: list
+    ) -> list[Request] | None:
+        """This tick's admitted requests (None: stop). ``admit``: the scheduler's own admission
+        (called on rank 0 only); ``running``: its running sequences."""
+        if self.group.rank() == 0:
+            admitted = admit()
+            work = None
+            if admitted is not None:
+                cancelled = [s.request.id for s in running if s.request.cancelled]
+                requests = [(r.id, r.prompt_ids, r.params, r.model_inputs) for r in admitted]
+                work = {"admit": requests, "cancel": cancelled}
+            broadcast(work, self.group)
+        else:
+            work = broadcast(None, self.group)
+            admitted = None
+            if work is not None:  # the events of these copies go nowhere: rank 0 answers
+                admitted = [
+                    Request(rid, ids, params, _ignore, _nothing, inputs)
+                    for rid, ids, params, inputs in work["admit"]
+                ]
+        self.cancelled = set(work["cancel"]) if work is not None else set()
+        return admitted
+
+
+def _ignore(event) -> None:
+    pass
+
+
+def _nothing() -> None:
+    pass
