@@ -4,6 +4,7 @@ logits in one launched pair of processes (``tp_worker.py``): launch costs are pa
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import socket
@@ -128,33 +129,26 @@ class LaunchedServer(Server):
 
 
 def test_serve_on_two_ranks_answers_as_one_process(tmp_path):
+    """Greedy chat answers of a two-rank server (the openai client), one at a time and then all
+    at once (one decode batch on both ranks), equal `mlxc generate` in one process, under a
+    bounded cache trimmed after every small prefill chunk and decode step on every rank."""
     from openai import OpenAI
 
     path = test_server.make_qwen3_moe(tmp_path / "qwen3_moe")
-    # Bounded cache, trimmed after each small prefill chunk and decode step on every rank.
-    args = ["--model", path, "--max-kv-size", "24", "--prefill-chunk-size", "8"]
-    asks = ["hello there, tiny model", "count: one two three four five six"]
+    flags = ["--max-kv-size", "24", "--prefill-chunk-size", "8"]
+    asks = ["hello there, tiny model", "count: one two three four five six", "and again"]
+    expected = [test_server.mlxc_generate(path, ask, "--max-tokens", 20, *flags)[0] for ask in asks]
 
-    def answers(server: Server) -> list[str]:
-        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        out = []
-        for ask in asks:
-            r = client.chat.completions.create(
-                model=path.name,
-                messages=[{"role": "user", "content": ask}],
-                max_tokens=24,
-                temperature=0,
-            )
-            assert r.usage.completion_tokens == 24 or r.choices[0].finish_reason == "stop"
-            out.append(r.choices[0].message.content)
-        return out
+    pair = LaunchedServer(["--model", path, *flags], tmp_path)
+    client = OpenAI(base_url=pair.url + "/v1", api_key="unused", max_retries=0)
 
-    alone = Server(args, tmp_path)
-    try:
-        expected = answers(alone)
-    finally:
-        alone.close()
-    pair = LaunchedServer(args, tmp_path)
+    def answer(ask: str) -> str:
+        messages = [{"role": "user", "content": ask}]
+        r = client.chat.completions.create(
+            model=path.name, messages=messages, max_tokens=20, temperature=0
+        )
+        return r.choices[0].message.content
+
     try:
         # A stream dropped mid-way: its cancellation reaches both ranks in the same tick.
         with pair.client() as c:
@@ -162,8 +156,11 @@ def test_serve_on_two_ranks_answers_as_one_process(tmp_path):
             with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
                 assert r.status_code == 200
                 next(r.iter_lines())
-        assert answers(pair) == expected, pair.log_text()
-        assert pair.wait_idle()["pool"]["trims"] is True
+        assert [answer(ask) for ask in asks] == expected, pair.log_text()
+        with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:
+            assert list(pool.map(answer, asks)) == expected, pair.log_text()
+        health = pair.wait_idle()
+        assert health["requests"]["failed"] == 0 and health["pool"]["peak_batched"] >= 2
     finally:
         pair.close()
     assert "Traceback" not in pair.log_text(), pair.log_text()

@@ -62,9 +62,11 @@ def n_parameters(model) -> int:
     return sum(p.size for _, p in tree_flatten(model.parameters()))
 
 
-def expect_error(module, config: dict, names: str) -> str:
+def expect_error(module, config: dict, names: str, quantize: bool = False) -> str:
     """The ShardError of a config whose sizes do not divide; it must name ``names``."""
     model = module.Model(module.ModelArgs.from_config(config))
+    if quantize:
+        nn.quantize(model, group_size=32, bits=8)
     try:
         model.shard(mx.distributed.init())
     except parallel.ShardError as e:
@@ -82,6 +84,7 @@ def main() -> int:
     paths = sys.argv[1:] or ["specs"]
     result = build.render(paths)
     failed = 0
+    modules = {}
 
     def report(name: str, fn, *args) -> None:
         nonlocal failed
@@ -104,9 +107,19 @@ def main() -> int:
         module = load_source(spec.name, result.files[f"{spec.name}.py"])
         image_token = spec.vision.image_token if spec.vision is not None else None
         report(spec.name, logits_case, module, spec.tiny_config, image_token)
-        if spec.name == "llama":
-            llama, config = module, dict(spec.tiny_config)
+        modules[spec.name] = (module, dict(spec.tiny_config))
+    llama, config = modules["llama"]
     report("llama 8-bit", logits_case, llama, config, None, True)
+    # Quantised experts (each rank's share of an expert's width holds whole groups of 32) and
+    # a quantised latent attention.
+    moe, moe_config = modules["qwen3_moe"]
+    report(
+        "qwen3_moe 8-bit", logits_case, moe, moe_config | {"moe_intermediate_size": 128}, None, True
+    )
+    report(
+        "qwen3_moe 8-bit, groups split",
+        expect_error, moe, moe_config | {"moe_intermediate_size": 32}, "'moe_intermediate_size'", True,
+    )  # fmt: skip
     heads = {"num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8}
     report("llama 3 kv heads", expect_error, llama, config | heads, "'num_key_value_heads'")
     odd = {"intermediate_size": 33}

@@ -56,9 +56,11 @@ def _split_dims(layer: nn.Module, by_output: bool) -> list[tuple[str, int]]:
 def _check_width(layer: nn.Module, path: str, by_output: bool, n: int, fields: str) -> None:
     for name, size in _split_dims(layer, by_output):
         if size % n:
+            what = "outputs" if by_output else "inputs"
+            if name != "weight" and "scales" in layer:  # quantised: whole groups per rank
+                what = f"groups of {layer.group_size} inputs"
             raise ShardError(
-                f"{path}.{name} has {size} {'outputs' if by_output else 'inputs'}, which do "
-                f"not divide over {n} ranks ({fields})"
+                f"{path}.{name} has {size} {what}, which do not divide over {n} ranks ({fields})"
             )
 
 
