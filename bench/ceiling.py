@@ -70,6 +70,53 @@ def measure(model_dir: str, batches: list[int], prompt_tokens: int, steps: int) 
     return out
 
 
+def mlxc_batch_tps(model_dir: str, batches: list[int], prompt_tokens: int, steps: int) -> dict:
+    """``{batch: {tps, async_eval_ms, read_ms}}``: mlxc's model on its decode batch
+    (``BatchCache``, rows prefilled one by one as the server does) in ``decode_tps``'s loop,
+    without the scheduler; the time inside ``mx.async_eval`` and inside the token read per step
+    say whether the host waits on the device, and where."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlxc.runtime.checkpoint.loading import load_model
+    from mlxc.runtime.model.batch import BatchCache
+
+    model = load_model(model_dir)
+    vocab = model.args.vocab_size
+    out = {}
+    for b in [batches[0], *batches]:
+        rng = np.random.default_rng(b)
+        rows, first = [], []
+        for _ in range(b):
+            caches = model.make_cache()
+            ids = mx.array(rng.integers(3, min(vocab, 30000), (1, prompt_tokens)))
+            first.append(mx.argmax(model(ids, cache=caches)[:, -1, :], axis=-1))
+            mx.eval(first[-1], [a for c in caches for a in c.arrays()])
+            rows.append(caches)
+        batch = BatchCache.like(rows[0])
+        batch.extend(rows)
+        y = mx.concatenate(first)
+        in_async = in_read = 0.0
+        start = time.perf_counter()
+        for _ in range(steps):
+            nxt = mx.argmax(model(y[:, None], cache=batch)[:, -1, :], axis=-1)
+            t = time.perf_counter()
+            mx.async_eval(nxt)
+            u = time.perf_counter()
+            y.tolist()
+            in_async, in_read = in_async + u - t, in_read + time.perf_counter() - u
+            y = nxt
+        y.tolist()
+        out[b] = {
+            "tps": b * steps / (time.perf_counter() - start),
+            "async_eval_ms": 1e3 * in_async / steps,
+            "read_ms": 1e3 * in_read / steps,
+        }
+        print(f"[mlxc batch] batch {b:>3}: {out[b]}", file=sys.stderr, flush=True)
+        mx.clear_cache()
+    return out
+
+
 class _Level:
     """Counts one level's events: decode is timed from the moment every row has a token."""
 
@@ -78,7 +125,7 @@ class _Level:
         self.started: set[int] = set()
         self.finished = self.tokens = 0
         self.t0 = self.t1 = 0.0
-        self.done = threading.Event()
+        self.started_all, self.done = threading.Event(), threading.Event()
 
     def emit(self, row: int):
         from mlxc.runtime.serving.scheduler import Delta
@@ -94,14 +141,49 @@ class _Level:
                     self.started.add(row)
                     if len(self.started) == self.rows:
                         self.t0, self.tokens = time.perf_counter(), 0
+                        self.started_all.set()
                 else:
                     self.tokens += 1
 
         return on_event
 
 
+class _Timers:
+    """Wall time inside some of a scheduler's methods (wrapped on the instance), per call."""
+
+    NAMES = ("_tick", "_decode_batch", "_read_tokens", "_accept")
+
+    def __init__(self, scheduler) -> None:
+        self.total = dict.fromkeys(self.NAMES, 0.0)
+        self.calls = dict.fromkeys(self.NAMES, 0)
+        for name in self.NAMES:
+            setattr(scheduler, name, self._wrap(name, getattr(scheduler, name)))
+
+    def _wrap(self, name, method):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.total[name] += time.perf_counter() - start
+                self.calls[name] += 1
+
+        return timed
+
+    def reset(self) -> None:
+        self.total = dict.fromkeys(self.NAMES, 0.0)
+        self.calls = dict.fromkeys(self.NAMES, 0)
+
+    def per_tick_ms(self) -> dict[str, float]:
+        ticks = max(self.calls["_tick"], 1)
+        return {name.strip("_"): 1e3 * t / ticks for name, t in self.total.items()}
+
+
 def scheduler_tps(model_dir: str, batches: list[int], prompt_tokens: int, steps: int) -> dict:
-    """``{batch: tokens/s}`` of mlxc's Scheduler decoding ``batch`` requests together."""
+    """``{batch: tokens/s}`` of mlxc's Scheduler decoding ``batch`` requests together, and
+    ``{batch: {method: ms per tick}}`` of where its thread spent the decode (the tick's total,
+    building the batched step, reading its tokens (a device wait plus ``accept``), ``accept``
+    alone: detokenizing, stop strings, events)."""
     import numpy as np
 
     from mlxc.runtime.checkpoint.loading import load_checkpoint
@@ -118,21 +200,30 @@ def scheduler_tps(model_dir: str, batches: list[int], prompt_tokens: int, steps:
         max_concurrency=most,
         max_queue=most,
     )
+    timers = _Timers(scheduler)
     scheduler.start()
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
-    out = {}
+    out, breakdown = {}, {}
     for i, b in enumerate([batches[0], *batches]):  # the first level is untimed: kernels compile
         rng = np.random.default_rng(b)
         level = _Level(b)
         for row in range(b):
             ids = [int(x) for x in rng.integers(3, min(vocab, 30000), prompt_tokens)]
             scheduler.submit(ids, params, level.emit(row))
+        level.started_all.wait()
+        timers.reset()
         level.done.wait()
         if i:
             out[b] = level.tokens / (level.t1 - level.t0)
-            print(f"[scheduler] batch {b:>3}: {out[b]:.1f} tok/s", file=sys.stderr, flush=True)
+            breakdown[b] = timers.per_tick_ms()
+            times = ", ".join(f"{k} {v:.2f}" for k, v in breakdown[b].items())
+            print(
+                f"[scheduler] batch {b:>3}: {out[b]:.1f} tok/s; ms per tick: {times}",
+                file=sys.stderr,
+                flush=True,
+            )
     scheduler.stop()
-    return out
+    return out, breakdown
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--scheduler", action="store_true", help="also time mlxc's Scheduler")
+    p.add_argument("--mlxc-batch", action="store_true", help="also time mlxc's decode batch")
     args = p.parse_args(argv)
     try:  # the optimised CPU BLAS mlxc picks, before MLX loads (a no-op on GPU backends)
         from mlxc.runtime import blas
@@ -151,8 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         pass
     batches = [int(x) for x in args.batch.split(",")]
     result = {"ceiling": measure(args.model, batches, args.prompt_tokens, args.steps)}
+    if args.mlxc_batch:
+        result["mlxc_batch"] = mlxc_batch_tps(args.model, batches, args.prompt_tokens, args.steps)
     if args.scheduler:
-        result["scheduler"] = scheduler_tps(args.model, batches, args.prompt_tokens, args.steps)
+        tps, breakdown = scheduler_tps(args.model, batches, args.prompt_tokens, args.steps)
+        result["scheduler"], result["scheduler_ms_per_tick"] = tps, breakdown
     print(json.dumps(result))
     return 0
 

@@ -95,7 +95,7 @@ def measure_ceiling(model: str, args) -> dict[str, dict[int, float]]:
     print(f"[ceiling] {' '.join(command)}", file=sys.stderr, flush=True)
     out = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
-    return {k: {int(b): tps for b, tps in v.items()} for k, v in result.items()}
+    return {k: {int(b): x for b, x in v.items()} for k, v in result.items()}
 
 
 def markdown(report: dict) -> str:
@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     for level in ours["levels"]:
         level["ceiling_tps"] = ceiling["ceiling"][level["concurrency"]]
         level["scheduler_tps"] = ceiling["scheduler"][level["concurrency"]]
+        level["scheduler_ms_per_tick"] = ceiling["scheduler_ms_per_tick"][level["concurrency"]]
         level["ceiling_ratio"] = level["aggregate_tps"] / level["ceiling_tps"]
     report = {
         "command": "python -m bench.serve_compare " + " ".join(argv or sys.argv[1:]),
