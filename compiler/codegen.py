@@ -192,7 +192,9 @@ class _Gen:
             args.append(f"widths={pytuple(list(dict.fromkeys(widths)))}")
         if sharding.reduces:
             args.append("reduces=True")
-        return [f"parallel.shard({', '.join(args)})"]
+        doc = f": {sharding.doc}" if sharding.doc else ""
+        comment = textwrap.wrap(f"{attr} ({block.kind}){doc}", 84)
+        return [*(f"# {line}" for line in comment), f"parallel.shard({', '.join(args)})"]
 
     # --- params -------------------------------------------------------------------------
 

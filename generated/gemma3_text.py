@@ -219,7 +219,8 @@ class DecoderLayer(nn.Module):
 
     def shard(self, group: mx.distributed.Group, args: ModelArgs, layer_idx: int) -> None:
         """This layer's share of the work on this rank of ``group`` (``Model.shard``)."""
-        # self_attn (gqa): split over the ranks (runtime.model.parallel)
+        # self_attn (gqa): heads split over the ranks: q by output, k/v by kv head (replicated
+        # when fewer than ranks), o by input
         parallel.shard(
             self.self_attn,
             group,
@@ -229,7 +230,8 @@ class DecoderLayer(nn.Module):
             heads={"n_heads": ("num_attention_heads",)},
             kv_heads={"n_kv_heads": ("num_key_value_heads",)},
         )
-        # mlp (swiglu): split over the ranks (runtime.model.parallel)
+        # mlp (swiglu): hidden width split over the ranks: gate and up by output, down by
+        # input
         parallel.shard(
             self.mlp,
             group,

@@ -216,7 +216,8 @@ class DecoderLayer(nn.Module):
 
     def shard(self, group: mx.distributed.Group, args: ModelArgs, layer_idx: int) -> None:
         """This layer's share of the work on this rank of ``group`` (``Model.shard``)."""
-        # self_attn (gqa): split over the ranks (runtime.model.parallel)
+        # self_attn (gqa): heads split over the ranks: q by output, k/v by kv head (replicated
+        # when fewer than ranks), o by input
         parallel.shard(
             self.self_attn,
             group,
@@ -227,17 +228,14 @@ class DecoderLayer(nn.Module):
             heads={"n_heads": ("num_attention_heads",)},
             kv_heads={"n_kv_heads": ("num_key_value_heads",)},
         )
-        # mlp (moe): split over the ranks (runtime.model.parallel)
+        # mlp (moe): every expert's width split over the ranks (each rank holds a slice of
+        # every expert), shared experts too, the router whole; one all-reduce sums their
+        # outputs
         parallel.shard(
             self.mlp,
             group,
-            by_output=(
-                "experts.gate_proj",
-                "experts.up_proj",
-                "shared_experts.gate_proj",
-                "shared_experts.up_proj",
-            ),
-            by_input=("experts.down_proj", "shared_experts.down_proj"),
+            by_output=("experts.gate_proj", "experts.up_proj"),
+            by_input=("experts.down_proj",),
             widths=("intermediate_size",),
             reduces=True,
         )

@@ -279,7 +279,9 @@ class DecoderLayer(nn.Module):
 
     def shard(self, group: mx.distributed.Group, args: ModelArgs, layer_idx: int) -> None:
         """This layer's share of the work on this rank of ``group`` (``Model.shard``)."""
-        # self_attn (mla): split over the ranks (runtime.model.parallel)
+        # self_attn (mla): heads split over the ranks: the per-head projections (q_proj or
+        # q_b_proj, both halves of kv_b_proj) by output, o_proj by input; the latent and the
+        # shared rope key are computed whole on every rank
         parallel.shard(
             self.self_attn,
             group,
@@ -288,7 +290,8 @@ class DecoderLayer(nn.Module):
             heads={"n_heads": ("text_config.num_attention_heads",)},
         )
         if layer_idx < args.first_k_dense_replace:
-            # mlp (swiglu): split over the ranks (runtime.model.parallel)
+            # mlp (swiglu): hidden width split over the ranks: gate and up by output, down by
+            # input
             parallel.shard(
                 self.mlp,
                 group,
@@ -297,7 +300,9 @@ class DecoderLayer(nn.Module):
                 widths=("text_config.intermediate_size",),
             )
         else:
-            # mlp (moe): split over the ranks (runtime.model.parallel)
+            # mlp (moe): every expert's width split over the ranks (each rank holds a slice of
+            # every expert), shared experts too, the router whole; one all-reduce sums their
+            # outputs
             parallel.shard(
                 self.mlp,
                 group,

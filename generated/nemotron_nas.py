@@ -178,7 +178,8 @@ class DecoderLayer(nn.Module):
         elif layer_args.attention_linear:
             pass  # self_attn (linear): replicated, whole on every rank
         else:
-            # self_attn (gqa): split over the ranks (runtime.model.parallel)
+            # self_attn (gqa): heads split over the ranks: q by output, k/v by kv head (replicated
+            # when fewer than ranks), o by input
             parallel.shard(
                 self.self_attn,
                 group,
@@ -198,7 +199,8 @@ class DecoderLayer(nn.Module):
         elif layer_args.ffn_linear:
             pass  # mlp (linear): replicated, whole on every rank
         else:
-            # mlp (swiglu): split over the ranks (runtime.model.parallel)
+            # mlp (swiglu): hidden width split over the ranks: gate and up by output, down by
+            # input
             parallel.shard(
                 self.mlp,
                 group,

@@ -185,7 +185,8 @@ class DecoderLayer(nn.Module):
 
     def shard(self, group: mx.distributed.Group, args: ModelArgs, layer_idx: int) -> None:
         """This layer's share of the work on this rank of ``group`` (``Model.shard``)."""
-        # self_attn (gqa): split over the ranks (runtime.model.parallel)
+        # self_attn (gqa): heads split over the ranks: q by output, k/v by kv head (replicated
+        # when fewer than ranks), o by input
         parallel.shard(
             self.self_attn,
             group,
@@ -196,7 +197,8 @@ class DecoderLayer(nn.Module):
             kv_heads={"n_kv_heads": ("text_config.num_key_value_heads.num_key_value_heads",)},
         )
         if layer_idx in args.mlp_only_layers or (layer_idx + 1) % args.decoder_sparse_step != 0:
-            # mlp (swiglu): split over the ranks (runtime.model.parallel)
+            # mlp (swiglu): hidden width split over the ranks: gate and up by output, down by
+            # input
             parallel.shard(
                 self.mlp,
                 group,
@@ -205,17 +207,14 @@ class DecoderLayer(nn.Module):
                 widths=("text_config.intermediate_size.intermediate_size",),
             )
         else:
-            # mlp (moe): split over the ranks (runtime.model.parallel)
+            # mlp (moe): every expert's width split over the ranks (each rank holds a slice of
+            # every expert), shared experts too, the router whole; one all-reduce sums their
+            # outputs
             parallel.shard(
                 self.mlp,
                 group,
-                by_output=(
-                    "experts.gate_proj",
-                    "experts.up_proj",
-                    "shared_experts.gate_proj",
-                    "shared_experts.up_proj",
-                ),
-                by_input=("experts.down_proj", "shared_experts.down_proj"),
+                by_output=("experts.gate_proj", "experts.up_proj"),
+                by_input=("experts.down_proj",),
                 widths=("text_config.moe_intermediate_size",),
                 reduces=True,
             )

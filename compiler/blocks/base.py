@@ -76,6 +76,7 @@ class Sharding:
     config entries it comes from. A kind without a ``Sharding`` is replicated on every rank.
     """
 
+    doc: str = ""  # one line, the comment over the generated call
     by_output: tuple[str, ...] = ()  # all-to-sharded: each rank computes its share of outputs
     by_input: tuple[str, ...] = ()  # sharded-to-all: partial products, summed over the ranks
     kv: tuple[str, ...] = ()  # split by key/value head; replicated when fewer heads than ranks

@@ -48,8 +48,9 @@ class GQAKind(BlockKind):
     template = "attention_gqa.py.j2"
     class_name = "Attention"
     cache = FULL_KV
-    # Heads split over the ranks: q by output, k/v by kv head, o by input; sinks by head.
     sharding = Sharding(
+        doc="heads split over the ranks: q by output, k/v by kv head (replicated when fewer "
+        "than ranks), o by input",
         by_output=("q_proj",),
         kv=("k_proj", "v_proj"),
         by_input=("o_proj",),

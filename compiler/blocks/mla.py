@@ -45,10 +45,10 @@ class MLAKind(BlockKind):
     template = "attention_mla.py.j2"
     class_name = "LatentAttention"
     cache = FULL_KV
-    # Heads split over the ranks: the per-head projections (q_proj or q_b_proj, both halves of
-    # kv_b_proj) by output, o_proj by input; the latent (q_a, kv_a and their norms) and the
-    # shared rope key are computed whole on every rank.
     sharding = Sharding(
+        doc="heads split over the ranks: the per-head projections (q_proj or q_b_proj, both "
+        "halves of kv_b_proj) by output, o_proj by input; the latent and the shared rope key "
+        "are computed whole on every rank",
         by_output=("q_proj", "q_b_proj", "kv_b_proj"),
         by_input=("o_proj",),
         heads=(("n_heads", "heads"),),

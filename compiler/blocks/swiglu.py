@@ -20,9 +20,11 @@ class SwiGLUKind(BlockKind):
     part = "mlp"
     schema = SwiGLU
     doc = "gated MLP: silu, gelu, gelu_approx or relu"
-    # The hidden width splits over the ranks: gate and up by output, down by input.
     sharding = Sharding(
-        by_output=("gate_proj", "up_proj"), by_input=("down_proj",), widths=("hidden",)
+        doc="hidden width split over the ranks: gate and up by output, down by input",
+        by_output=("gate_proj", "up_proj"),
+        by_input=("down_proj",),
+        widths=("hidden",),
     )
 
     def ctor(self, b: SwiGLU, gen) -> str:
