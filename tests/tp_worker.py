@@ -11,8 +11,14 @@ status is 1 when any case fails (every rank computes the same logits, so both ag
 
 from __future__ import annotations
 
+import json
 import sys
+import tempfile
+from pathlib import Path
 
+import mlxc  # noqa: F401 - first: it binds a fast BLAS before MLX loads (runtime/blas.py)
+
+# isort: split
 import mlx.core as mx
 import numpy as np
 from mlx import nn
@@ -20,6 +26,7 @@ from mlx.utils import tree_flatten
 
 from mlxc import verify as V
 from mlxc.compiler import build, lint
+from mlxc.runtime.checkpoint.loading import load_model
 from mlxc.runtime.checkpoint.user_specs import load_source
 from mlxc.runtime.model import parallel
 
@@ -76,6 +83,32 @@ def expect_error(module, config: dict, names: str, quantize: bool = False) -> st
     raise AssertionError("no ShardError")
 
 
+def sharded_load_peak(module, config: dict) -> str:
+    """``load_model(group=...)`` cuts each tensor as it reads it: its peak memory stays under
+    the unsharded model's bytes, and it holds what ``Model.shard`` leaves."""
+    config = config | {"hidden_size": 256, "intermediate_size": 1024, "head_dim": 64}
+    model = module.Model(module.ModelArgs.from_config(config))
+    V.randomize(model)
+    whole = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    group = mx.distributed.init()
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        mx.save_safetensors(
+            str(Path(tmp) / "model.safetensors"), dict(tree_flatten(model.parameters()))
+        )
+        model.shard(group)
+        share = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+        del model
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        loaded = load_model(tmp, group=group)
+        peak = mx.get_peak_memory() - base
+    held = sum(p.nbytes for _, p in tree_flatten(loaded.parameters()))
+    if held != share or not peak < whole:
+        raise AssertionError(f"held {held} of {whole} bytes (shard {share}), peak {peak}")
+    return f"peak {peak / 2**20:.1f} MiB loading {share / 2**20:.1f} of {whole / 2**20:.1f} MiB"
+
+
 def main() -> int:
     group = mx.distributed.init()
     if group.size() != 2:
@@ -120,6 +153,7 @@ def main() -> int:
         "qwen3_moe 8-bit, groups split",
         expect_error, moe, moe_config | {"moe_intermediate_size": 32}, "'moe_intermediate_size'", True,
     )  # fmt: skip
+    report("llama sharded load", sharded_load_peak, llama, config)
     heads = {"num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8}
     report("llama 3 kv heads", expect_error, llama, config | heads, "'num_key_value_heads'")
     odd = {"intermediate_size": 33}

@@ -458,7 +458,9 @@ def load_model(
 
     weights = _cast(weights, target, explicit=dtype is not None)
     if group is not None and group.size() > 1:
-        return _load_sharded(model, weights, group, files, path / "config.json")
+        model.load_weights(list(weights.items()), strict=True)  # lazy: nothing read yet
+        del weights  # the whole tensors live on only in the graphs of their slices
+        return _shard_and_read(model, group, files, path / "config.json")
     try:
         # Read every tensor before the model sees any (loads are lazy: a read can fail here).
         mx.eval(list(weights.values()))
@@ -472,26 +474,24 @@ def load_model(
     return model
 
 
-def _load_sharded(
-    model: nn.Module,
-    weights: dict[str, mx.array],
-    group: mx.distributed.Group,
-    files: list[Path],
-    config_file: Path,
+def _shard_and_read(
+    model: nn.Module, group: mx.distributed.Group, files: list[Path], config_file: Path
 ) -> nn.Module:
-    """Load the still-lazy ``weights``, shard the model over ``group``, then read: each rank
-    evaluates only its slices, and the whole tensors are dropped as soon as they are cut."""
+    """Shard ``model``, whose weights are still lazy, over ``group``, then read them: each rank
+    keeps only its slices, each whole tensor dropped as soon as it is cut."""
     from mlxc.runtime.model.parallel import ShardError
 
-    model.load_weights(list(weights.items()), strict=True)
-    del weights
     try:
         model.shard(group)
     except ShardError as e:
         raise CheckpointError(f"{config_file}: {e}") from e
     model.eval()
     try:
-        mx.eval(model.parameters())
+        # One tensor at a time: one eval of them all would read every whole tensor before
+        # cutting any (a peak above the unsharded model's); so the peak is this rank's share
+        # plus the largest tensor.
+        for _, p in tree_flatten(model.parameters()):
+            mx.eval(p)
     except Exception as e:
         raise CheckpointError(f"cannot read the weights: {_find_unreadable(files, e)}") from e
     return model
