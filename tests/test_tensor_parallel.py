@@ -164,3 +164,24 @@ def test_serve_on_two_ranks_answers_as_one_process(tmp_path):
     finally:
         pair.close()
     assert "Traceback" not in pair.log_text(), pair.log_text()
+
+
+def test_lockstep_fails_a_request_it_cannot_hand_to_the_other_ranks():
+    """Rank 0's side of the hook, on a group of one: a request whose inputs cannot be pickled
+    ends with Failed and is dropped this tick, the others are handed on as they are."""
+    import mlx.core as mx
+
+    from mlxc.runtime.serving.admission import Request, SamplingParams
+    from mlxc.runtime.serving.distributed import Lockstep, broadcast
+    from mlxc.runtime.serving.scheduler import Failed
+
+    group = mx.distributed.init()
+    assert broadcast({"a": [1, 2]}, group) == {"a": [1, 2]}
+    events = []
+    good = Request("req-1", [1, 2], SamplingParams(4), events.append, lambda: None)
+    bad = Request("req-2", [3], SamplingParams(4), events.append, lambda: None, {"f": lambda: 0})
+    lockstep = Lockstep(group)
+    assert lockstep.admit(lambda: [good, bad], []) == [good, bad]
+    assert lockstep.cancelled == {"req-2"}
+    assert len(events) == 1 and isinstance(events[0], Failed)
+    assert lockstep.admit(lambda: None, []) is None and lockstep.cancelled == set()

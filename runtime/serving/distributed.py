@@ -25,7 +25,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from mlxc.runtime.serving.admission import Request
+from mlxc.runtime.serving.admission import Failed, Request
 
 
 def world() -> mx.distributed.Group | None:
@@ -78,7 +78,16 @@ class Lockstep:
             work = None
             if admitted is not None:
                 cancelled = [s.request.id for s in running if s.request.cancelled]
-                requests = [(r.id, r.prompt_ids, r.params, r.model_inputs) for r in admitted]
+                requests = []
+                for r in admitted:
+                    request = (r.id, r.prompt_ids, r.params, r.model_inputs)
+                    try:
+                        pickle.dumps(request)
+                    except Exception as e:  # noqa: BLE001 - that request fails, not the group
+                        r.send(Failed(f"cannot hand the request to every rank: {e}"))
+                        cancelled.append(r.id)  # dropped here before any forward runs it
+                        continue
+                    requests.append(request)
                 work = {"admit": requests, "cancel": cancelled}
             broadcast(work, self.group)
         else:
