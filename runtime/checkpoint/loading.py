@@ -508,13 +508,16 @@ def _find_unreadable(files: list[Path], error: Exception) -> str:
 
 
 def load(
-    path: str | Path, dtype: mx.Dtype | str | None = None, specs: Specs = None
+    path: str | Path,
+    dtype: mx.Dtype | str | None = None,
+    specs: Specs = None,
+    group: mx.distributed.Group | None = None,
 ) -> tuple[nn.Module, Any]:
     """``(model, tokenizer)``; the tokenizer is None when the directory has no tokenizer files.
-    ``dtype`` and ``specs`` as in :func:`load_model`."""
+    ``dtype``, ``specs`` and ``group`` as in :func:`load_model`."""
     from mlxc.runtime.checkpoint.tokenizer import load_tokenizer
 
-    model = load_model(path, dtype=dtype, specs=specs)
+    model = load_model(path, dtype=dtype, specs=specs, group=group)
     return model, load_tokenizer(path)
 
 
