@@ -298,7 +298,7 @@ def generate(
     from mlxc.runtime.checkpoint.loading import CheckpointError, load_checkpoint
     from mlxc.runtime.checkpoint.processor import ImageInputError, load_image
     from mlxc.runtime.checkpoint.tokenizer import StreamingDetokenizer, encode_prompt
-    from mlxc.runtime.serving.distributed import agree_on_seed, world
+    from mlxc.runtime.serving.distributed import agree_on_seed, same_on_every_rank, world
 
     # MLX and transformers load here, not at CLI start-up: lint and build never need them.
     from mlxc.runtime.serving.generate import (
@@ -388,16 +388,20 @@ def generate(
     start = time.perf_counter()
     first = start
     n = 0
+    generated = []
     for token in tokens:
         if n == 0:
             first = time.perf_counter()  # prefill time = time to the first token
         n += 1
+        generated.append(token)
         text = detok.add(token)
         if lead:
             click.echo(text, nl=False)
             sys.stdout.flush()
     end = time.perf_counter()
     text = detok.finalize()
+    if group is not None and not same_on_every_rank(generated, group):
+        raise _OneLineError("the ranks generated different tokens: the output is not valid")
     if not lead:
         return
     click.echo(text)

@@ -29,6 +29,8 @@ from mlxc.compiler import build, lint
 from mlxc.runtime.checkpoint.loading import load_model
 from mlxc.runtime.checkpoint.user_specs import load_source
 from mlxc.runtime.model import parallel
+from mlxc.runtime.serving.distributed import agree_on_seed, same_on_every_rank
+from mlxc.runtime.serving.sample import make_sampler
 
 ATOL = 1e-4  # float32: the ranks' partial sums are added in another order, ~1e-6 typical
 SCHEDULES = ((None, 0), (V.MAX_KV, 4))  # untrimmed; trimmed to MAX_KV keeping 4 sinks
@@ -109,6 +111,25 @@ def sharded_load_peak(module, config: dict) -> str:
     return f"peak {peak / 2**20:.1f} MiB loading {share / 2**20:.1f} of {whole / 2**20:.1f} MiB"
 
 
+def sampling_agrees() -> str:
+    """Unseeded samplers draw the same tokens on every rank once ``agree_on_seed`` ran, and
+    ``same_on_every_rank`` tells when they did not."""
+    group = mx.distributed.init()
+    logits = mx.zeros((1, 1000))  # uniform: any two unrelated generators disagree at once
+    sample = make_sampler(temp=1.0)
+
+    def draw() -> list[int]:
+        return [sample(logits).item() for _ in range(8)]
+
+    agree_on_seed(group)
+    if not same_on_every_rank(draw(), group):
+        raise AssertionError("the ranks drew different tokens after agree_on_seed")
+    mx.random.seed(group.rank())
+    if same_on_every_rank(draw(), group):
+        raise AssertionError("same_on_every_rank missed ranks that drew differently")
+    return "agree_on_seed: the same draws; differently seeded ranks are caught"
+
+
 def main() -> int:
     group = mx.distributed.init()
     if group.size() != 2:
@@ -154,6 +175,7 @@ def main() -> int:
         expect_error, moe, moe_config | {"moe_intermediate_size": 32}, "'moe_intermediate_size'", True,
     )  # fmt: skip
     report("llama sharded load", sharded_load_peak, llama, config)
+    report("sampling", sampling_agrees)
     heads = {"num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8}
     report("llama 3 kv heads", expect_error, llama, config | heads, "'num_key_value_heads'")
     odd = {"intermediate_size": 33}

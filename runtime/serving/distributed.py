@@ -19,6 +19,7 @@ failing request) follows from those inputs the same way on every rank.
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 from collections.abc import Callable
 
@@ -58,6 +59,16 @@ def agree_on_seed(group: mx.distributed.Group) -> int:
     seed = broadcast(seed, group)
     mx.random.seed(seed)
     return seed
+
+
+def same_on_every_rank(tokens: list[int], group: mx.distributed.Group) -> bool:
+    """Whether every rank generated ``tokens``: ranks that drew different tokens would have fed
+    their layers different inputs, and the all-reduces would have mixed them silently."""
+    digest = np.frombuffer(
+        hashlib.sha256(np.array(tokens, np.int64).tobytes()).digest()[:8], np.int64
+    )
+    gathered = mx.distributed.all_gather(mx.array(digest), group=group)
+    return bool(mx.all(gathered == gathered[0]).item())
 
 
 class Lockstep:
