@@ -335,6 +335,10 @@ def model_context(spec: schema.Spec, source: str, spec_label: str) -> dict:
             "rename", [Raw(pytuple((r.pattern, r.to))) for r in spec.weights.rename]
         ),
         "drop": tuple_field("drop", spec.weights.drop),
+        "drop_layers_from": ""
+        if spec.weights.drop_layers_from is None
+        else ", drop_layers_from="
+        + gen.py(spec.weights.drop_layers_from, args="self.args", layer=False),
     }
     # Compiling everything above registered the helpers it needs.
     ctx["uses_math"] = gen.uses_math
