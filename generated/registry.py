@@ -9,6 +9,7 @@ MODEL_TYPES = {
     "deepseek_v3": "deepseek_v3",
     "gemma3:gemma3_text": "gemma3",
     "gemma3_text": "gemma3_text",
+    "glm4_moe_lite": "glm4_moe_lite",
     "gpt_oss": "gpt_oss",
     "llama": "llama",
     "ministral3": "ministral3",
