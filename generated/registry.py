@@ -6,6 +6,7 @@ text; it takes precedence over a plain ``outer`` key.
 """
 
 MODEL_TYPES = {
+    "deepseek_v2": "deepseek_v2",
     "deepseek_v3": "deepseek_v3",
     "gemma3:gemma3_text": "gemma3",
     "gemma3_text": "gemma3_text",
