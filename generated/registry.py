@@ -13,6 +13,7 @@ MODEL_TYPES = {
     "glm4_moe_lite": "glm4_moe_lite",
     "gpt_oss": "gpt_oss",
     "llama": "llama",
+    "minicpm3": "minicpm3",
     "ministral3": "ministral3",
     "mistral": "llama",
     "mistral3:ministral": "mistral3",
