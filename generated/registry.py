@@ -12,6 +12,7 @@ MODEL_TYPES = {
     "gemma3_text": "gemma3_text",
     "glm4_moe_lite": "glm4_moe_lite",
     "gpt_oss": "gpt_oss",
+    "kimi_k2": "deepseek_v3",
     "llama": "llama",
     "minicpm3": "minicpm3",
     "ministral3": "ministral3",

@@ -5,7 +5,8 @@ mscale_all_dim (the prompt passes original_max_position_embeddings, 16, so yarn 
 layer then sigmoid-routed experts with e_score_correction_bias, 2 of 4 expert groups, a shared
 expert. Checkpoints in transformers-5 form (``rope_parameters``, what ``save_pretrained``
 writes) and hub form (``rope_theta`` + ``rope_scaling``, the multi-token-prediction layer
-``model.layers.{num_hidden_layers}`` stored after the stack, FP8 block-scaled linears).
+``model.layers.{num_hidden_layers}`` stored after the stack, FP8 block-scaled linears); and
+Kimi-K2's (``model_type: kimi_k2``, one expert group, its scaling factor and RoPE).
 """
 
 from __future__ import annotations
@@ -113,14 +114,27 @@ def add_mtp_layer(path, n_layers: int) -> int:
     return len(extra)
 
 
-@pytest.fixture(scope="module", params=["tf5", "hub"])
+KIMI_K2 = {  # Kimi-K2's differences: one expert group, its scaling and RoPE, no MTP layer
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.827,
+    "num_nextn_predict_layers": 0,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": dict(FIELDS["rope_parameters"], rope_theta=50000.0, factor=32.0),
+    "max_position_embeddings": 512,
+}
+
+
+@pytest.fixture(scope="module", params=["tf5", "hub", "kimi-k2-hub"])
 def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"deepseek_v3-{request.param}")
-    hf = make_model()
+    hf = make_model(**(KIMI_K2 if request.param.startswith("kimi") else {}))
     hf.save_pretrained(path)
     if request.param == "hub":
         to_hub_config(path, HUB_ONLY)
         add_mtp_layer(path, FIELDS["num_hidden_layers"])
+    elif request.param == "kimi-k2-hub":
+        to_hub_config(path, HUB_ONLY | {"model_type": "kimi_k2"})
     return hf, path
 
 
