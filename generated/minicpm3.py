@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx import nn
 
-from mlxc.runtime.model import layers, masks, yarn
+from mlxc.runtime.model import latent, layers, masks, yarn
 from mlxc.runtime.model.cache import KVCache
 from mlxc.runtime.model.config import read
 from mlxc.runtime.model.layers import AttentionInputs, attend
@@ -295,4 +295,11 @@ class Model(nn.Module):
         return SequenceCache([KVCache() for _ in self.model.layers])
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        return WEIGHT_RULES.apply(weights, tied_lm_head=self.args.tie_word_embeddings)
+        weights = WEIGHT_RULES.apply(weights, tied_lm_head=self.args.tie_word_embeddings)
+        # mlx-lm's split kv_b_proj (embed_q / unembed_out) -> kv_b_proj, as the model holds it.
+        weights = latent.join_kv_b(
+            weights,
+            qk_nope_head_dim=self.args.qk_nope_head_dim,
+            kv_lora_rank=self.args.kv_lora_rank,
+        )
+        return weights

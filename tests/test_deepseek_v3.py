@@ -261,3 +261,35 @@ def make_server_checkpoint(path, seed: int = 0):
     add_mtp_layer(path, FIELDS["num_hidden_layers"])
     ckpt.write_tokenizer(path)
     return path
+
+
+@pytest.mark.parametrize("quantised", [False, True], ids=["bf16", "q4"])
+def test_mlx_lm_layout_loads(tmp_path, quantised):
+    """A checkpoint as mlx-lm's convert writes it (mlx-community): experts stacked under
+    ``switch_mlp``, kv_b_proj split per head into ``embed_q`` / ``unembed_out``, 4-bit when
+    quantised. mlxc's logits equal mlx-lm's on the same file (transformers' unquantised)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model as peer_load
+    from mlx_lm.utils import quantize_model
+
+    import mlxc
+
+    src = tmp_path / "hub"
+    hf = make_model(seed=6)
+    hf.save_pretrained(src)
+    to_hub_config(src, HUB_ONLY)  # no MTP layer: mlx-lm drops only DeepSeek-V3's own, layer 61
+    peer, config = peer_load(src)
+    if quantised:
+        peer, config = quantize_model(peer, config, group_size=32, bits=4)
+    weights = dict(tree_flatten(peer.parameters()))
+    assert any(".embed_q." in k for k in weights) and any(".switch_mlp." in k for k in weights)
+    out = tmp_path / "mlx-lm"
+    out.mkdir()
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    (out / "config.json").write_text(json.dumps(config))
+    ids = mx.array(np.random.default_rng(7).integers(0, 128, size=(1, 24)))
+    got = np.array(mlxc.load_model(out)(ids))
+    np.testing.assert_allclose(got, np.array(peer(ids)), atol=1e-4, rtol=0)
+    if not quantised:
+        np.testing.assert_allclose(got, reference(hf, np.array(ids)), atol=1e-4, rtol=0)
