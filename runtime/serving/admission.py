@@ -45,6 +45,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks, tests)
+    keep_special: frozenset[int] = frozenset()  # special tokens detokenized all the same
+    constraint: Any = None  # a runtime.serving.structured.Constraint: the grammar output follows
 
 
 # A request receives any number of Delta events, then exactly one Finished or Failed.

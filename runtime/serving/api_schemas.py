@@ -103,9 +103,59 @@ class ImagePart(_Schema):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+class FunctionCall(_Schema):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallPart(_Schema):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Schema):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallPart] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
+
+
+# --- tools and structured output (runtime.serving.tool_calls, runtime.serving.structured) ---------
+
+
+class FunctionSpec(_Schema):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ToolSpec(_Schema):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Schema):
+    name: str
+
+
+class NamedToolChoice(_Schema):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaSpec(_Schema):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Schema):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
 
 
 class StreamOptions(_Schema):
@@ -155,6 +205,10 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # calls are parsed however many the model makes
+    response_format: ResponseFormat | None = None
 
     def check_supported(self) -> None:
         super().check_supported()

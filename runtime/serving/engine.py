@@ -10,6 +10,7 @@ over it is ``runtime.serving.server``.
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -144,7 +145,22 @@ class Engine:
         except ValueError as e:  # the template (named), or placeholder/image count problems
             raise PromptError(str(e)) from e
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    @functools.cached_property
+    def tool_format(self):
+        """The tool-call format of this model's chat template (``runtime.serving.tool_calls``)."""
+        from mlxc.runtime.serving.tool_calls import format_for_template
+
+        template = self.chat_template or getattr(self.prompt_tokenizer, "chat_template", None)
+        return format_for_template(template)
+
+    @functools.cached_property
+    def tool_marker_ids(self) -> frozenset[int]:
+        """The tool-call format's marker tokens this tokenizer has (kept when detokenizing)."""
+        with self._prompt_lock:
+            added = self.prompt_tokenizer.get_added_vocab()
+        return frozenset(added[t] for t in self.tool_format.special if t in added)
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         from mlxc.runtime.checkpoint.tokenizer import OVERRIDE_SOURCE, render_chat_template
 
         tok = self.prompt_tokenizer
@@ -157,7 +173,7 @@ class Engine:
         try:
             with self._prompt_lock:
                 rendered = render_chat_template(
-                    tok, messages, chat_template=self.chat_template, source=source
+                    tok, messages, chat_template=self.chat_template, source=source, tools=tools
                 )
                 # The template writes BOS and the other special tokens itself (as `mlxc
                 # generate` does): do not add them twice.

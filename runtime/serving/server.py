@@ -42,7 +42,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any
 
 import uvicorn
@@ -73,6 +73,7 @@ from mlxc.runtime.serving.api_schemas import (
 )
 from mlxc.runtime.serving.engine import PROMPT_WORKERS, Engine, PromptError
 from mlxc.runtime.serving.scheduler import Failed, Finished, QueueFull, SchedulerStopped
+from mlxc.runtime.serving.tool_calls import ToolCallStream, ToolFormat, template_message
 
 __all__ = [  # what mlxc.runtime.serving.server has always offered, wherever it now lives
     "DEFAULT_MAX_BODY_BYTES",
@@ -174,7 +175,7 @@ def _decode_images(urls: list[str], limits: Limits) -> list:
 
 
 def _chat_prompt(
-    engine: Engine, req: ChatCompletionRequest, limits: Limits
+    engine: Engine, req: ChatCompletionRequest, limits: Limits, tools: list[dict] | None = None
 ) -> tuple[list[int], dict | None]:
     """Prompt ids, and the vision inputs (numpy) of its images (None without images)."""
     messages, images = [], []
@@ -189,7 +190,11 @@ def _chat_prompt(
                 else:
                     parts.append({"type": "text", "text": part.text})
             content = parts if images else "".join(p["text"] for p in parts)
-        messages.append({"role": message.role, "content": content or ""})
+        try:
+            extra = template_message(message)  # tool calls and tool results
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        messages.append({"role": message.role, "content": content or "", **extra})
     if engine.processor is None:  # a text model
         if images:
             raise APIError(
@@ -200,9 +205,11 @@ def _chat_prompt(
                 code="image_input_not_supported",
             )
         try:
-            return engine.encode_chat(messages), None
+            return engine.encode_chat(messages, tools), None
         except PromptError as e:
             raise APIError(400, str(e), param="messages") from e
+    if tools:
+        raise APIError(400, "tools are supported for text models only", param="tools")
     # A VL model renders every chat, with images or without, through its processor's template.
     decoded = _decode_images(images, limits) if images else []
     try:
@@ -273,6 +280,26 @@ class _Job:
     prompt_ids: list[int]
     vision: dict | None
     max_tokens: int
+    tools: ToolFormat | None = None  # tool calls are parsed from the reply in this format
+    params: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields set here
+
+
+def _tool_request(engine: Engine, req: ChatCompletionRequest) -> list[dict] | None:
+    """The request's tool definitions for the chat template (None: no tools, or
+    ``tool_choice`` "none"); 400 when ``tool_choice`` does not fit ``tools``."""
+    choice = req.tool_choice
+    names = [t.function.name for t in req.tools or []]
+    if choice is not None and choice != "none" and not names:
+        raise APIError(400, "tool_choice needs tools", param="tool_choice")
+    if not isinstance(choice, str) and choice is not None and choice.function.name not in names:
+        raise APIError(
+            400,
+            f"tool_choice names the function {choice.function.name!r}, which is not in tools",
+            param="tool_choice",
+        )
+    if not names or choice == "none":
+        return None
+    return [t.model_dump(exclude_none=True) for t in req.tools]
 
 
 def _prepare(engine: Engine, kind: str, body: bytes, limits: Limits) -> _Job:
@@ -295,13 +322,18 @@ def _prepare(engine: Engine, kind: str, body: bytes, limits: Limits) -> _Job:
             f"{limits.max_tokens_limit} tokens per request (--max-tokens-limit)",
             param="max_tokens",
         )
+    tools, tool_format, params = None, None, {}
     if kind == "chat":
-        prompt_ids, vision = _chat_prompt(engine, req, limits)
+        tools = _tool_request(engine, req)
+        prompt_ids, vision = _chat_prompt(engine, req, limits, tools)
+        if tools:
+            tool_format = engine.tool_format
+            params["keep_special"] = engine.tool_marker_ids
     else:
         prompt_ids, vision = _completion_prompt(engine, req), None
     prompt_param = "messages" if kind == "chat" else "prompt"
     max_tokens = _max_tokens(engine, len(prompt_ids), requested, limits, prompt_param)
-    return _Job(kind, req, prompt_ids, vision, max_tokens)
+    return _Job(kind, req, prompt_ids, vision, max_tokens, tool_format, params)
 
 
 # --- replies ---------------------------------------------------------------------------------------
@@ -373,8 +405,9 @@ def _usage(done: Finished) -> dict[str, int]:
 class _Reply:
     """Response bodies of one completion: ``kind`` "chat" (chat.completion) or "text"."""
 
-    def __init__(self, engine: Engine, kind: str) -> None:
+    def __init__(self, engine: Engine, kind: str, tools: ToolFormat | None = None) -> None:
         self.kind = kind
+        self.tools = tools  # parse tool calls out of the text in this format
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         self.head = {
             "id": f"{prefix}-{uuid.uuid4().hex[:24]}",
@@ -397,6 +430,16 @@ class _Reply:
         choice: dict[str, Any] = {"index": 0, "finish_reason": done.reason, "logprobs": None}
         if self.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
+            calls = []
+            if self.tools is not None:
+                content, calls = self.tools.parse(text)
+            if calls:
+                choice["message"] = {
+                    "role": "assistant",
+                    "content": content or None,
+                    "tool_calls": [call.to_openai() for call in calls],
+                }
+                choice["finish_reason"] = _finish_with_calls(done.reason)
         else:
             choice["text"] = text
         return {**self.head, "choices": [choice], "usage": _usage(done)}
@@ -417,6 +460,13 @@ class _Reply:
                 choice["text"] = text or ""
             return _sse({**head, "choices": [choice]})
 
+        def call_chunk(calls: list) -> str:
+            deltas = [call.to_openai(index=sent + i) for i, call in enumerate(calls)]
+            choice = {"index": 0, "finish_reason": None, "logprobs": None}
+            return _sse({**head, "choices": [choice | {"delta": {"tool_calls": deltas}}]})
+
+        parser = ToolCallStream(self.tools) if self.tools is not None else None
+        sent = 0  # tool calls streamed
         if self.kind == "chat":
             yield chunk("", role=True)
         while True:
@@ -424,15 +474,31 @@ class _Reply:
             if isinstance(event, Failed):
                 yield _sse(_failure(event).body())
                 break
-            if event.text:
-                yield chunk(event.text)
+            pieces = [(event.text, [])]
+            if parser is not None:
+                pieces = [parser.feed(event.text)]
+                if isinstance(event, Finished):
+                    pieces.append(parser.finish())
+            for text, calls in pieces:
+                if text:
+                    yield chunk(text)
+                if calls:
+                    yield call_chunk(calls)
+                    sent += len(calls)
             if isinstance(event, Finished):
                 self._log(event)
-                yield chunk(None, finish=event.reason)
+                reason = _finish_with_calls(event.reason) if sent else event.reason
+                yield chunk(None, finish=reason)
                 if include_usage:
                     yield _sse({**head, "choices": [], "usage": _usage(event)})
                 break
         yield "data: [DONE]\n\n"
+
+
+def _finish_with_calls(reason: str) -> str:
+    """The finish reason of a reply that made tool calls: "tool_calls" when the model stopped
+    by itself (a call cut short by max_tokens keeps "length")."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 # --- the app --------------------------------------------------------------------------------------
@@ -505,7 +571,7 @@ def _submit(engine: Engine, job: _Job):
     def emit(event) -> None:  # scheduler thread -> event loop
         loop.call_soon_threadsafe(events.put_nowait, event)
 
-    params = job.req.params(job.max_tokens)
+    params = replace(job.req.params(job.max_tokens), **job.params)
     try:
         handle = engine.scheduler.submit(job.prompt_ids, params, emit, model_inputs=job.vision)
     except QueueFull as e:
@@ -524,7 +590,7 @@ async def _complete(engine: Engine, limits: Limits, kind: str, body: bytes) -> R
     finally:
         engine.preparing -= 1
     handle, events = _submit(engine, job)
-    reply = _Reply(engine, kind)
+    reply = _Reply(engine, kind, job.tools)
     if job.req.stream:
         return _SSEResponse(reply.stream(events, job.req.include_usage), handle)
     try:
