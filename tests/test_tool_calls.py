@@ -123,7 +123,9 @@ def test_the_templates_own_call_text_parses_back(tokenizer, name):
     content, calls = fmt.parse(reply)
     # Qwen3 writes an (empty) thinking block first: reasoning text, not a call.
     assert content.replace("<think>\n\n</think>", "").strip() == ""
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
 
 
 MODEL_TEXT = {
