@@ -45,6 +45,14 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks, tests)
+    # The rest of runtime.serving.sample.SamplingOptions (its defaults change nothing).
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
     keep_special: frozenset[int] = frozenset()  # special tokens detokenized all the same
     constraint: Any = None  # a runtime.serving.structured.Constraint: the grammar output follows
 
@@ -53,9 +61,19 @@ class SamplingParams:
 
 
 @dataclass
+class TokenLogprob:
+    """A token's log-probability, with the most likely alternatives (when asked)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token, logprob), most likely first
+
+
+@dataclass
 class Delta:
     text: str  # may be "" (a token that ends mid-character, or text held back by `stop`)
     token: int
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 @dataclass

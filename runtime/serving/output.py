@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from mlxc.runtime.checkpoint.tokenizer import StreamingDetokenizer
-from mlxc.runtime.serving.admission import Delta, Event, Finished, SamplingParams
+from mlxc.runtime.serving.admission import Delta, Event, Finished, SamplingParams, TokenLogprob
 
 
 class StopMatcher:
@@ -72,7 +72,9 @@ class SequenceOutput:
         self.detok = StreamingDetokenizer(tokenizer, params.keep_special)
         self.stops = StopMatcher(params.stop)
 
-    def accept(self, token: int, send: Callable[[Event], None]) -> bool:
+    def accept(
+        self, token: int, send: Callable[[Event], None], logprob: TokenLogprob | None = None
+    ) -> bool:
         """Send this token's events; True when it ended the sequence (Finished was sent)."""
         if token in self.eos_token_ids and not self.params.ignore_eos:
             send(self._finished("stop"))
@@ -83,7 +85,7 @@ class SequenceOutput:
         if hit:
             send(self._finished("stop", final_text=text))
             return True
-        send(Delta(text, token))
+        send(Delta(text, token, logprob))
         if self.generated >= self.params.max_tokens:
             send(self._finished("length"))
             return True
