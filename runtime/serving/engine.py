@@ -160,6 +160,16 @@ class Engine:
             added = self.prompt_tokenizer.get_added_vocab()
         return frozenset(added[t] for t in self.tool_format.special if t in added)
 
+    @functools.cached_property
+    def grammars(self):
+        """Makes the constraints of structured output (``runtime.serving.structured``)."""
+        from mlxc.runtime.serving.structured import Grammars
+
+        with self._prompt_lock:
+            tokenizer = copy.deepcopy(self.prompt_tokenizer)
+        eos = self.scheduler.eos_token_ids
+        return Grammars(tokenizer, self.vocab_size, eos)
+
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         from mlxc.runtime.checkpoint.tokenizer import OVERRIDE_SOURCE, render_chat_template
 

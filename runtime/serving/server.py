@@ -73,6 +73,7 @@ from mlxc.runtime.serving.api_schemas import (
 )
 from mlxc.runtime.serving.engine import PROMPT_WORKERS, Engine, PromptError
 from mlxc.runtime.serving.scheduler import Failed, Finished, QueueFull, SchedulerStopped
+from mlxc.runtime.serving.structured import GrammarError
 from mlxc.runtime.serving.tool_calls import ToolCallStream, ToolFormat, template_message
 
 __all__ = [  # what mlxc.runtime.serving.server has always offered, wherever it now lives
@@ -284,6 +285,32 @@ class _Job:
     params: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields set here
 
 
+def _constraint(engine: Engine, req: ChatCompletionRequest, tools: list[dict] | None):
+    """The grammar the reply must follow (``runtime.serving.structured``), or None: a call of
+    the named function or of any tool (``tool_choice`` "required"), else ``response_format``."""
+    from mlxc.runtime.serving.structured import response_grammar, tool_call_grammar
+
+    choice, param = req.tool_choice, "tool_choice"
+    if tools and choice == "required":
+        grammar = tool_call_grammar(engine.tool_format, tools)
+    elif tools and choice is not None and not isinstance(choice, str):
+        named = [t for t in tools if t["function"]["name"] == choice.function.name]
+        grammar = tool_call_grammar(engine.tool_format, named)
+    elif req.response_format is not None:
+        fmt, param = req.response_format, "response_format"
+        if fmt.type == "json_schema" and fmt.json_schema is None:
+            raise APIError(400, "response_format json_schema needs its json_schema", param=param)
+        grammar = response_grammar(fmt.type, fmt.json_schema.schema_ if fmt.json_schema else None)
+    else:
+        return None
+    if grammar is None:
+        return None
+    try:
+        return engine.grammars.constraint(grammar)
+    except GrammarError as e:
+        raise APIError(400, f"the schema cannot be used: {e}", param=param) from None
+
+
 def _tool_request(engine: Engine, req: ChatCompletionRequest) -> list[dict] | None:
     """The request's tool definitions for the chat template (None: no tools, or
     ``tool_choice`` "none"); 400 when ``tool_choice`` does not fit ``tools``."""
@@ -329,6 +356,9 @@ def _prepare(engine: Engine, kind: str, body: bytes, limits: Limits) -> _Job:
         if tools:
             tool_format = engine.tool_format
             params["keep_special"] = engine.tool_marker_ids
+        constraint = _constraint(engine, req, tools)
+        if constraint is not None:
+            params["constraint"] = constraint
     else:
         prompt_ids, vision = _completion_prompt(engine, req), None
     prompt_param = "messages" if kind == "chat" else "prompt"
