@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import click
@@ -486,6 +487,20 @@ def generate(
     type=click.Path(exists=True, dir_okay=False),
     help="Jinja chat template file used instead of the tokenizer's.",
 )
+@click.option(
+    "--chat-template-args",
+    default=None,
+    metavar="JSON",
+    help="Extra variables of the chat template for every request, as a JSON object (e.g. "
+    "'{\"enable_thinking\": false}'); a request's chat_template_kwargs override them.",
+)
+@click.option(
+    "--reasoning-parser",
+    default=None,
+    type=click.Choice(["deepseek_r1", "qwen3"]),
+    help="Split the model's <think>...</think> text into message.reasoning_content (streamed "
+    "as delta.reasoning_content).",
+)
 @click.option("--model-id", default=None, help="Model name in the API (default: directory name).")
 @click.option(
     "--max-body-bytes",
@@ -518,6 +533,8 @@ def serve(
     allowed_origins,
     api_key,
     chat_template,
+    chat_template_args,
+    reasoning_parser,
     model_id,
     max_body_bytes,
     log_level,
@@ -550,6 +567,7 @@ def serve(
             template = Path(chat_template).read_text()
         except (OSError, UnicodeDecodeError) as e:
             raise _OneLineError(f"cannot read --chat-template {chat_template}: {e}") from e
+    template_args = _json_object(chat_template_args, "--chat-template-args")
 
     # Bind first: a port in use is reported now, not after the model has loaded.
     try:
@@ -600,6 +618,8 @@ def serve(
         bind_host=host,
         allowed_hosts=_comma_list(allowed_hosts),
         allowed_origins=_comma_list(allowed_origins),
+        chat_template_args=template_args,
+        reasoning_parser=reasoning_parser,
     )
     window = f"max-kv-size {max_kv_size}, kv-sink {kv_sink}" if max_kv_size else "unbounded KV"
     bound_host, bound_port = sock.getsockname()[:2]
@@ -616,6 +636,18 @@ def serve(
         bound_port,
     )
     run(app, sock, log_level=log_level)
+
+
+def _json_object(value: str | None, flag: str) -> dict:
+    if value is None:
+        return {}
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise click.BadParameter(f"not valid JSON: {e}", param_hint=f"'{flag}'") from e
+    if not isinstance(parsed, dict):
+        raise click.BadParameter("must be a JSON object", param_hint=f"'{flag}'")
+    return parsed
 
 
 def _comma_list(value: str) -> tuple[str, ...]:

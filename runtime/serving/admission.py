@@ -65,8 +65,11 @@ class TokenLogprob:
     """A token's log-probability, with the most likely alternatives (when asked)."""
 
     token: int
+    text: str  # the token decoded alone (runtime.serving.output.token_piece)
+    bytes: list[int]  # its UTF-8 bytes
     logprob: float
-    top: list[tuple[int, float]]  # (token, logprob), most likely first
+    # (text, bytes, logprob) of the most likely tokens, most likely first
+    top: list[tuple[str, list[int], float]]
 
 
 @dataclass

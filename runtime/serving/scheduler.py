@@ -72,7 +72,7 @@ from mlxc.runtime.serving.generate import (
     prefill_chunks,
     prefill_spans,
 )
-from mlxc.runtime.serving.output import SequenceOutput, StopMatcher
+from mlxc.runtime.serving.output import SequenceOutput, StopMatcher, token_piece
 from mlxc.runtime.serving.sample import RowSampler, Sampled, sample_rows
 from mlxc.runtime.serving.structured import apply_masks
 
@@ -88,6 +88,7 @@ __all__ = [
     "Scheduler",
     "SchedulerStopped",
     "StopMatcher",
+    "TokenLogprob",
 ]
 
 log = logging.getLogger("mlxc.serve")
@@ -196,7 +197,9 @@ class CachePool:
 # --- scheduler -------------------------------------------------------------------------------
 
 
-def _logprobs(seqs: list[_Sequence], sampled: Sampled) -> list[TokenLogprob | None]:
+def _logprobs(
+    seqs: list[_Sequence], sampled: Sampled, piece: Callable[[int], tuple[str, list[int]]]
+) -> list[TokenLogprob | None]:
     """Each row's TokenLogprob (None where its request did not ask): one host read."""
     if sampled.logprobs is None:
         return [None] * len(seqs)
@@ -204,11 +207,14 @@ def _logprobs(seqs: list[_Sequence], sampled: Sampled) -> list[TokenLogprob | No
     ids = values = None
     if sampled.top_ids is not None:
         ids, values = sampled.top_ids.tolist(), sampled.top_logprobs.tolist()
-    out = []
+    out: list[TokenLogprob | None] = []
     for b, seq in enumerate(seqs):
-        k = seq.sampler.top_logprobs if seq.sampler.logprobs else 0
-        top = list(zip(ids[b][:k], values[b][:k])) if k else []
-        out.append(TokenLogprob(tokens[b], chosen[b], top) if seq.sampler.logprobs else None)
+        if not seq.sampler.logprobs:
+            out.append(None)
+            continue
+        k = seq.sampler.top_logprobs
+        top = [(*piece(t), v) for t, v in zip(ids[b][:k], values[b][:k])] if k else []
+        out.append(TokenLogprob(tokens[b], *piece(tokens[b]), chosen[b], top))
     return out
 
 
@@ -278,6 +284,8 @@ class Scheduler:
         self._inflight: tuple[list[_Sequence], Sampled] | None = None
         self._thread: threading.Thread | None = None
         self._done = threading.Event()  # the loop (or the failed load) is over
+        # logprobs' token texts and bytes (scheduler thread)
+        self._token_pieces: dict[int, tuple[str, list[int]]] = {}
 
     # --- any thread ---------------------------------------------------------------------------
 
@@ -528,7 +536,7 @@ class Scheduler:
         """Hand each sequence its sampled token (one host read); skips ones already ended."""
         try:
             values = sampled.tokens.tolist()
-            logprobs = _logprobs(seqs, sampled)
+            logprobs = _logprobs(seqs, sampled, self._token_piece)
         except Exception as e:  # noqa: BLE001 - the forward's graph failed: its requests end
             for seq in seqs:
                 if seq in self._running:
@@ -541,6 +549,13 @@ class Scheduler:
                 self._accept(seq, token, logprob)
             except Exception as e:  # noqa: BLE001 - ends this request only
                 self._fail(seq, e)
+
+    def _token_piece(self, token: int) -> tuple[str, list[int]]:
+        """A token's text and bytes alone (logprobs), cached: the same few tokens recur."""
+        piece = self._token_pieces.get(token)
+        if piece is None:
+            piece = self._token_pieces[token] = token_piece(self.tokenizer, token)
+        return piece
 
     def _forward(self, seq: _Sequence, ids: list[int], **kwargs) -> mx.array:
         inputs = dict(kwargs)
