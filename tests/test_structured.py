@@ -146,3 +146,22 @@ def test_a_finished_grammar_allows_only_eos(grammars):
 def test_unusable_schema_is_a_grammar_error(grammars):
     with pytest.raises(GrammarError):
         grammars.constraint(response_grammar("json_schema", {"type": "object", "if": {}}))
+
+
+def test_marker_tokens_are_sampled_as_the_special_tokens(tmp_path):
+    """With a tokenizer whose [TOOL_CALLS] and [ARGS] are special tokens (as Mistral's are),
+    a forced call samples those tokens, and the detokenizer that keeps them reads it back."""
+    from mlxc.runtime.checkpoint.tokenizer import StreamingDetokenizer
+
+    tok = ckpt.write_tokenizer(tmp_path)
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    markers = dict(
+        zip(["[TOOL_CALLS]", "[ARGS]"], tok.convert_tokens_to_ids(["[TOOL_CALLS]", "[ARGS]"]))
+    )
+    grammar = tool_call_grammar(FORMATS["mistral"], TOOLS[1:], markers)
+    tokens = decode(Grammars(tok, ckpt.VOCAB_SIZE, {ckpt.EOS_ID}), grammar, 0)
+    assert tokens[0] == markers["[TOOL_CALLS]"] and markers["[ARGS]"] in tokens
+    detok = StreamingDetokenizer(tok, frozenset(markers.values()))
+    text = "".join(detok.add(t) for t in tokens) + detok.finalize()
+    (call,) = FORMATS["mistral"].parse(text)[1]
+    assert call.name == "pick" and json.loads(call.arguments) in ({"which": "a"}, {"which": "b"})

@@ -157,11 +157,12 @@ class Engine:
         return format_for_template(template)
 
     @functools.cached_property
-    def tool_marker_ids(self) -> frozenset[int]:
-        """The tool-call format's marker tokens this tokenizer has (kept when detokenizing)."""
+    def tool_markers(self) -> dict[str, int]:
+        """The tool-call format's markers that are tokens of this tokenizer, and their ids
+        (kept when detokenizing; forced calls sample the token itself)."""
         with self._prompt_lock:
             added = self.prompt_tokenizer.get_added_vocab()
-        return frozenset(added[t] for t in self.tool_format.special if t in added)
+        return {t: added[t] for t in self.tool_format.special if t in added}
 
     @functools.cached_property
     def grammars(self):

@@ -305,10 +305,10 @@ def _constraint(engine: Engine, req: ChatCompletionRequest, tools: list[dict] | 
 
     choice, param = req.tool_choice, "tool_choice"
     if tools and choice == "required":
-        grammar = tool_call_grammar(engine.tool_format, tools)
+        grammar = tool_call_grammar(engine.tool_format, tools, engine.tool_markers)
     elif tools and choice is not None and not isinstance(choice, str):
         named = [t for t in tools if t["function"]["name"] == choice.function.name]
-        grammar = tool_call_grammar(engine.tool_format, named)
+        grammar = tool_call_grammar(engine.tool_format, named, engine.tool_markers)
     elif req.response_format is not None:
         fmt, param = req.response_format, "response_format"
         if fmt.type == "json_schema" and fmt.json_schema is None:
@@ -374,7 +374,7 @@ def _prepare(engine: Engine, kind: str, body: bytes, settings: _Settings) -> _Jo
     job = _Job(kind, req, prompt_ids, vision, max_tokens)
     if tools:
         job.tools = engine.tool_format
-        job.params["keep_special"] = engine.tool_marker_ids
+        job.params["keep_special"] = frozenset(engine.tool_markers.values())
     if kind == "chat":
         constraint = _constraint(engine, req, tools)
         if constraint is not None:

@@ -51,15 +51,32 @@ def response_grammar(kind: str, schema: dict[str, Any] | None = None) -> str | N
     return None
 
 
-def tool_call_grammar(fmt: ToolFormat, tools: list[dict[str, Any]]) -> str:
+def _literal(text: str, markers: dict[str, int]) -> str:
+    """Lark items for ``text``: quoted strings, and the marker tokens in it as the special
+    tokens themselves (``<[id]>``: a real tokenizer's [TOOL_CALLS] is one token, not text)."""
+    if not text:
+        return ""
+    for marker, token in markers.items():
+        if marker in text:
+            head, _, tail = text.partition(marker)
+            items = [_literal(head, markers), f"<[{token}]>", _literal(tail, markers)]
+            return " ".join(i for i in items if i)
+    return json.dumps(text)
+
+
+def tool_call_grammar(
+    fmt: ToolFormat, tools: list[dict[str, Any]], markers: dict[str, int] | None = None
+) -> str:
     """One call of one of ``tools`` (OpenAI tool definitions) as ``fmt`` writes it, its
-    arguments valid against the function's ``parameters`` schema."""
+    arguments valid against the function's ``parameters`` schema. ``markers``: the format's
+    marker texts that are special tokens of the tokenizer, and their ids."""
     rules = []
     for i, tool in enumerate(tools):
         function = tool["function"]
         before, after = fmt.render(function["name"], "\0").split("\0")
         schema = function.get("parameters") or ANY_OBJECT
-        rules.append(f"call{i}: {json.dumps(before)} {_json(schema)} {json.dumps(after)}")
+        items = [_literal(before, markers or {}), _json(schema), _literal(after, markers or {})]
+        rules.append(f"call{i}: " + " ".join(i for i in items if i))
     start = "start: " + " | ".join(f"call{i}" for i in range(len(tools)))
     return "\n".join([start, *rules])
 
