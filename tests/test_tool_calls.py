@@ -34,6 +34,7 @@ FAMILY = {  # template file -> the format it teaches
     "llama_3_3_70b_instruct": "llama3",
     "mistral_nemo_instruct_2407": "mistral",
     "mistral_small_3_2_24b_instruct_2506": "mistral",
+    "gpt_oss_120b": "harmony",
 }
 WEATHER = {
     "type": "function",
@@ -140,6 +141,13 @@ MODEL_TEXT = {
     ),
     "llama3": '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
     '{"name": "get_time", "parameters": {"tz": "CET"}}',
+    "harmony": (  # analysis, a preamble, then two calls in the two header orders harmony allows
+        "<|channel|>analysis<|message|>They want weather.<|end|><|start|>assistant"
+        "<|channel|>commentary<|message|>Let me check.<|end|><|start|>assistant"
+        ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+        "<|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json"
+        '<|message|>{"tz": "CET"}<|call|>'
+    ),
 }
 EXPECTED = [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
 
@@ -150,7 +158,7 @@ def test_model_text_parses_whole_and_streamed(fmt):
     content, calls = FORMATS[fmt].parse(text)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == EXPECTED
     assert len({c.id for c in calls}) == 2
-    assert content == {"hermes": "Let me check.\n", "mistral": "Let me check.", "llama3": ""}[fmt]
+    assert content == {"hermes": "Let me check.\n", "llama3": ""}.get(fmt, "Let me check.")
     rng = random.Random(0)
     for _ in range(20):
         stream, got, streamed = ToolCallStream(FORMATS[fmt]), [], ""
@@ -193,6 +201,15 @@ def test_text_that_is_not_a_call_stays_content(fmt, text):
     out = "".join(stream.feed(ch)[0] for ch in text)
     rest, calls = stream.finish()
     assert out + rest == text and calls == []
+
+
+def test_harmony_content_is_the_final_channel():
+    fmt = FORMATS["harmony"]
+    text = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi!"
+    assert fmt.parse(text) == ("Hi!", [])
+    assert fmt.parse("no channels") == ("no channels", [])
+    bad = " to=functions.f<|channel|>commentary json<|message|>{oops<|call|>"
+    assert fmt.parse(bad) == (bad, [])
 
 
 def test_opener_prefix_is_held_back_until_known():

@@ -15,12 +15,15 @@ format         the model writes                                           templa
                or ``[TOOL_CALLS]name[ARGS]{...}`` (v11+, Mistral Small 3.2)
 ``llama3``     ``{"name": ..., "parameters": {...}}`` as the whole reply   ``<|python_tag|>`` /
                (Llama 3.1-3.3 JSON tool calling)                          ``"parameters"``
+``harmony``    ``to=functions.NAME<|channel|>commentary json<|message|>``  ``<|channel|>`` and
+               ``{...}<|call|>`` (gpt-oss; the final channel is content)  ``<|call|>``
 =============  =========================================================  ====================
 
 :class:`ToolCallStream` turns the streamed text into content deltas and whole tool calls: text
 that could begin the opener is held back until it is known not to; once the opener is seen,
 the rest is held and parsed as calls (a Hermes call is emitted as soon as its closing tag
-arrives, the others at the end). Text that turns out not to parse as calls is content after all.
+arrives, the others at the end; a harmony reply, channels and all, is read at the end). Text
+that turns out not to parse as calls is content after all.
 """
 
 from __future__ import annotations
@@ -85,6 +88,11 @@ class ToolFormat:
     opener = ""  # the text that begins the calls
     markers: tuple[str, ...] = ()  # text in a chat template that picks this format
     special: tuple[str, ...] = ()  # marker tokens the detokenizer must not skip
+    whole_reply = False  # streaming holds the whole reply and parses it at the end
+
+    def matches(self, template: str) -> bool:
+        """Whether a chat template's text teaches this format."""
+        return any(marker in template for marker in self.markers)
 
     def new_id(self) -> str:
         return "call_" + secrets.token_hex(12)
@@ -227,8 +235,52 @@ class Llama3JsonFormat(ToolFormat):
         return f'{{"name": {json.dumps(name)}, "parameters": {arguments}}}'
 
 
+class HarmonyFormat(ToolFormat):
+    """gpt-oss's harmony messages: ``<|channel|>analysis<|message|>...<|end|><|start|>assistant
+    to=functions.NAME<|channel|>commentary json<|message|>{...}<|call|>``. A message to
+    ``functions.NAME`` is a call; the final channel (and commentary to nobody) is the content;
+    the analysis channel is reasoning, not content."""
+
+    name = "harmony"
+    opener = "<|start|>"  # unused: the whole reply is read at the end (whole_reply)
+    markers = ("<|channel|>", "<|call|>")
+    special = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>")
+    special += ("<|call|>", "<|return|>")
+    whole_reply = True
+
+    def matches(self, template: str) -> bool:
+        return all(marker in template for marker in self.markers)
+
+    _ENDS = re.compile(r"<\|(?:end|call|return)\|>")
+    _TO = re.compile(r"to=functions\.([^\s<]+)")
+    _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        if "<|message|>" not in text:
+            return text, []
+        content, calls = [], []
+        for segment in text.split("<|start|>"):
+            header, sep, body = segment.partition("<|message|>")
+            if not sep:
+                continue
+            body = self._ENDS.split(body, maxsplit=1)[0]
+            to, channel = self._TO.search(header), self._CHANNEL.search(header)
+            if to is not None:
+                arguments = _arguments_text(body)
+                if arguments is None:
+                    return text, []
+                calls.append(ToolCall(to.group(1), arguments, self.new_id()))
+            elif channel is None or channel.group(1) != "analysis":
+                content.append(body)
+        return "".join(content), calls
+
+    def render(self, name: str, arguments: str) -> str:
+        # After the prompt's <|start|>assistant, as the template writes an earlier call.
+        return f" to=functions.{name}<|channel|>commentary json<|message|>{arguments}<|call|>"
+
+
 FORMATS: dict[str, ToolFormat] = {
-    f.name: f for f in (HermesFormat(), MistralFormat(), Llama3JsonFormat())
+    f.name: f for f in (HermesFormat(), MistralFormat(), Llama3JsonFormat(), HarmonyFormat())
 }
 DEFAULT_FORMAT = "hermes"
 
@@ -246,11 +298,11 @@ def template_text(template: Any) -> str:
 
 
 def format_for_template(template: Any) -> ToolFormat:
-    """The tool-call format a chat template teaches its model: the first format (Mistral,
-    Hermes, Llama 3) whose marker the template contains; Hermes when none does."""
+    """The tool-call format a chat template teaches its model: the first format (harmony,
+    Mistral, Hermes, Llama 3) whose markers the template contains; Hermes when none does."""
     text = template_text(template)
-    for name in ("mistral", "hermes", "llama3"):
-        if any(marker in text for marker in FORMATS[name].markers):
+    for name in ("harmony", "mistral", "hermes", "llama3"):
+        if FORMATS[name].matches(text):
             return FORMATS[name]
     return FORMATS[DEFAULT_FORMAT]
 
@@ -281,6 +333,8 @@ class ToolCallStream:
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self.pending += text
+        if self.fmt.whole_reply:
+            return "", []
         content = ""
         if not self.in_calls:
             parts = None if self.started else self.fmt.split(self.pending)
@@ -296,6 +350,10 @@ class ToolCallStream:
         return content, calls
 
     def finish(self) -> tuple[str, list[ToolCall]]:
+        if self.fmt.whole_reply:
+            content, calls = self.fmt.parse(self.pending)
+            self.pending, self.sent = "", len(calls)
+            return content, calls
         if self.in_calls:
             found = self.fmt.calls(self.pending, final=True)
             if found is not None:
