@@ -173,16 +173,28 @@ class _GenerateCommand(click.Command):
 
 
 def _model_option(command):
-    """``--model``, as generate and serve take it."""
+    """``--model``, as generate and serve take it (resolved by :func:`_resolve_model`)."""
     return click.option(
         "--model",
         "model_dir",
         default=None,
-        type=click.Path(exists=True, file_okay=False),
-        help="HF checkpoint directory. Default: the built-in demo checkpoint (a small llama "
-        "with RANDOM weights, written to $MLXC_HOME or ~/.cache/mlxc on first use; no "
-        "download).",
+        metavar="DIR|ORG/NAME",
+        help="HF checkpoint directory, or a Hugging Face hub model id (org/name: its snapshot "
+        "in the hub cache, downloaded when missing; the cache only under HF_HUB_OFFLINE=1). "
+        "Default: the built-in demo checkpoint (a small llama with RANDOM weights, written to "
+        "$MLXC_HOME or ~/.cache/mlxc on first use; no download).",
     )(command)
+
+
+def _resolve_model(model_dir: str) -> tuple[str, str | None]:
+    """``--model``'s checkpoint directory, and the hub id it names (None for a directory)."""
+    from mlxc.runtime.checkpoint.hub import ModelNotFound, resolve_model
+
+    try:
+        path, hub_id = resolve_model(model_dir)
+    except ModelNotFound as e:
+        raise click.BadParameter(str(e), param_hint="'--model'") from None
+    return str(path), hub_id
 
 
 def _cache_options(prefill_chunk_size: int):
@@ -319,6 +331,8 @@ def generate(
         except (OSError, RuntimeError) as e:
             raise _OneLineError(f"cannot write the demo checkpoint: {e}") from e
         click.echo(f"warning: {demo.no_model_warning('generating with', model_dir)}", err=True)
+    else:
+        model_dir, _ = _resolve_model(model_dir)
     pil_images = []
 
     def refuse_images(config, module) -> None:  # before the tokenizer and the weights load
@@ -501,7 +515,11 @@ def generate(
     help="Split the model's <think>...</think> text into message.reasoning_content (streamed "
     "as delta.reasoning_content).",
 )
-@click.option("--model-id", default=None, help="Model name in the API (default: directory name).")
+@click.option(
+    "--model-id",
+    default=None,
+    help="Model name in the API (default: the hub id, or the directory name).",
+)
 @click.option(
     "--max-body-bytes",
     default=serve_defaults.DEFAULT_MAX_BODY_BYTES,
@@ -587,6 +605,13 @@ def serve(
         model_id = model_id or demo.DEMO_MODEL_ID
         description = demo.DEMO_DESCRIPTION
         log.warning("%s", demo.no_model_warning("serving", model_dir))
+    else:
+        try:
+            model_dir, hub_id = _resolve_model(model_dir)
+        except click.BadParameter:
+            sock.close()
+            raise
+        model_id = model_id or hub_id  # the API names a hub model by its id
     try:
         engine = Engine.from_path(
             model_dir,
