@@ -62,8 +62,11 @@ def template(name: str) -> str:
     return (TEMPLATES / f"{name}.jinja").read_text()
 
 
-def render(tok, name, messages, **kw):
-    return render_chat_template(tok, messages, chat_template=template(name), **kw)
+def render(tok, name, messages, tools=None, **kw):
+    kwargs = {"tools": tools} if tools else {}
+    return render_chat_template(
+        tok, messages, chat_template=template(name), template_kwargs=kwargs, **kw
+    )
 
 
 def message(**fields) -> dict:

@@ -175,10 +175,7 @@ class Engine:
         return Grammars(tokenizer, self.vocab_size, eos)
 
     def encode_chat(
-        self,
-        messages: list[dict],
-        template_kwargs: dict | None = None,
-        tools: list[dict] | None = None,
+        self, messages: list[dict[str, str]], template_kwargs: dict | None = None
     ) -> list[int]:
         from mlxc.runtime.checkpoint.tokenizer import OVERRIDE_SOURCE, render_chat_template
 
@@ -197,7 +194,6 @@ class Engine:
                     chat_template=self.chat_template,
                     source=source,
                     template_kwargs=template_kwargs,
-                    tools=tools,
                 )
                 # The template writes BOS and the other special tokens itself (as `mlxc
                 # generate` does): do not add them twice.

@@ -190,6 +190,8 @@ def _chat_prompt(
     """Prompt ids, and the vision inputs (numpy) of its images (None without images)."""
     limits = settings.limits
     template_kwargs = req.template_kwargs(settings.chat_template_args)
+    if tools:
+        template_kwargs["tools"] = tools  # as transformers' apply_chat_template(tools=) takes them
     messages, images = [], []
     for message in req.messages:
         content = message.content
@@ -217,11 +219,9 @@ def _chat_prompt(
                 code="image_input_not_supported",
             )
         try:
-            return engine.encode_chat(messages, template_kwargs, tools), None
+            return engine.encode_chat(messages, template_kwargs), None
         except PromptError as e:
             raise APIError(400, str(e), param="messages") from e
-    if tools:
-        raise APIError(400, "tools are supported for text models only", param="tools")
     # A VL model renders every chat, with images or without, through its processor's template.
     decoded = _decode_images(images, limits) if images else []
     try:
