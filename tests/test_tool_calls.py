@@ -178,6 +178,15 @@ def test_model_text_parses_whole_and_streamed(fmt):
         assert [(c.name, json.loads(c.arguments)) for c in got] == EXPECTED
 
 
+def test_stream_limit_emits_the_first_call_only():
+    stream = ToolCallStream(FORMATS["hermes"], limit=1)
+    got = stream.feed(MODEL_TEXT["hermes"])[1] + stream.finish()[1]
+    assert [c.name for c in got] == ["get_weather"]
+    stream = ToolCallStream(FORMATS["harmony"], limit=1)
+    got = stream.feed(MODEL_TEXT["harmony"])[1] + stream.finish()[1]
+    assert [c.name for c in got] == ["get_weather"]
+
+
 def test_mistral_v3_json_list_and_ids():
     fmt = FORMATS["mistral"]
     text = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "x"}]'

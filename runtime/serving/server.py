@@ -478,7 +478,11 @@ class _Reply:
         self.want_logprobs = job.req.logprob_request()[0]
         self.splitter = None if job.in_reasoning is None else ReasoningSplitter(job.in_reasoning)
         self.tools = job.tools  # parse tool calls out of the content in this format
-        self.tool_stream = ToolCallStream(job.tools) if job.tools is not None else None
+        # parallel_tool_calls false: the first call only.
+        self.max_calls = 1 if getattr(job.req, "parallel_tool_calls", None) is False else None
+        self.tool_stream = None
+        if job.tools is not None:
+            self.tool_stream = ToolCallStream(job.tools, self.max_calls)
         self.clock = metrics.TokenClock(arrival)
         self.offset = 0  # characters of completion text so far (legacy text_offset)
 
@@ -535,6 +539,7 @@ class _Reply:
                 choice["message"] |= {"content": content, "reasoning_content": reasoning or None}
             if self.tools is not None:
                 content, calls = self.tools.parse(choice["message"]["content"])
+                calls = calls[: self.max_calls]
                 if calls:
                     choice["message"] |= {
                         "content": content or None,

@@ -310,8 +310,9 @@ def format_for_template(template: Any) -> ToolFormat:
 class ToolCallStream:
     """Streamed text -> (content delta, tool calls completed) per ``feed``; ``finish`` at the end."""
 
-    def __init__(self, fmt: ToolFormat) -> None:
+    def __init__(self, fmt: ToolFormat, limit: int | None = None) -> None:
         self.fmt = fmt
+        self.limit = limit  # the most calls to emit (parallel_tool_calls false: 1)
         self.pending = ""  # text not emitted yet
         self.in_calls = False
         self.sent = 0  # calls emitted so far
@@ -345,19 +346,20 @@ class ToolCallStream:
             content, self.pending = parts
             self.in_calls = True
         found = self.fmt.calls(self.pending, final=False)
-        calls = found[0][self.sent :] if found else []
+        calls = found[0][self.sent : self.limit] if found else []
         self.sent += len(calls)
         return content, calls
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         if self.fmt.whole_reply:
             content, calls = self.fmt.parse(self.pending)
+            calls = calls[: self.limit]
             self.pending, self.sent = "", len(calls)
             return content, calls
         if self.in_calls:
             found = self.fmt.calls(self.pending, final=True)
             if found is not None:
-                calls = found[0][self.sent :]
+                calls = found[0][self.sent : self.limit]
                 self.sent += len(calls)
                 return "", calls
             if self.sent:  # calls already sent: the unreadable rest is dropped
