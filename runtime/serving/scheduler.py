@@ -280,7 +280,7 @@ class Scheduler:
         self._queue = AdmissionQueue(max_concurrency, max_queue)
         self._running: list[_Sequence] = []  # scheduler thread only
         self._prefill_queue: deque[_Sequence] = deque()  # round-robin order of prefills
-        # The batched decode step queued but not read yet: (its rows, their tokens [B]).
+        # The batched decode step queued but not read yet: (its rows, their sampled tokens).
         self._inflight: tuple[list[_Sequence], Sampled] | None = None
         self._thread: threading.Thread | None = None
         self._done = threading.Event()  # the loop (or the failed load) is over
