@@ -276,3 +276,21 @@ def test_constrained_rows_leave_the_others_alone(server, client):
             check_person(json.loads(f.result().choices[0].message.content))
         assert free.result().choices[0].message.content == alone.choices[0].message.content
     assert server.health()["pool"]["peak_batched"] >= 2
+
+
+def test_response_format_with_tools_is_the_format_or_a_call(client):
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=ASK,
+        tools=[CLOCK],
+        response_format=SCHEMA_FORMAT,
+        max_tokens=96,
+    )
+    choice = r.choices[0]
+    if choice.message.tool_calls:
+        (call,) = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls" and call.function.name == "get_time"
+        assert json.loads(call.function.arguments) in ({"tz": "UTC"}, {"tz": "CET"})
+    else:
+        assert choice.finish_reason == "stop"
+        check_person(json.loads(choice.message.content))

@@ -20,7 +20,10 @@ from mlxc.runtime.serving.structured import (
     GrammarError,
     Grammars,
     apply_masks,
+    call_items,
+    grammar,
     response_grammar,
+    response_item,
     tool_call_grammar,
 )
 from mlxc.runtime.serving.tool_calls import FORMATS
@@ -165,3 +168,16 @@ def test_marker_tokens_are_sampled_as_the_special_tokens(tmp_path):
     text = "".join(detok.add(t) for t in tokens) + detok.finalize()
     (call,) = FORMATS["mistral"].parse(text)[1]
     assert call.name == "pick" and json.loads(call.arguments) in ({"which": "a"}, {"which": "b"})
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_response_format_or_a_call(tokenizer, grammars, seed):
+    """tool_choice "auto" with a response_format: the schema's JSON, or a call of a tool."""
+    fmt = FORMATS["hermes"]
+    alternatives = [response_item("json_schema", ITEM), *call_items(fmt, TOOLS)]
+    text = tokenizer.decode(decode(grammars, grammar(alternatives), seed))
+    content, calls = fmt.parse(text)
+    if calls:
+        assert content == "" and calls[0].name in ("lookup", "pick")
+    else:
+        check_item(json.loads(text))

@@ -299,27 +299,26 @@ class _Job:
 
 
 def _constraint(engine: Engine, req: ChatCompletionRequest, tools: list[dict] | None):
-    """The grammar the reply must follow (``runtime.serving.structured``), or None: a call of
-    the named function or of any tool (``tool_choice`` "required"), else ``response_format``."""
-    from mlxc.runtime.serving.structured import response_grammar, tool_call_grammar
+    """The grammar the reply must follow (``runtime.serving.structured``), or None. A forcing
+    ``tool_choice`` (a named function, or "required"): one call. Else a ``response_format``
+    (json_object, json_schema): that JSON, or a call of a tool when there are tools ("auto")."""
+    from mlxc.runtime.serving.structured import call_items, grammar, response_item
 
     choice, param = req.tool_choice, "tool_choice"
-    if tools and choice == "required":
-        grammar = tool_call_grammar(engine.tool_format, tools, engine.tool_markers)
-    elif tools and choice is not None and not isinstance(choice, str):
-        named = [t for t in tools if t["function"]["name"] == choice.function.name]
-        grammar = tool_call_grammar(engine.tool_format, named, engine.tool_markers)
-    elif req.response_format is not None:
+    forced = bool(tools) and choice not in (None, "auto")
+    if forced and not isinstance(choice, str):
+        tools = [t for t in tools if t["function"]["name"] == choice.function.name]
+    alternatives = call_items(engine.tool_format, tools, engine.tool_markers) if tools else []
+    if not forced:
         fmt, param = req.response_format, "response_format"
+        if fmt is None or fmt.type == "text":
+            return None
         if fmt.type == "json_schema" and fmt.json_schema is None:
             raise APIError(400, "response_format json_schema needs its json_schema", param=param)
-        grammar = response_grammar(fmt.type, fmt.json_schema.schema_ if fmt.json_schema else None)
-    else:
-        return None
-    if grammar is None:
-        return None
+        schema = fmt.json_schema.schema_ if fmt.json_schema else None
+        alternatives.insert(0, response_item(fmt.type, schema))
     try:
-        return engine.grammars.constraint(grammar)
+        return engine.grammars.constraint(grammar(alternatives))
     except GrammarError as e:
         raise APIError(400, f"the schema cannot be used: {e}", param=param) from None
 

@@ -2,7 +2,9 @@
 
 A request's ``response_format`` (``json_object``, ``json_schema``) or forcing ``tool_choice``
 (a named function, or ``"required"``) becomes a grammar (:func:`response_grammar`,
-:func:`tool_call_grammar`: Lark text with inline ``%json`` schemas, which llguidance compiles).
+:func:`tool_call_grammar`: Lark text with inline ``%json`` schemas, which llguidance compiles);
+with tools the model may call (``tool_choice`` "auto"), a ``response_format`` grammar also
+allows a call of any of them.
 :class:`Grammars` holds the engine's llguidance tokenizer (built once, from the Hugging Face
 tokenizer) and makes each request's :class:`Constraint`: a matcher that gives the bitmask of the
 tokens allowed next and consumes each sampled token. The scheduler applies the bitmask to a
@@ -41,14 +43,26 @@ def _json(schema: dict[str, Any]) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": options})
 
 
-def response_grammar(kind: str, schema: dict[str, Any] | None = None) -> str | None:
-    """The grammar of a ``response_format``: any JSON object (``json_object``), JSON valid
-    against ``schema`` (``json_schema``); None for ``text``."""
+def grammar(alternatives: list[str]) -> str:
+    """A Lark grammar whose output is any one of ``alternatives`` (Lark items)."""
+    rules = [f"alt{i}: {item}" for i, item in enumerate(alternatives)]
+    return "\n".join(["start: " + " | ".join(f"alt{i}" for i in range(len(rules))), *rules])
+
+
+def response_item(kind: str, schema: dict[str, Any] | None = None) -> str | None:
+    """A ``response_format``'s output: any JSON object (``json_object``), JSON valid against
+    ``schema`` (``json_schema``); None for ``text``."""
     if kind == "json_object":
-        return f"start: {_json(ANY_OBJECT)}"
+        return _json(ANY_OBJECT)
     if kind == "json_schema":
-        return f"start: {_json(schema or ANY_OBJECT)}"
+        return _json(schema or ANY_OBJECT)
     return None
+
+
+def response_grammar(kind: str, schema: dict[str, Any] | None = None) -> str | None:
+    """The grammar of a ``response_format`` (None for ``text``)."""
+    item = response_item(kind, schema)
+    return None if item is None else grammar([item])
 
 
 def _literal(text: str, markers: dict[str, int]) -> str:
@@ -64,21 +78,27 @@ def _literal(text: str, markers: dict[str, int]) -> str:
     return json.dumps(text)
 
 
-def tool_call_grammar(
+def call_items(
     fmt: ToolFormat, tools: list[dict[str, Any]], markers: dict[str, int] | None = None
-) -> str:
-    """One call of one of ``tools`` (OpenAI tool definitions) as ``fmt`` writes it, its
+) -> list[str]:
+    """For each of ``tools`` (OpenAI tool definitions), one call as ``fmt`` writes it, its
     arguments valid against the function's ``parameters`` schema. ``markers``: the format's
     marker texts that are special tokens of the tokenizer, and their ids."""
-    rules = []
-    for i, tool in enumerate(tools):
+    items = []
+    for tool in tools:
         function = tool["function"]
         before, after = fmt.render(function["name"], "\0").split("\0")
         schema = function.get("parameters") or ANY_OBJECT
-        items = [_literal(before, markers or {}), _json(schema), _literal(after, markers or {})]
-        rules.append(f"call{i}: " + " ".join(i for i in items if i))
-    start = "start: " + " | ".join(f"call{i}" for i in range(len(tools)))
-    return "\n".join([start, *rules])
+        parts = [_literal(before, markers or {}), _json(schema), _literal(after, markers or {})]
+        items.append(" ".join(p for p in parts if p))
+    return items
+
+
+def tool_call_grammar(
+    fmt: ToolFormat, tools: list[dict[str, Any]], markers: dict[str, int] | None = None
+) -> str:
+    """One call of one of ``tools`` (see :func:`call_items`)."""
+    return grammar(call_items(fmt, tools, markers))
 
 
 class Constraint:
