@@ -21,6 +21,7 @@ numbers) and because xgrammar's package requires torch, which the runtime does n
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import mlx.core as mx
@@ -133,8 +134,13 @@ class Grammars:
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self._info = None
+        self._lock = threading.Lock()  # the prompt workers build it once (~1 s, large vocabs)
 
     def _tokenizer_info(self):
+        with self._lock:
+            return self._build_info()
+
+    def _build_info(self):
         if self._info is None:
             import llguidance.hf
 
