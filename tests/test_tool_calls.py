@@ -32,7 +32,7 @@ FAMILY = {  # template file -> the format it teaches
     "qwen2_5_7b_instruct": "hermes",
     "qwen3_0_6b": "hermes",
     "llama_3_3_70b_instruct": "llama3",
-    "mistral_nemo_instruct_2407": "mistral",
+    "mistral_nemo_instruct_2407": "mistral_v3",
     "mistral_small_3_2_24b_instruct_2506": "mistral",
     "gpt_oss_120b": "harmony",
 }
@@ -99,7 +99,7 @@ def test_default_format_and_named_templates():
     assert format_for_template(ckpt.CHAT_TEMPLATE).name == "hermes"
     assert format_for_template(None).name == "hermes"
     named = {"default": ckpt.CHAT_TEMPLATE, "tool_use": template("mistral_nemo_instruct_2407")}
-    assert format_for_template(named).name == "mistral"
+    assert format_for_template(named).name == "mistral_v3"
 
 
 @pytest.mark.parametrize("name", sorted(FAMILY))

@@ -11,8 +11,10 @@ format         the model writes                                           templa
 =============  =========================================================  ====================
 ``hermes``     ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``  ``<tool_call>``
                (Qwen2.5, Qwen3, Hermes; the default)
-``mistral``    ``[TOOL_CALLS][{"name": ..., "arguments": {...}}]`` (v3)    ``[TOOL_CALLS]``
-               or ``[TOOL_CALLS]name[ARGS]{...}`` (v11+, Mistral Small 3.2)
+``mistral``    ``[TOOL_CALLS]name[ARGS]{...}`` (v11+, Mistral Small 3.2)  ``[TOOL_CALLS]`` and
+                                                                          ``[ARGS]``
+``mistral_v3`` ``[TOOL_CALLS][{"name": ..., "arguments": {...}}]`` (v3,    ``[TOOL_CALLS]``
+               Mistral Nemo); both Mistral formats read either form
 ``llama3``     ``{"name": ..., "parameters": {...}}`` as the whole reply   ``<|python_tag|>`` /
                (Llama 3.1-3.3 JSON tool calling)                          ``"parameters"``
 ``harmony``    ``to=functions.NAME<|channel|>commentary json<|message|>``  ``<|channel|>`` and
@@ -175,9 +177,11 @@ class HermesFormat(ToolFormat):
 
 
 class MistralFormat(ToolFormat):
+    """Mistral's v11+ tokenizers (``[TOOL_CALLS]name[ARGS]{...}``); either form is read."""
+
     name = "mistral"
     opener = "[TOOL_CALLS]"
-    markers = ("[TOOL_CALLS]",)
+    markers = ("[TOOL_CALLS]", "[ARGS]")
     special = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
     _ALNUM = string.ascii_letters + string.digits
 
@@ -207,8 +211,21 @@ class MistralFormat(ToolFormat):
             calls.append(ToolCall(name, arguments, self.new_id()))
         return calls or None
 
+    def matches(self, template: str) -> bool:
+        return all(marker in template for marker in self.markers)
+
     def render(self, name: str, arguments: str) -> str:
         return f"[TOOL_CALLS]{name}[ARGS]{arguments}"
+
+
+class MistralV3Format(MistralFormat):
+    """Mistral's v3 tokenizers (Mistral Nemo): ``[TOOL_CALLS][{"name", "arguments"}]``."""
+
+    name = "mistral_v3"
+    markers = ("[TOOL_CALLS]",)
+
+    def render(self, name: str, arguments: str) -> str:
+        return f'[TOOL_CALLS][{{"name": {json.dumps(name)}, "arguments": {arguments}}}]'
 
 
 class Llama3JsonFormat(ToolFormat):
@@ -280,7 +297,14 @@ class HarmonyFormat(ToolFormat):
 
 
 FORMATS: dict[str, ToolFormat] = {
-    f.name: f for f in (HermesFormat(), MistralFormat(), Llama3JsonFormat(), HarmonyFormat())
+    f.name: f
+    for f in (
+        HermesFormat(),
+        MistralFormat(),
+        MistralV3Format(),
+        Llama3JsonFormat(),
+        HarmonyFormat(),
+    )
 }
 DEFAULT_FORMAT = "hermes"
 
@@ -299,9 +323,10 @@ def template_text(template: Any) -> str:
 
 def format_for_template(template: Any) -> ToolFormat:
     """The tool-call format a chat template teaches its model: the first format (harmony,
-    Mistral, Hermes, Llama 3) whose markers the template contains; Hermes when none does."""
+    Mistral v11, Mistral v3, Hermes, Llama 3) whose markers the template contains; Hermes when
+    none does."""
     text = template_text(template)
-    for name in ("harmony", "mistral", "hermes", "llama3"):
+    for name in ("harmony", "mistral", "mistral_v3", "hermes", "llama3"):
         if FORMATS[name].matches(text):
             return FORMATS[name]
     return FORMATS[DEFAULT_FORMAT]
