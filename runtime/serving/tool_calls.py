@@ -104,14 +104,12 @@ class ToolFormat:
         i = text.find(self.opener)
         return None if i < 0 else (text[:i], text[i:])
 
-    def calls(self, text: str, final: bool) -> tuple[list[ToolCall], int] | None:
-        """The calls in ``text`` (which starts at the opener), and how many characters they
-        take; before the end (``final`` False) only calls known to be complete. None: not
-        calls after all (``final``) or not readable yet."""
+    def calls(self, text: str, final: bool) -> list[ToolCall] | None:
+        """The calls in ``text`` (which starts at the opener); before the end (``final``
+        False) only those known to be complete. None: not calls after all (``final``)."""
         if not final:
-            return [], 0
-        calls = self._parse(text)
-        return (calls, len(text)) if calls else None
+            return []
+        return self._parse(text) or None
 
     def _parse(self, text: str) -> list[ToolCall] | None:
         raise NotImplementedError
@@ -120,9 +118,9 @@ class ToolFormat:
         """A whole reply: (content, calls). No calls when the call text does not parse."""
         parts = self.split(text)
         if parts is not None:
-            found = self.calls(parts[1], final=True)
-            if found is not None and found[0]:
-                return parts[0], found[0]
+            calls = self.calls(parts[1], final=True)
+            if calls:
+                return parts[0], calls
         return text, []
 
     def render(self, name: str, arguments: str) -> str:
@@ -144,7 +142,7 @@ class HermesFormat(ToolFormat):
     markers = ("<tool_call>",)
     _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
-    def calls(self, text: str, final: bool) -> tuple[list[ToolCall], int] | None:
+    def calls(self, text: str, final: bool) -> list[ToolCall] | None:
         calls, end = [], 0
         for m in self._CALL.finditer(text):
             if text[end : m.start()].strip():
@@ -154,7 +152,7 @@ class HermesFormat(ToolFormat):
             except json.JSONDecodeError:
                 call = None
             if call is None:
-                return None if final else (calls, end)
+                return None if final else calls
             calls.append(call)
             end = m.end()
         if final:
@@ -166,9 +164,8 @@ class HermesFormat(ToolFormat):
                     call = None
                 if call is not None:
                     calls.append(call)
-                    end = len(text)
-            return (calls, end) if calls else None
-        return calls, end
+            return calls or None
+        return calls
 
     def render(self, name: str, arguments: str) -> str:
         return (
@@ -370,8 +367,7 @@ class ToolCallStream:
                 return content, []
             content, self.pending = parts
             self.in_calls = True
-        found = self.fmt.calls(self.pending, final=False)
-        calls = found[0][self.sent : self.limit] if found else []
+        calls = self.fmt.calls(self.pending, final=False)[self.sent : self.limit]
         self.sent += len(calls)
         return content, calls
 
@@ -384,7 +380,7 @@ class ToolCallStream:
         if self.in_calls:
             found = self.fmt.calls(self.pending, final=True)
             if found is not None:
-                calls = found[0][self.sent : self.limit]
+                calls = found[self.sent : self.limit]
                 self.sent += len(calls)
                 return "", calls
             if self.sent:  # calls already sent: the unreadable rest is dropped
