@@ -107,7 +107,7 @@ class SequenceOutput:
         self.prompt_tokens = prompt_tokens
         self.eos_token_ids = eos_token_ids
         self.generated = 0
-        self.detok = StreamingDetokenizer(tokenizer)
+        self.detok = StreamingDetokenizer(tokenizer, params.keep_special)
         self.stops = StopMatcher(params.stop)
 
     def accept(
