@@ -37,7 +37,8 @@ MODEL_FEATURES = ("moe", "mrope", "mla")
 
 # What model.py.j2 imports from the runtime for itself, whatever the blocks (module -> names).
 MODEL_IMPORTS = {
-    "mlxc.runtime.model": {"masks"},  # layers: where a kind, a norm or the softcap uses it
+    # layers: where a kind, a norm or the softcap uses it; parallel: Model.shard
+    "mlxc.runtime.model": {"masks", "parallel"},
     "mlxc.runtime.model.cache": {"KVCache"},
     "mlxc.runtime.model.config": {"read"},
     "mlxc.runtime.model.layers": {"AttentionInputs", "attend"},  # TextModel resolves the inputs
@@ -84,6 +85,7 @@ class Variant:
     kind: str
     ctor: str | None  # constructor call, None for a no-op sublayer
     cache_line: str | None = None  # attention of a model whose layers cache differently
+    shard: list[str] = field(default_factory=list)  # DecoderLayer.shard's lines; []: replicated
 
 
 @dataclass
@@ -97,6 +99,14 @@ class Sublayer:
     @property
     def optional(self) -> bool:
         return any(v.ctor is None for v in self.variants)
+
+    @property
+    def shard_variants(self) -> list[Variant]:
+        """The variants ``DecoderLayer.shard`` tells apart: the last alone when all split
+        alike (gpt_oss: sliding and full attention)."""
+        if len({(tuple(v.shard), v.kind, v.ctor is None) for v in self.variants}) == 1:
+            return self.variants[-1:]
+        return self.variants
 
 
 class _Gen:
@@ -140,6 +150,51 @@ class _Gen:
         used = {n for v in values if isinstance(v, str) for n, _ in expr.names(v)}
         reads_fields = bool(used & fields)
         return {"per_layer": reads_fields or "layer_idx" in used, "layer_args": reads_fields}
+
+    def config_entries(self, value) -> list[str]:
+        """The config.json entries a block field's value comes from (named in errors); none
+        for a literal."""
+        if not isinstance(value, str):
+            return []
+        entries = []
+        for name, _ in expr.names(value):
+            if name in self.spec.params:
+                path = self.spec.params[name].from_ or name
+                entries.append(".".join(path) if isinstance(path, list) else path)
+            elif name in self.layers.fields:
+                entries.append(f"{self.layers.for_each}[].{self.layers.fields[name].from_}")
+        return list(dict.fromkeys(entries))
+
+    def shard_lines(self, part: str, kind, block) -> list[str]:
+        """``DecoderLayer.shard``'s lines for one sublayer variant: the call of
+        ``parallel.shard`` with what the kind declares ([]: the kind is replicated)."""
+        sharding = kind.sharding_of(block)
+        if sharding is None:
+            return []
+        attr = "self_attn" if part == "attention" else "mlp"
+        args = [f"self.{attr}", "group"]
+        for name in ("by_output", "kv", "by_input", "per_head"):
+            if getattr(sharding, name):
+                args.append(f"{name}={pytuple(list(getattr(sharding, name)))}")
+
+        def fields(pairs) -> str:
+            entries = (
+                f"{pyrepr(a)}: {pytuple(self.config_entries(getattr(block, f)))}" for a, f in pairs
+            )
+            return "{" + ", ".join(entries) + "}"
+
+        if sharding.heads:
+            args.append(f"heads={fields(sharding.heads)}")
+        if sharding.kv_heads:
+            args.append(f"kv_heads={fields([sharding.kv_heads])}")
+        widths = [e for f in sharding.widths for e in self.config_entries(getattr(block, f))]
+        if widths:
+            args.append(f"widths={pytuple(list(dict.fromkeys(widths)))}")
+        if sharding.reduces:
+            args.append("reduces=True")
+        doc = f": {sharding.doc}" if sharding.doc else ""
+        comment = textwrap.wrap(f"{attr} ({block.kind}){doc}", 84)
+        return [*(f"# {line}" for line in comment), f"parallel.shard({', '.join(args)})"]
 
     # --- params -------------------------------------------------------------------------
 
@@ -257,7 +312,7 @@ def model_context(spec: schema.Spec, source: str, spec_label: str) -> dict:
             else:
                 ctor = kind.ctor(b, gen)
             when = None if b.when is None else gen.py(b.when)
-            sub.variants.append(Variant(when, b.kind, ctor))
+            sub.variants.append(Variant(when, b.kind, ctor, shard=gen.shard_lines(part, kind, b)))
             for module, names in kind.runtime_imports(b).items():
                 imports.setdefault(module, set()).update(names)
             for key, value in kind.model_context(b, gen).items():
@@ -313,6 +368,12 @@ def model_context(spec: schema.Spec, source: str, spec_label: str) -> dict:
             "layer_args." in (v.when or "") + (v.ctor or "")
             for sub in sublayers
             for v in sub.variants
+        ),
+        "shard_needs_args": any(
+            "layer_args." in (v.when or "")
+            for sub in sublayers
+            if len(sub.shard_variants) > 1
+            for v in sub.shard_variants
         ),
         "all_cached": uniform is not None,
         "layer_cache": None if uniform is None else uniform[1],

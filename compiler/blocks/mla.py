@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from mlxc.compiler.blocks import attention_inputs as inp
-from mlxc.compiler.blocks.base import FULL_KV, BlockKind
+from mlxc.compiler.blocks.base import FULL_KV, BlockKind, Sharding
 from mlxc.compiler.labels import route
 from mlxc.compiler.schema_base import Block, BoolExpr, FloatExpr, IntExpr, RopeRef
 
@@ -45,6 +45,14 @@ class MLAKind(BlockKind):
     template = "attention_mla.py.j2"
     class_name = "LatentAttention"
     cache = FULL_KV
+    sharding = Sharding(
+        doc="heads split over the ranks: the per-head projections (q_proj or q_b_proj, both "
+        "halves of kv_b_proj) by output, o_proj by input; the latent and the shared rope key "
+        "are computed whole on every rank",
+        by_output=("q_proj", "q_b_proj", "kv_b_proj"),
+        by_input=("o_proj",),
+        heads=(("n_heads", "heads"),),
+    )
 
     def context(self, b: MLA, gen) -> dict:
         values = [

@@ -77,11 +77,16 @@ class Engine:
         chat_template: str | None = None,
         description: str | None = None,
         specs: str | Path | None = None,
+        group: Any = None,
         **scheduler_options: Any,
     ) -> Engine:
         """Load the checkpoint at ``path`` and start the scheduler; CheckpointError when it
         cannot be served. The model is built on the scheduler thread, which owns MLX.
-        ``specs``: a directory of your own specs, as in ``loading.load_model``."""
+        ``specs``: a directory of your own specs, as in ``loading.load_model``. ``group``: the
+        ranks of ``mlx.launch`` the model is sharded over (with a ``lockstep`` for the
+        scheduler: ``runtime.serving.distributed``)."""
+        import functools
+
         from mlxc.runtime.checkpoint.loading import (
             CheckpointError,
             ProcessorFilesError,
@@ -104,7 +109,7 @@ class Engine:
         engine = cls(
             None,
             checkpoint.tokenizer,
-            load=checkpoint.load_model,
+            load=functools.partial(checkpoint.load_model, group=group),
             model_id=name,
             aliases=(str(path),),
             eos_token_ids=checkpoint.eos_token_ids,

@@ -257,7 +257,10 @@ class Scheduler:
         prefill_chunk_size: int = 512,
         max_concurrency: int = 8,
         max_queue: int = 64,
+        lockstep: Any = None,
     ) -> None:
+        """``lockstep``: under ``mlx.launch``, the hook that makes every rank's ticks admit and
+        drop the same requests (``runtime.serving.distributed.Lockstep``)."""
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
         if max_concurrency < 1:
@@ -275,6 +278,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.prefill_chunk_size = prefill_chunk_size
         self.pool = CachePool(model, max_kv_size, kv_sink)
+        self.lockstep = lockstep
 
         # Waiting requests, slots, counters, the stats snapshot: shared with other threads.
         self._queue = AdmissionQueue(max_concurrency, max_queue)
@@ -394,7 +398,11 @@ class Scheduler:
 
     def _loop(self) -> None:
         while True:
-            admitted = self._queue.admit(busy=bool(self._running))
+            admit = functools.partial(self._queue.admit, busy=bool(self._running))
+            if self.lockstep is None:
+                admitted = admit()
+            else:  # the same admissions and cancellations on every rank
+                admitted = self.lockstep.admit(admit, self._running)
             if admitted is None:  # request_stop
                 break
             for request in admitted:
@@ -422,7 +430,7 @@ class Scheduler:
         self._prefill_queue.append(seq)
 
     def _tick(self) -> None:
-        for seq in [s for s in self._running if s.request.cancelled]:
+        for seq in [s for s in self._running if self._cancelled(s)]:
             self._release(seq)
             self._queue.count("cancelled")
 
@@ -500,6 +508,11 @@ class Scheduler:
         for seq, _, token in built:
             if token is not None:
                 self._read_tokens([seq], token)
+
+    def _cancelled(self, seq: _Sequence) -> bool:
+        if self.lockstep is not None:
+            return seq.request.id in self.lockstep.cancelled  # decided once for every rank
+        return seq.request.cancelled
 
     def _decode_batch(
         self, rows: list[_Sequence], previous: tuple[list[_Sequence], Sampled] | None
