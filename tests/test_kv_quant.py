@@ -25,6 +25,7 @@ from mlxc import verify
 from mlxc.cli import main
 from mlxc.runtime.checkpoint.loading import load_checkpoint, load_model
 from mlxc.runtime.checkpoint.tokenizer import encode_prompt
+from mlxc.runtime.model import layers
 from mlxc.runtime.model.batch import (
     BatchCache,
     BatchQuantizedKVCache,
@@ -39,7 +40,7 @@ from mlxc.runtime.model.cache import (
     enforce_max_kv,
     make_caches,
 )
-from mlxc.runtime.model.layers import QUANTIZED_MATMUL_QUERIES, attend, quantized_attention
+from mlxc.runtime.model.layers import QUANTIZED_MATMUL_QUERIES, attend
 from mlxc.runtime.serving.generate import generate_tokens
 
 TOLERANCE = {8: 0.05, 4: 0.5}  # relative RMS logit error, see the module docstring
@@ -104,19 +105,35 @@ def test_quantized_attention_is_attention_on_the_dequantized_keys(rng, mask_kind
     if mask_kind == "window":
         mask = mask & (mx.arange(T)[None, :] <= mx.arange(T - L, T)[:, None])
     sink = mx.array(rng.standard_normal(4).astype(np.float32)) if sinks else None
-    got = quantized_attention(q, k, v, scale=0.125, mask=mask, sinks=sink)
+    got = layers.quantized_attention(q, k, v, scale=0.125, mask=mask, sinks=sink)
     want = mx.fast.scaled_dot_product_attention(
         q, k.dequantize(), v.dequantize(), scale=0.125, mask=mask, sinks=sink
     )
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
 
 
-def test_attend_reads_a_long_chunk_dequantised_with_the_same_result(rng):
+@pytest.mark.parametrize("packed", [True, False])
+def test_attend_dequantises_a_long_chunk_or_where_packing_is_off(rng, monkeypatch, packed):
+    """A decode step reads the keys packed where ``packed_attention`` holds (CPU, Metal); a
+    prefill chunk, and every step where it does not (CUDA), takes the fused kernel on the
+    dequantised keys, with the packed path's result."""
+    packed_calls, real = [], layers.quantized_attention
+
+    def counted(*args, **kwargs):
+        packed_calls.append(args[0].shape[-2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(layers, "packed_attention", lambda: packed)
+    monkeypatch.setattr(layers, "quantized_attention", counted)
     quant = KVQuant(8, 64)
-    q, k, v = _qkv(rng, QUANTIZED_MATMUL_QUERIES + 4, 30, quant)
-    got = attend(q, k, v, scale=0.125, mask="causal")
-    want = quantized_attention(q, k, v, scale=0.125, mask="causal")
-    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+    for L in (QUANTIZED_MATMUL_QUERIES + 4, 1):
+        q, k, v = _qkv(rng, L, 30, quant)
+        mask = "causal" if L > 1 else None
+        got = attend(q, k, v, scale=0.125, mask=mask)
+        np.testing.assert_allclose(
+            np.array(got), np.array(real(q, k, v, scale=0.125, mask=mask)), atol=1e-5
+        )
+    assert packed_calls == ([1] if packed else [])
 
 
 # --- logits against the float cache ---------------------------------------------------------

@@ -50,7 +50,7 @@ def attend(
     """
     masks.check(mask, queries.shape[-2], keys.shape[-2])
     if isinstance(keys, QuantizedKV):
-        if queries.shape[-2] <= QUANTIZED_MATMUL_QUERIES:
+        if queries.shape[-2] <= QUANTIZED_MATMUL_QUERIES and packed_attention():
             return quantized_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         # A prefill chunk: its L x T scores would be materialised; dequantising the live keys
         # once lets it take the fused kernel (same values: dequantize is what the matmul reads).
@@ -65,6 +65,15 @@ def attend(
 QUANTIZED_MATMUL_QUERIES = 8
 
 
+def packed_attention() -> bool:
+    """Whether ``attend`` reads quantised keys packed (``quantized_attention``) on this device:
+    on the CPU and Metal. MLX 0.32.4's CUDA ``quantized_matmul`` gave wrong scores for batched
+    64-wide quantised keys (max error ~30 on N(0, 1) inputs, or NaN; H200, 2026-12-01), and
+    one stream's packed step was slower than the fused kernel on float keys there (172 against
+    92 us at 2048 keys), so CUDA dequantises: the resident KV stays quantised."""
+    return mx.default_device() == mx.cpu or mx.metal.is_available()
+
+
 def quantized_attention(
     queries: mx.array,
     keys: QuantizedKV,
@@ -77,17 +86,18 @@ def quantized_attention(
     """``attend`` on quantised keys and values (``--kv-bits``): ``softmax(q k^T) v`` with both
     products through ``mx.quantized_matmul``, so the keys are read packed, never expanded.
 
-    GQA: the ``n_heads / n_kv_heads`` query heads of one KV head go on an axis of their own, so
-    each KV head is read once for all of them.
+    GQA: the ``n_heads / n_kv_heads`` query heads of one KV head attend as ``rep * L`` rows of
+    that head (as MLA's decode does), so each product is one plain batched matmul per KV head,
+    nothing broadcast; the masks see the scores as ``[B, kv, rep, L, T]``.
     """
     B, n_heads, L, _ = queries.shape
     n_kv = keys.shape[1]
     rep = n_heads // n_kv
     q = keys.quant
-    queries = (queries * scale).reshape(B, n_kv, rep, L, -1)
-    keys, values = (x.map(lambda p: mx.expand_dims(p, 2)) for x in (keys, values))
     kw = {"group_size": q.group_size, "bits": q.bits}
-    scores = mx.quantized_matmul(queries, *keys.parts, transpose=True, **kw)  # [B, kv, rep, L, T]
+    rows = (queries * scale).reshape(B, n_kv, rep * L, -1)
+    scores = mx.quantized_matmul(rows, *keys.parts, transpose=True, **kw)
+    scores = scores.reshape(B, n_kv, rep, L, -1)
     if isinstance(mask, str):
         mask = masks.causal_array(L, scores.shape[-1])
     if mask is not None:
@@ -105,7 +115,8 @@ def quantized_attention(
     probs = mx.softmax(scores, axis=-1, precise=True)
     if sinks is not None:
         probs = probs[..., 1:]
-    out = mx.quantized_matmul(probs, *values.parts, transpose=False, **kw)  # [B, kv, rep, L, Dv]
+    probs = probs.reshape(B, n_kv, rep * L, -1)
+    out = mx.quantized_matmul(probs, *values.parts, transpose=False, **kw)  # [B, kv, rep*L, Dv]
     return out.reshape(B, n_heads, L, -1)
 
 
