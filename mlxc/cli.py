@@ -210,9 +210,10 @@ def _cache_options(prefill_chunk_size: int):
             "--kv-bits",
             default=None,
             type=click.Choice(["4", "8"]),
-            help="Store keys and values quantised to this many bits (attention reads them "
-            "packed); works with --max-kv-size and, in serve, the batched decode. 4 bits hold "
-            "0.28x the bytes of bf16 at group 64. Default: the model's dtype.",
+            help="Store keys and values quantised to this many bits (4 bits: 0.28x the bytes "
+            "of bf16 at group 64); works with --max-kv-size and its sinks and, in serve, the "
+            "batched decode. Sliding-window layers too; recurrent state stays as it is. "
+            "Default: the model's dtype.",
         ),
         click.option(
             "--kv-group-size",
