@@ -87,14 +87,15 @@ def measure(name: str, command: list[str], port: int, args, log_dir: Path, cwd: 
             proc.kill()
 
 
-def measure_ceiling(model: str, args) -> dict[int, float]:
+def measure_ceiling(model: str, args) -> dict[str, dict[int, float]]:
     """``bench.ceiling`` in its own process (the servers have exited), at every level."""
     command = [sys.executable, "-m", "bench.ceiling", "--model", model]
     command += ["--batch", ",".join(map(str, args.levels)), "--steps", str(args.max_tokens)]
-    command += ["--prompt-tokens", str(args.prompt_words)]
+    command += ["--prompt-tokens", str(args.prompt_words), "--scheduler"]
     print(f"[ceiling] {' '.join(command)}", file=sys.stderr, flush=True)
     out = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
-    return {int(b): tps for b, tps in json.loads(out.strip().splitlines()[-1]).items()}
+    result = json.loads(out.strip().splitlines()[-1])
+    return {k: {int(b): x for b, x in v.items()} for k, v in result.items()}
 
 
 def markdown(report: dict) -> str:
@@ -107,19 +108,22 @@ def markdown(report: dict) -> str:
             f"{report['max_tokens']} tokens per request, ~{report['prompt_words']}-word prompts, "
             "every prompt different. Aggregate = completion tokens / wall time of the level. "
             "Ceiling = `bench.ceiling`: one batched decode forward per step at the level's batch "
-            "size (mlx-lm's model, plain KV caches, async_eval), no HTTP, no scheduler."
+            "size (mlx-lm's model, plain KV caches, async_eval), no HTTP, no scheduler. "
+            "Scheduler = mlxc's Scheduler in-process on the same checkpoint, no HTTP."
         ),
         "",
         (
-            "| streams | mlxc tok/s | ceiling tok/s | mlxc / ceiling | mlx-lm tok/s | "
-            "mlxc / mlx-lm | mlxc TTFT p50 s | mlx-lm TTFT p50 s | errors mlxc / mlx-lm |"
+            "| streams | mlxc tok/s | scheduler tok/s | ceiling tok/s | mlxc / ceiling | "
+            "mlx-lm tok/s | mlxc / mlx-lm | mlxc TTFT p50 s | mlx-lm TTFT p50 s "
+            "| errors mlxc / mlx-lm |"
         ),
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for a, b in zip(ours["levels"], peer["levels"]):
         ratio = a["aggregate_tps"] / b["aggregate_tps"] if b["aggregate_tps"] else float("nan")
         lines.append(
-            f"| {a['concurrency']} | {a['aggregate_tps']:.1f} | {a['ceiling_tps']:.1f} | "
+            f"| {a['concurrency']} | {a['aggregate_tps']:.1f} | {a['scheduler_tps']:.1f} | "
+            f"{a['ceiling_tps']:.1f} | "
             f"**{a['ceiling_ratio']:.2f}** | {b['aggregate_tps']:.1f} | "
             f"**{ratio:.2f}x** | {_num(a['ttft_p50_s'])} | {_num(b['ttft_p50_s'])} | "
             f"{a['errors']} / {b['errors']} |"
@@ -192,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         ceiling = measure_ceiling(model, args)
     for level in ours["levels"]:
-        level["ceiling_tps"] = ceiling[level["concurrency"]]
+        level["ceiling_tps"] = ceiling["ceiling"][level["concurrency"]]
+        level["scheduler_tps"] = ceiling["scheduler"][level["concurrency"]]
+        level["scheduler_ms_per_tick"] = ceiling["scheduler_ms_per_tick"][level["concurrency"]]
         level["ceiling_ratio"] = level["aggregate_tps"] / level["ceiling_tps"]
     report = {
         "command": "python -m bench.serve_compare " + " ".join(argv or sys.argv[1:]),

@@ -10,6 +10,7 @@ over it is ``runtime.serving.server``.
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -135,16 +136,47 @@ class Engine:
 
     # Prompt building: called in the worker threads (never on the event loop).
 
-    def encode_chat_with_images(self, messages: list[dict], images: list) -> Prompt:
+    def encode_chat_with_images(
+        self, messages: list[dict], images: list, template_kwargs: dict | None = None
+    ) -> Prompt:
         """Through the processor: prompt ids with the image placeholders expanded, and the
-        vision inputs (numpy; None without images)."""
+        vision inputs (numpy; None without images). ``template_kwargs``: the chat template's
+        extra variables."""
         try:
             with self._prompt_lock:
-                return self.processor.encode(messages, images)
+                return self.processor.encode(messages, images, template_kwargs=template_kwargs)
         except ValueError as e:  # the template (named), or placeholder/image count problems
             raise PromptError(str(e)) from e
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    @functools.cached_property
+    def tool_format(self):
+        """The tool-call format of this model's chat template (``runtime.serving.tool_calls``)."""
+        from mlxc.runtime.serving.tool_calls import format_for_template
+
+        template = self.chat_template or getattr(self.prompt_tokenizer, "chat_template", None)
+        return format_for_template(template)
+
+    @functools.cached_property
+    def tool_markers(self) -> dict[str, int]:
+        """The tool-call format's markers that are tokens of this tokenizer, and their ids
+        (kept when detokenizing; forced calls sample the token itself)."""
+        with self._prompt_lock:
+            added = self.prompt_tokenizer.get_added_vocab()
+        return {t: added[t] for t in self.tool_format.special if t in added}
+
+    @functools.cached_property
+    def grammars(self):
+        """Makes the constraints of structured output (``runtime.serving.structured``)."""
+        from mlxc.runtime.serving.structured import Grammars
+
+        with self._prompt_lock:
+            tokenizer = copy.deepcopy(self.prompt_tokenizer)
+        eos = self.scheduler.eos_token_ids
+        return Grammars(tokenizer, self.vocab_size, eos)
+
+    def encode_chat(
+        self, messages: list[dict[str, str]], template_kwargs: dict | None = None
+    ) -> list[int]:
         from mlxc.runtime.checkpoint.tokenizer import OVERRIDE_SOURCE, render_chat_template
 
         tok = self.prompt_tokenizer
@@ -157,13 +189,22 @@ class Engine:
         try:
             with self._prompt_lock:
                 rendered = render_chat_template(
-                    tok, messages, chat_template=self.chat_template, source=source
+                    tok,
+                    messages,
+                    chat_template=self.chat_template,
+                    source=source,
+                    template_kwargs=template_kwargs,
                 )
                 # The template writes BOS and the other special tokens itself (as `mlxc
                 # generate` does): do not add them twice.
                 return list(tok.encode(rendered, add_special_tokens=False))
         except ValueError as e:  # ChatTemplateError names the template
             raise PromptError(str(e)) from e
+
+    def prompt_tail(self, ids: list[int], tokens: int = 8) -> str:
+        """The text of the prompt's last ``tokens`` tokens (what the template left open)."""
+        with self._prompt_lock:
+            return self.prompt_tokenizer.decode(ids[-tokens:])
 
     def encode_text(self, text: str) -> list[int]:
         from mlxc.runtime.checkpoint.tokenizer import encode_prompt

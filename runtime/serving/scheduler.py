@@ -67,6 +67,7 @@ from mlxc.runtime.serving.admission import (
     Request,
     SamplingParams,
     SchedulerStopped,
+    TokenLogprob,
 )
 from mlxc.runtime.serving.generate import (
     DEFAULT_KV_SINK,
@@ -74,8 +75,9 @@ from mlxc.runtime.serving.generate import (
     prefill_chunks,
     prefill_spans,
 )
-from mlxc.runtime.serving.output import SequenceOutput, StopMatcher
-from mlxc.runtime.serving.sample import greedy, make_sampler
+from mlxc.runtime.serving.output import SequenceOutput, StopMatcher, token_piece
+from mlxc.runtime.serving.sample import RowSampler, Sampled, sample_rows
+from mlxc.runtime.serving.structured import apply_masks
 
 __all__ = [
     "CachePool",
@@ -89,6 +91,7 @@ __all__ = [
     "Scheduler",
     "SchedulerStopped",
     "StopMatcher",
+    "TokenLogprob",
 ]
 
 log = logging.getLogger("mlxc.serve")
@@ -204,6 +207,27 @@ class CachePool:
 # --- scheduler -------------------------------------------------------------------------------
 
 
+def _logprobs(
+    seqs: list[_Sequence], sampled: Sampled, piece: Callable[[int], tuple[str, list[int]]]
+) -> list[TokenLogprob | None]:
+    """Each row's TokenLogprob (None where its request did not ask): one host read."""
+    if sampled.logprobs is None:
+        return [None] * len(seqs)
+    tokens, chosen = sampled.tokens.tolist(), sampled.logprobs.tolist()
+    ids = values = None
+    if sampled.top_ids is not None:
+        ids, values = sampled.top_ids.tolist(), sampled.top_logprobs.tolist()
+    out: list[TokenLogprob | None] = []
+    for b, seq in enumerate(seqs):
+        if not seq.sampler.logprobs:
+            out.append(None)
+            continue
+        k = seq.sampler.top_logprobs
+        top = [(*piece(t), v) for t, v in zip(ids[b][:k], values[b][:k])] if k else []
+        out.append(TokenLogprob(tokens[b], *piece(tokens[b]), chosen[b], top))
+    return out
+
+
 class _Sequence:
     """A running request's generation state (scheduler thread only)."""
 
@@ -213,10 +237,13 @@ class _Sequence:
         p = request.params
         self.request = request
         self.caches = caches
-        self.sampler = make_sampler(temp=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
+        # Its sampling options, random key and penalty state (runtime.serving.sample).
+        self.sampler = RowSampler(p, request.prompt_ids)
         self.prefilled = 0  # prompt tokens already forwarded
         self.batched = False  # its caches are a row of the pool's decode batch
         self.last_token: int | None = None  # input of the next decode step
+        # Its grammar (runtime.serving.structured), None when its output is free.
+        self.constraint = p.constraint
         # Its text and events: detokenizer, stop strings, completion tokens.
         self.output = SequenceOutput(tokenizer, p, len(request.prompt_ids), eos_token_ids)
 
@@ -264,10 +291,12 @@ class Scheduler:
         self._queue = AdmissionQueue(max_concurrency, max_queue)
         self._running: list[_Sequence] = []  # scheduler thread only
         self._prefill_queue: deque[_Sequence] = deque()  # round-robin order of prefills
-        # The batched decode step queued but not read yet: (its rows, their tokens [B]).
-        self._inflight: tuple[list[_Sequence], mx.array] | None = None
+        # The batched decode step queued but not read yet: (its rows, their sampled tokens).
+        self._inflight: tuple[list[_Sequence], Sampled] | None = None
         self._thread: threading.Thread | None = None
         self._done = threading.Event()  # the loop (or the failed load) is over
+        # logprobs' token texts and bytes (scheduler thread)
+        self._token_pieces: dict[int, tuple[str, list[int]]] = {}
 
     # --- any thread ---------------------------------------------------------------------------
 
@@ -427,21 +456,38 @@ class Scheduler:
         # generate_tokens). A row that turns out finished when its token is read has had one
         # step too many; that step's token is dropped with its row.
         previous, self._inflight = self._inflight, None
+        deferred: tuple[list[_Sequence], mx.array] | None = None
         if self.pool.batch_keys:
             by_key = {s.request.id: s for s in self._running}
             rows = [by_key[k] for k in self.pool.batch_keys]
             try:
-                tokens = self._decode_batch(rows, previous)
-                mx.async_eval(tokens)
-                self._inflight = (rows, tokens)
+                sampled = self._decode_batch(rows, previous)
+                if isinstance(sampled, Sampled):
+                    mx.async_eval(sampled.arrays())
+                    self._inflight = (rows, sampled)
+                else:  # constrained rows: sampled below, once their masks are known
+                    mx.async_eval(sampled)
+                    deferred = (rows, sampled)
             except Exception as e:  # noqa: BLE001 - ends the batched requests only
                 for seq in rows:
                     self._fail(seq, e)
         if previous is not None:
             self._read_tokens(*previous)
+        if deferred is not None:
+            # The previous step's tokens are in the grammars now: the masks are computed on
+            # the host while the device runs this step's forward, then the batch is sampled.
+            rows, logits = deferred
+            try:
+                sampled = sample_rows(self._masked(rows, logits), [seq.sampler for seq in rows])
+                mx.async_eval(sampled.arrays())
+                self._inflight = (rows, sampled)
+            except Exception as e:  # noqa: BLE001 - ends the batched requests only
+                for seq in rows:
+                    if seq in self._running:
+                        self._fail(seq, e)
 
         # (sequence, arrays to evaluate, its sampled token [1] or None)
-        built: list[tuple[_Sequence, list[mx.array], mx.array | None]] = []
+        built: list[tuple[_Sequence, list[mx.array], Sampled | None]] = []
         for seq in work:
             try:
                 arrays, token = self._advance(seq)
@@ -469,14 +515,16 @@ class Scheduler:
                 self._read_tokens([seq], token)
 
     def _decode_batch(
-        self, rows: list[_Sequence], previous: tuple[list[_Sequence], mx.array] | None
-    ) -> mx.array:
-        """Build (lazily) one decode step of every batched sequence: their tokens ``[B]``.
+        self, rows: list[_Sequence], previous: tuple[list[_Sequence], Sampled] | None
+    ) -> Sampled | mx.array:
+        """Build (lazily) one decode step of every batched sequence: their tokens ``[B]``, or,
+        when a row's output follows a grammar, the logits ``[B, V]`` to sample once the step
+        in flight is read (its token moves the grammar the mask comes from).
 
         A row's input is its token in ``previous`` (the step in flight, not read yet) or, for a
         row that joined since, its first token, read when its prefill ended.
         """
-        carried, pending = ([], None) if previous is None else previous
+        carried, pending = ([], None) if previous is None else (previous[0], previous[1].tokens)
         where = {id(seq): i for i, seq in enumerate(carried)}  # row -> index into `inputs`
         joined = [seq for seq in rows if id(seq) not in where]
         where |= {id(seq): len(carried) + j for j, seq in enumerate(joined)}
@@ -486,27 +534,41 @@ class Scheduler:
         ids = inputs[mx.array([where[id(seq)] for seq in rows])][:, None]
         logits = self.model(ids, cache=self.pool.batch)
         self.pool.enforce(self.pool.batch)
-        last = logits[:, -1, :]
-        if all(seq.sampler is greedy for seq in rows):
-            return greedy(last)  # one argmax for the whole batch
-        return mx.concatenate([seq.sampler(last[b : b + 1]) for b, seq in enumerate(rows)])
+        if any(seq.constraint is not None for seq in rows):
+            return logits[:, -1, :]  # their masks need the step in flight: see _tick
+        # Every row's own sampling, in one batched call (one argmax when all are greedy).
+        return sample_rows(logits[:, -1, :], [seq.sampler for seq in rows])
 
-    def _read_tokens(self, seqs: list[_Sequence], tokens: mx.array) -> None:
+    def _masked(self, rows: list[_Sequence], logits: mx.array) -> mx.array:
+        """``logits`` with each constrained row's grammar mask applied (rows that ended since
+        are left alone: their token is dropped)."""
+        which = [b for b, s in enumerate(rows) if s.constraint is not None and s in self._running]
+        return apply_masks(logits, which, [rows[b].constraint.bitmask() for b in which])
+
+    def _read_tokens(self, seqs: list[_Sequence], sampled: Sampled) -> None:
         """Hand each sequence its sampled token (one host read); skips ones already ended."""
         try:
-            values = tokens.tolist()
+            values = sampled.tokens.tolist()
+            logprobs = _logprobs(seqs, sampled, self._token_piece)
         except Exception as e:  # noqa: BLE001 - the forward's graph failed: its requests end
             for seq in seqs:
                 if seq in self._running:
                     self._fail(seq, e)
             return
-        for seq, token in zip(seqs, values):
+        for seq, token, logprob in zip(seqs, values, logprobs):
             if seq not in self._running:
                 continue  # finished, cancelled or failed while this step was in flight
             try:
-                self._accept(seq, token)
+                self._accept(seq, token, logprob)
             except Exception as e:  # noqa: BLE001 - ends this request only
                 self._fail(seq, e)
+
+    def _token_piece(self, token: int) -> tuple[str, list[int]]:
+        """A token's text and bytes alone (logprobs), cached: the same few tokens recur."""
+        piece = self._token_pieces.get(token)
+        if piece is None:
+            piece = self._token_pieces[token] = token_piece(self.tokenizer, token)
+        return piece
 
     def _forward(self, seq: _Sequence, ids: list[int], **kwargs) -> mx.array:
         inputs = dict(kwargs)
@@ -516,7 +578,7 @@ class Scheduler:
         self.pool.enforce(seq.caches)  # after every prefill chunk and every decode step
         return logits
 
-    def _advance(self, seq: _Sequence) -> tuple[list[mx.array], mx.array | None]:
+    def _advance(self, seq: _Sequence) -> tuple[list[mx.array], Sampled | None]:
         """Build (lazily) one prefill chunk or one decode step: (arrays to evaluate, token).
 
         The chunking is ``generate_tokens``'s (``prefill_chunks``), the last chunk's last logits
@@ -536,11 +598,13 @@ class Scheduler:
             seq.prefilled = end
         else:
             logits = self._forward(seq, [seq.last_token])
-        token = seq.sampler(logits[:, -1, :])
-        return [token], token
+        sampled = sample_rows(self._masked([seq], logits[:, -1, :]), [seq.sampler])
+        return sampled.arrays(), sampled
 
-    def _accept(self, seq: _Sequence, token: int) -> None:
-        if seq.output.accept(token, seq.request.send):
+    def _accept(self, seq: _Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
+        if seq.constraint is not None:
+            seq.constraint.accept(token)
+        if seq.output.accept(token, seq.request.send, logprob):
             self._release(seq)  # it sent Finished
             self._queue.count("completed")
         else:

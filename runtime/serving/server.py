@@ -42,7 +42,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any
 
 import uvicorn
@@ -52,6 +52,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mlxc.runtime.serving import metrics
 from mlxc.runtime.serving.api_schemas import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_IMAGES,
@@ -72,7 +73,17 @@ from mlxc.runtime.serving.api_schemas import (
     validation_error,
 )
 from mlxc.runtime.serving.engine import PROMPT_WORKERS, Engine, PromptError
-from mlxc.runtime.serving.scheduler import Failed, Finished, QueueFull, SchedulerStopped
+from mlxc.runtime.serving.reasoning import ReasoningSplitter, starts_in_reasoning
+from mlxc.runtime.serving.scheduler import (
+    Delta,
+    Failed,
+    Finished,
+    QueueFull,
+    SchedulerStopped,
+    TokenLogprob,
+)
+from mlxc.runtime.serving.structured import GrammarError
+from mlxc.runtime.serving.tool_calls import ToolCallStream, ToolFormat, template_message
 
 __all__ = [  # what mlxc.runtime.serving.server has always offered, wherever it now lives
     "DEFAULT_MAX_BODY_BYTES",
@@ -174,9 +185,13 @@ def _decode_images(urls: list[str], limits: Limits) -> list:
 
 
 def _chat_prompt(
-    engine: Engine, req: ChatCompletionRequest, limits: Limits
+    engine: Engine, req: ChatCompletionRequest, settings: _Settings, tools: list[dict] | None
 ) -> tuple[list[int], dict | None]:
     """Prompt ids, and the vision inputs (numpy) of its images (None without images)."""
+    limits = settings.limits
+    template_kwargs = req.template_kwargs(settings.chat_template_args)
+    if tools:
+        template_kwargs["tools"] = tools  # as transformers' apply_chat_template(tools=) takes them
     messages, images = [], []
     for message in req.messages:
         content = message.content
@@ -189,7 +204,11 @@ def _chat_prompt(
                 else:
                     parts.append({"type": "text", "text": part.text})
             content = parts if images else "".join(p["text"] for p in parts)
-        messages.append({"role": message.role, "content": content or ""})
+        try:
+            extra = template_message(message)  # tool calls and tool results
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        messages.append({"role": message.role, "content": content or "", **extra})
     if engine.processor is None:  # a text model
         if images:
             raise APIError(
@@ -200,13 +219,13 @@ def _chat_prompt(
                 code="image_input_not_supported",
             )
         try:
-            return engine.encode_chat(messages), None
+            return engine.encode_chat(messages, template_kwargs), None
         except PromptError as e:
             raise APIError(400, str(e), param="messages") from e
     # A VL model renders every chat, with images or without, through its processor's template.
     decoded = _decode_images(images, limits) if images else []
     try:
-        prompt = engine.encode_chat_with_images(messages, decoded)
+        prompt = engine.encode_chat_with_images(messages, decoded, template_kwargs)
     except PromptError as e:
         raise APIError(400, str(e), param="messages") from e
     return prompt.ids, prompt.vision
@@ -273,10 +292,58 @@ class _Job:
     prompt_ids: list[int]
     vision: dict | None
     max_tokens: int
+    # With --reasoning-parser (chat): whether the output starts inside the reasoning.
+    in_reasoning: bool | None = None
+    tools: ToolFormat | None = None  # tool calls are parsed from the reply in this format
+    params: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields set here
 
 
-def _prepare(engine: Engine, kind: str, body: bytes, limits: Limits) -> _Job:
+def _constraint(engine: Engine, req: ChatCompletionRequest, tools: list[dict] | None):
+    """The grammar the reply must follow (``runtime.serving.structured``), or None. A forcing
+    ``tool_choice`` (a named function, or "required"): one call. Else a ``response_format``
+    (json_object, json_schema): that JSON, or a call of a tool when there are tools ("auto")."""
+    from mlxc.runtime.serving.structured import call_items, grammar, response_item
+
+    choice, param = req.tool_choice, "tool_choice"
+    forced = bool(tools) and choice not in (None, "auto")
+    if forced and not isinstance(choice, str):
+        tools = [t for t in tools if t["function"]["name"] == choice.function.name]
+    alternatives = call_items(engine.tool_format, tools, engine.tool_markers) if tools else []
+    if not forced:
+        fmt, param = req.response_format, "response_format"
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_schema" and fmt.json_schema is None:
+            raise APIError(400, "response_format json_schema needs its json_schema", param=param)
+        schema = fmt.json_schema.schema_ if fmt.json_schema else None
+        alternatives.insert(0, response_item(fmt.type, schema))
+    try:
+        return engine.grammars.constraint(grammar(alternatives))
+    except GrammarError as e:
+        raise APIError(400, f"the schema cannot be used: {e}", param=param) from None
+
+
+def _tool_request(req: ChatCompletionRequest) -> list[dict] | None:
+    """The request's tool definitions for the chat template (None: no tools, or
+    ``tool_choice`` "none"); 400 when ``tool_choice`` does not fit ``tools``."""
+    choice = req.tool_choice
+    names = [t.function.name for t in req.tools or []]
+    if choice is not None and choice != "none" and not names:
+        raise APIError(400, "tool_choice needs tools", param="tool_choice")
+    if not isinstance(choice, str) and choice is not None and choice.function.name not in names:
+        raise APIError(
+            400,
+            f"tool_choice names the function {choice.function.name!r}, which is not in tools",
+            param="tool_choice",
+        )
+    if not names or choice == "none":
+        return None
+    return [t.model_dump(exclude_none=True) for t in req.tools]
+
+
+def _prepare(engine: Engine, kind: str, body: bytes, settings: _Settings) -> _Job:
     """Body -> a checked job (APIError otherwise). CPU-bound: runs in ``engine.workers``."""
+    limits = settings.limits
     data = _parse_body(body)
     schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
     try:
@@ -286,7 +353,7 @@ def _prepare(engine: Engine, kind: str, body: bytes, limits: Limits) -> _Job:
     except RecursionError:
         raise APIError(400, "the body is not valid here: its JSON is nested too deeply") from None
     _check_model(engine, req.model)
-    req.check_supported()
+    req.check_supported(engine.vocab_size)
     requested = getattr(req, "max_completion_tokens", None) or req.max_tokens
     if requested is not None and requested > limits.max_tokens_limit:
         raise APIError(
@@ -295,13 +362,26 @@ def _prepare(engine: Engine, kind: str, body: bytes, limits: Limits) -> _Job:
             f"{limits.max_tokens_limit} tokens per request (--max-tokens-limit)",
             param="max_tokens",
         )
+    tools = None
     if kind == "chat":
-        prompt_ids, vision = _chat_prompt(engine, req, limits)
+        tools = _tool_request(req)
+        prompt_ids, vision = _chat_prompt(engine, req, settings, tools)
     else:
         prompt_ids, vision = _completion_prompt(engine, req), None
     prompt_param = "messages" if kind == "chat" else "prompt"
     max_tokens = _max_tokens(engine, len(prompt_ids), requested, limits, prompt_param)
-    return _Job(kind, req, prompt_ids, vision, max_tokens)
+    job = _Job(kind, req, prompt_ids, vision, max_tokens)
+    if tools:
+        job.tools = engine.tool_format
+        job.params["keep_special"] = frozenset(engine.tool_markers.values())
+    if kind == "chat":
+        constraint = _constraint(engine, req, tools)
+        if constraint is not None:
+            job.params["constraint"] = constraint
+    if kind == "chat" and settings.reasoning_parser:
+        tail = engine.prompt_tail(prompt_ids)
+        job.in_reasoning = starts_in_reasoning(settings.reasoning_parser, tail)
+    return job
 
 
 # --- replies ---------------------------------------------------------------------------------------
@@ -370,11 +450,23 @@ def _usage(done: Finished) -> dict[str, int]:
     }
 
 
-class _Reply:
-    """Response bodies of one completion: ``kind`` "chat" (chat.completion) or "text"."""
+def _chat_logprob(lp: TokenLogprob) -> dict[str, Any]:
+    """One token of ``choices[].logprobs.content`` (OpenAI's chat shape)."""
+    return {
+        "token": lp.text,
+        "logprob": lp.logprob,
+        "bytes": lp.bytes,
+        "top_logprobs": [{"token": t, "logprob": v, "bytes": b} for t, b, v in lp.top],
+    }
 
-    def __init__(self, engine: Engine, kind: str) -> None:
-        self.kind = kind
+
+class _Reply:
+    """Response bodies of one completion: ``kind`` "chat" (chat.completion) or "text"; with
+    its logprobs when asked, the reasoning split off (chat, --reasoning-parser), and its token
+    timing in the metrics."""
+
+    def __init__(self, engine: Engine, job: _Job, arrival: float) -> None:
+        self.kind = kind = job.kind
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         self.head = {
             "id": f"{prefix}-{uuid.uuid4().hex[:24]}",
@@ -382,6 +474,27 @@ class _Reply:
             "created": int(time.time()),
             "model": engine.model_id,
         }
+        self.want_logprobs = job.req.logprob_request()[0]
+        self.splitter = None if job.in_reasoning is None else ReasoningSplitter(job.in_reasoning)
+        self.tools = job.tools  # parse tool calls out of the content in this format
+        # parallel_tool_calls false: the first call only.
+        self.max_calls = 1 if getattr(job.req, "parallel_tool_calls", None) is False else None
+        self.tool_stream = None
+        if job.tools is not None:
+            self.tool_stream = ToolCallStream(job.tools, self.max_calls)
+        self.clock = metrics.TokenClock(arrival)
+        self.offset = 0  # characters of completion text so far (legacy text_offset)
+
+    def event(self, event: Delta | Finished | Failed) -> None:
+        """Count ``event`` in the metrics (every event passes here once)."""
+        now = time.monotonic()
+        if isinstance(event, Delta):
+            self.clock.token(now)
+        elif isinstance(event, Finished):
+            self._log(event)
+            self.clock.finished(now, event.reason, event.prompt_tokens, event.completion_tokens)
+        else:
+            metrics.FINISHED.labels(reason="failed").inc()
 
     def _log(self, done: Finished) -> None:
         log.info(
@@ -392,14 +505,77 @@ class _Reply:
             done.reason,
         )
 
-    def whole(self, text: str, done: Finished) -> dict[str, Any]:
-        self._log(done)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": done.reason, "logprobs": None}
+    def _logprobs(self, deltas: list[Delta]) -> dict[str, Any] | None:
+        """``choices[].logprobs`` of these tokens (None when the request did not ask)."""
+        if not self.want_logprobs:
+            return None
+        entries, offsets = [], []
+        for d in deltas:
+            if d.logprob is not None:
+                entries.append(d.logprob)
+                offsets.append(self.offset)
+            self.offset += len(d.text)
+        if self.kind == "chat":
+            return {"content": [_chat_logprob(e) for e in entries], "refusal": None}
+        return {  # the legacy completions shape
+            "tokens": [e.text for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t: v for t, _, v in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def whole(self, deltas: list[Delta], done: Finished) -> dict[str, Any]:
+        text = "".join(d.text for d in deltas) + done.text
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": done.reason,
+            "logprobs": self._logprobs(deltas),
+        }
         if self.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
+            if self.splitter is not None:
+                reasoning, content = self.splitter.split(text)
+                choice["message"] |= {"content": content, "reasoning_content": reasoning or None}
+            if self.tools is not None:
+                content, calls = self.tools.parse(choice["message"]["content"])
+                calls = calls[: self.max_calls]
+                if calls:
+                    choice["message"] |= {
+                        "content": content or None,
+                        "tool_calls": [call.to_openai() for call in calls],
+                    }
+                    choice["finish_reason"] = _finish_with_calls(done.reason)
         else:
             choice["text"] = text
         return {**self.head, "choices": [choice], "usage": _usage(done)}
+
+    def _pieces(self, text: str, final: bool = False) -> list[tuple[str, Any]]:
+        """(field, value) of the chat deltas for this text: content, reasoning_content, or
+        tool_calls (a list of the calls completed, with their indexes)."""
+        if self.splitter is None:
+            pieces = [("content", text)] if text else []
+        else:
+            pieces = self.splitter.feed(text) + (self.splitter.flush() if final else [])
+            pieces = [("reasoning_content" if k == "reasoning" else k, t) for k, t in pieces]
+        if self.tool_stream is None:
+            return pieces
+        out: list[tuple[str, Any]] = []
+
+        def add(content: str, calls: list) -> None:
+            if content:
+                out.append(("content", content))
+            if calls:
+                first = self.tool_stream.sent - len(calls)
+                out.append(("tool_calls", [c.to_openai(first + i) for i, c in enumerate(calls)]))
+
+        for name, value in pieces:
+            if name == "content":
+                add(*self.tool_stream.feed(value))
+            else:
+                out.append((name, value))
+        if final:
+            add(*self.tool_stream.finish())
+        return out
 
     async def stream(self, events: asyncio.Queue, include_usage: bool) -> AsyncIterator[str]:
         head = dict(self.head)
@@ -408,31 +584,46 @@ class _Reply:
         if include_usage:
             head["usage"] = None  # every chunk carries the key; the last one has the numbers
 
-        def chunk(text: str | None, finish: str | None = None, role: bool = False) -> str:
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-            if self.kind == "chat":
-                delta = {"role": "assistant"} if role else {}
-                choice["delta"] = delta | ({"content": text} if text is not None else {})
-            else:
-                choice["text"] = text or ""
+        def chunk(delta: dict | str, finish: str | None = None, logprobs=None) -> str:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
+            choice["delta" if self.kind == "chat" else "text"] = delta
             return _sse({**head, "choices": [choice]})
 
         if self.kind == "chat":
-            yield chunk("", role=True)
+            yield chunk({"role": "assistant", "content": ""})
         while True:
             event = await events.get()
+            self.event(event)
             if isinstance(event, Failed):
                 yield _sse(_failure(event).body())
                 break
-            if event.text:
-                yield chunk(event.text)
-            if isinstance(event, Finished):
-                self._log(event)
-                yield chunk(None, finish=event.reason)
+            done = isinstance(event, Finished)
+            logprobs = None
+            if isinstance(event, Delta) and event.logprob is not None:
+                logprobs = self._logprobs([event])
+            if self.kind == "chat":
+                pieces = self._pieces(event.text, final=done)
+                if logprobs is not None and not pieces:
+                    pieces = [("content", "")]  # the token's text is held back: still report it
+                for i, (field, text) in enumerate(pieces):
+                    yield chunk({field: text}, logprobs=logprobs if i == 0 else None)
+            elif event.text or logprobs is not None:
+                yield chunk(event.text, logprobs=logprobs)
+            if done:
+                reason = event.reason
+                if self.tool_stream is not None and self.tool_stream.sent:
+                    reason = _finish_with_calls(reason)
+                yield chunk({} if self.kind == "chat" else "", finish=reason)
                 if include_usage:
                     yield _sse({**head, "choices": [], "usage": _usage(event)})
                 break
         yield "data: [DONE]\n\n"
+
+
+def _finish_with_calls(reason: str) -> str:
+    """The finish reason of a reply that made tool calls: "tool_calls" when the model stopped
+    by itself (a call cut short by max_tokens keeps "length")."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 # --- the app --------------------------------------------------------------------------------------
@@ -444,6 +635,8 @@ class _Settings:
 
     api_key: str | None
     limits: Limits
+    chat_template_args: dict[str, Any] = field(default_factory=dict)  # --chat-template-args
+    reasoning_parser: str | None = None  # --reasoning-parser
 
 
 async def _engine(request: Request) -> Engine:
@@ -505,7 +698,7 @@ def _submit(engine: Engine, job: _Job):
     def emit(event) -> None:  # scheduler thread -> event loop
         loop.call_soon_threadsafe(events.put_nowait, event)
 
-    params = job.req.params(job.max_tokens)
+    params = replace(job.req.params(job.max_tokens), **job.params)
     try:
         handle = engine.scheduler.submit(job.prompt_ids, params, emit, model_inputs=job.vision)
     except QueueFull as e:
@@ -515,27 +708,29 @@ def _submit(engine: Engine, job: _Job):
     return handle, events
 
 
-async def _complete(engine: Engine, limits: Limits, kind: str, body: bytes) -> Response:
+async def _complete(engine: Engine, settings: _Settings, kind: str, body: bytes) -> Response:
     """Prepare the request in a worker, queue it; answer JSON, or SSE when it streams."""
+    arrival = time.monotonic()
     loop = asyncio.get_running_loop()
     engine.preparing += 1
     try:
-        job = await loop.run_in_executor(engine.workers, _prepare, engine, kind, body, limits)
+        job = await loop.run_in_executor(engine.workers, _prepare, engine, kind, body, settings)
     finally:
         engine.preparing -= 1
     handle, events = _submit(engine, job)
-    reply = _Reply(engine, kind)
+    reply = _Reply(engine, job, arrival)
     if job.req.stream:
         return _SSEResponse(reply.stream(events, job.req.include_usage), handle)
     try:
-        parts = []
+        deltas = []
         while True:
             event = await events.get()
+            reply.event(event)
             if isinstance(event, Failed):
                 raise _failure(event)
-            parts.append(event.text)
             if isinstance(event, Finished):
-                return JSONResponse(reply.whole("".join(parts), event))
+                return JSONResponse(reply.whole(deltas, event))
+            deltas.append(event)
     finally:
         handle.cancel()  # client gone or error: free the slot (a no-op once finished)
 
@@ -557,14 +752,24 @@ def _model_card(engine: Engine) -> dict[str, Any]:
 _v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_auth)])
 
 
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+
+async def _counted(request: Request, work: Coroutine) -> Response:
+    """``work``'s response, counted in the metrics (errors are counted by ``_api_error``)."""
+    response = await _unless_disconnected(request, work)
+    metrics.REQUESTS.labels(_ENDPOINTS[request.url.path], str(response.status_code)).inc()
+    return response
+
+
 @_v1.post("/chat/completions")
 async def chat_completions(request: Request, body: Body, engine: EngineDep, settings: SettingsDep):
-    return await _unless_disconnected(request, _complete(engine, settings.limits, "chat", body))
+    return await _counted(request, _complete(engine, settings, "chat", body))
 
 
 @_v1.post("/completions")
 async def completions(request: Request, body: Body, engine: EngineDep, settings: SettingsDep):
-    return await _unless_disconnected(request, _complete(engine, settings.limits, "text", body))
+    return await _counted(request, _complete(engine, settings, "text", body))
 
 
 @_v1.get("/models")
@@ -593,7 +798,16 @@ async def health(engine: EngineDep):
     return JSONResponse(body, status_code=200 if alive else 503)
 
 
+@_open.get("/metrics")
+async def prometheus_metrics(engine: EngineDep):
+    """Prometheus text format (``runtime.serving.metrics`` lists the names)."""
+    return Response(metrics.render(engine.scheduler.stats()), media_type=metrics.CONTENT_TYPE)
+
+
 async def _api_error(request: Request, e: APIError) -> JSONResponse:
+    endpoint = _ENDPOINTS.get(request.url.path)
+    if endpoint is not None:
+        metrics.REQUESTS.labels(endpoint, str(e.status)).inc()
     return e.response()
 
 
@@ -633,12 +847,21 @@ def create_app(
     bind_host: str = "127.0.0.1",
     allowed_hosts: tuple[str, ...] = (),
     allowed_origins: tuple[str, ...] = (),
+    chat_template_args: dict[str, Any] | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine``; its lifespan starts and stops the scheduler.
 
     ``bind_host``, ``allowed_hosts`` and ``allowed_origins`` configure the Host and Origin
-    checks (:class:`mlxc.runtime.serving.http_guard.HostOriginGuard`).
+    checks (:class:`mlxc.runtime.serving.http_guard.HostOriginGuard`). ``chat_template_args``:
+    the chat template's extra variables for every request (a request's
+    ``chat_template_kwargs`` override them); ``reasoning_parser``: one of
+    ``runtime.serving.reasoning.PARSERS`` (chat replies then split off ``reasoning_content``).
     """
+    from mlxc.runtime.serving.reasoning import PARSERS
+
+    if reasoning_parser is not None and reasoning_parser not in PARSERS:
+        raise ValueError(f"unknown reasoning parser {reasoning_parser!r}: one of {PARSERS}")
     from mlxc.runtime.serving.http_guard import HostOriginGuard
 
     limits = Limits(
@@ -650,7 +873,12 @@ def create_app(
     )
     app = FastAPI(title="mlxc", lifespan=_lifespan, docs_url=None, redoc_url=None)
     app.state.engine = engine
-    app.state.settings = _Settings(api_key=api_key, limits=limits)
+    app.state.settings = _Settings(
+        api_key=api_key,
+        limits=limits,
+        chat_template_args=dict(chat_template_args or {}),
+        reasoning_parser=reasoning_parser,
+    )
     app.add_middleware(
         HostOriginGuard,
         bind_host=bind_host,
