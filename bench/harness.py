@@ -16,6 +16,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -31,13 +32,16 @@ class Side:
     model: object
     dtype: str  # compute dtype of the weights, e.g. "float32", "bfloat16", "q4/float32"
     weight_bytes: int = 0
+    kv_quant: Any = None  # ours only: a runtime.model.cache.KVQuant (--kv-bits); None: float KV
 
     def __post_init__(self) -> None:
         self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
 
     def make_cache(self) -> list:
         if self.kind == "ours":
-            return self.model.make_cache()
+            from mlxc.runtime.model.cache import make_caches
+
+            return make_caches(self.model, self.kv_quant)
         from mlx_lm.models.cache import make_prompt_cache
 
         return make_prompt_cache(self.model)
@@ -65,14 +69,16 @@ class Run:
 def kv_bytes_per_token(cache: list) -> float:
     """Bytes of KV state per cached token, summed over layers (slots, not spare capacity).
 
-    Every array of rank >= 3 on a layer cache is taken to run along its second-last axis
-    (keys/values ``[B, H, T, D]``, MLA latents ``[B, 1, T, R]``).
+    Every array of rank >= 3 on a layer cache (its ``arrays()``, quantised parts included; the
+    peer's: its attributes) is taken to run along its second-last axis (keys/values
+    ``[B, H, T, D]``, MLA latents ``[B, 1, T, R]``).
     """
     total = 0.0
     for c in cache:
         if c is None:
             continue
-        for v in vars(c).values():
+        arrays = c.arrays() if hasattr(c, "arrays") else vars(c).values()
+        for v in arrays:
             if isinstance(v, mx.array) and v.ndim >= 3 and v.shape[-2] > 0:
                 total += v.nbytes / v.shape[-2]
     return total

@@ -50,7 +50,7 @@ def _table(result: dict, ours: tuple[str, str], peer: tuple[str, str], title: st
     labels.sort(key=lambda s: (s.startswith("decode"), int(s.replace("@", " ").split()[-1])))
     head = ["model", "weights"]
     for label in labels:
-        head += [f"{label} mlxc", peer[1], "ratio"]
+        head += [f"{label} {ours[1]}", peer[1], "ratio"]
     head += ["peak MiB mlxc / peer", "KV B/token mlxc / peer"]
     lines = [f"**{title}** (tokens/s; ratio = mlxc / {peer[1]})", ""]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -118,6 +118,19 @@ def markdown(result: dict) -> str:
         "",
     ]
     passes = result["passes"]
+    kv = s.get("kv_quantization")
+    for mode in passes if kv else ():
+        # Quantised KV against float KV, the same model in the same run.
+        side = f"mlxc kv{kv['bits']}"
+        title = (
+            f"{mode} pass: mlxc on {kv['bits']}-bit KV (`--kv-bits {kv['bits']}`, group "
+            f"{kv['group_size']}) vs float KV"
+        )
+        lines.append(
+            _table(result, (mode, side), (mode, "mlxc"), title).replace(
+                "ratio = mlxc / mlxc", f"ratio = kv{kv['bits']} / float KV"
+            )
+        )
     if "gpu" in passes:
         lines.append(_table(result, ("gpu", "mlxc"), ("gpu", "mlx-lm"), "mlxc vs mlx-lm"))
     if "openblas" in passes and "reference" in passes:

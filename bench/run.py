@@ -160,6 +160,10 @@ def spawn(mode: str, args, dirs: dict, out_json: Path) -> dict:
         str(args.decode_prompt),
         "--decode-tokens",
         str(args.decode_tokens),
+        "--kv-bits",
+        str(args.kv_bits or 0),
+        "--kv-group-size",
+        str(args.kv_group_size),
     ]
     _log(f"== {mode} pass ==")
     r = subprocess.run(cmd, env=env, check=False, cwd=Path(__file__).resolve().parent.parent)
@@ -171,7 +175,12 @@ def spawn(mode: str, args, dirs: dict, out_json: Path) -> dict:
 # --- child: measure --------------------------------------------------------------------------
 
 
-def _load_sides(mode: str, device: str, arch_dirs: dict, quant: str) -> list:
+def kv_side(bits: int) -> str:
+    """The name of the side that runs mlxc on ``bits``-bit KV caches."""
+    return f"mlxc kv{bits}"
+
+
+def _load_sides(mode: str, device: str, arch_dirs: dict, quant: str, kv_quant=None) -> list:
     """The sides to compare in this pass, for one architecture and quantisation."""
     import mlx.core as mx
     from mlx_lm.utils import load_model as peer_load
@@ -182,6 +191,8 @@ def _load_sides(mode: str, device: str, arch_dirs: dict, quant: str) -> list:
     ours = mlxc.load_model(arch_dirs[quant])
     ours_dtype = _dtype_of(ours)
     sides = [Side("mlxc", "ours", ours, ours_dtype)]
+    if kv_quant is not None:  # the same model on quantised KV caches (--kv-bits)
+        sides.append(Side(kv_side(kv_quant.bits), "ours", ours, ours_dtype, kv_quant=kv_quant))
 
     peer, config = peer_load(Path(arch_dirs["bf16"]))
     if quant == "q4":
@@ -249,13 +260,18 @@ def child(args) -> None:
         mx.set_default_device(mx.cpu)
     dirs = json.loads(args.dirs)
     gpu = args.device == "gpu"
+    kv_quant = None
+    if args.kv_bits:
+        from mlxc.runtime.model.cache import KVQuant
+
+        kv_quant = KVQuant(args.kv_bits, args.kv_group_size)
     results = {"mode": args.child, "blas": st.as_dict(), "cells": []}
     _log(f"[{args.child}] {st.reason}")
     for arch, arch_dirs in dirs.items():
         vocab = json.loads((Path(arch_dirs["bf16"]) / "config.json").read_text())["vocab_size"]
         for quant in [q for q in QUANTS if q in arch_dirs]:
             _log(f"  {arch} {quant}")
-            sides = _load_sides(args.child, args.device, arch_dirs, quant)
+            sides = _load_sides(args.child, args.device, arch_dirs, quant, kv_quant)
             failed = {}
             for s in list(sides):  # a short run first on every side (allocations, kernel set-up)
                 try:
@@ -318,6 +334,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill", default=None, help="comma-separated prompt lengths")
     p.add_argument("--decode-prompt", type=int, default=None)
     p.add_argument("--decode-tokens", type=int, default=None)
+    p.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=[0, 4, 8],
+        default=0,
+        help="also run mlxc on KV caches quantised to this many bits (a side 'mlxc kvN'); 0: not",
+    )
+    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64)
     p.add_argument("--work-dir", default=None, help="keep checkpoints here (default: temp)")
     p.add_argument("--modes", default=None, help="CPU passes: openblas,reference")
     p.add_argument(
@@ -375,6 +399,9 @@ def main(argv: list[str] | None = None) -> None:
             "repeats": args.repeats,
             "budget_s": args.budget,
             "quantization": {"bits": BITS, "group_size": GROUP_SIZE},
+            "kv_quantization": (
+                {"bits": args.kv_bits, "group_size": args.kv_group_size} if args.kv_bits else None
+            ),
         },
         "params": {a: models.parameter_count(a, size) for a in archs},
         "passes": passes,

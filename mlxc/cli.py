@@ -220,6 +220,23 @@ def _cache_options(prefill_chunk_size: int):
             "plain sliding window.",
         ),
         click.option(
+            "--kv-bits",
+            default=None,
+            type=click.Choice(["4", "8"]),
+            help="Store keys and values quantised to this many bits (4 bits: 0.28x the bytes "
+            "of bf16 at group 64); works with --max-kv-size and its sinks and, in serve, the "
+            "batched decode. Sliding-window layers too; recurrent state stays as it is. "
+            "Default: the model's dtype.",
+        ),
+        click.option(
+            "--kv-group-size",
+            default=64,
+            show_default=True,
+            type=click.Choice(["32", "64", "128"]),
+            help="Elements of a head vector sharing one scale and bias under --kv-bits (it "
+            "must divide the head dim).",
+        ),
+        click.option(
             "--prefill-chunk-size",
             default=prefill_chunk_size,
             show_default=True,
@@ -235,6 +252,13 @@ def _cache_options(prefill_chunk_size: int):
         return command
 
     return decorate
+
+
+def _kv_quant(kv_bits: str | None, kv_group_size: str):
+    """``--kv-bits`` / ``--kv-group-size`` as a ``KVQuant`` (None: float KV)."""
+    from mlxc.runtime.model.cache import KVQuant
+
+    return None if kv_bits is None else KVQuant(int(kv_bits), int(kv_group_size))
 
 
 _DEFAULT_MAX_TOKENS = 256
@@ -296,6 +320,8 @@ def generate(
     seed,
     max_kv_size,
     kv_sink,
+    kv_bits,
+    kv_group_size,
     prefill_chunk_size,
     no_chat_template,
     images,
@@ -311,6 +337,7 @@ def generate(
     from mlxc.runtime.checkpoint.loading import CheckpointError, load_checkpoint
     from mlxc.runtime.checkpoint.processor import ImageInputError, load_image
     from mlxc.runtime.checkpoint.tokenizer import StreamingDetokenizer, encode_prompt
+    from mlxc.runtime.model.cache import KVQuantError, check_kv_quant
     from mlxc.runtime.serving.distributed import agree_on_seed, same_on_every_rank, world
 
     # MLX and transformers load here, not at CLI start-up: lint and build never need them.
@@ -380,9 +407,11 @@ def generate(
         )
     except ContextExceeded as e:
         raise click.BadParameter(str(e), param_hint=f"'--{e.param.replace('_', '-')}'") from e
+    kv_quant = _kv_quant(kv_bits, kv_group_size)
     try:
         model = checkpoint.load_model(group=group)
-    except CheckpointError as e:
+        check_kv_quant(model, kv_quant)
+    except (CheckpointError, KVQuantError) as e:
         raise _OneLineError(str(e), 1) from e
 
     if group is not None and seed is None:
@@ -396,6 +425,7 @@ def generate(
         prefill_chunk_size=prefill_chunk_size,
         max_kv_size=max_kv_size,
         kv_sink=kv_sink,
+        kv_quant=kv_quant,
         eos_token_ids=checkpoint.eos_token_ids,
         vision_inputs=vision_inputs,
     )
@@ -559,6 +589,8 @@ def serve(
     port,
     max_kv_size,
     kv_sink,
+    kv_bits,
+    kv_group_size,
     prefill_chunk_size,
     max_concurrency,
     max_queue,
@@ -586,6 +618,7 @@ def serve(
     from pathlib import Path
 
     from mlxc.runtime.checkpoint.loading import CheckpointError
+    from mlxc.runtime.model.cache import KVQuantError
     from mlxc.runtime.serving.distributed import Lockstep, agree_on_seed, world
     from mlxc.runtime.serving.engine import Engine
     from mlxc.runtime.serving.generate import DEFAULT_KV_SINK
@@ -652,13 +685,14 @@ def serve(
             description=description,
             max_kv_size=max_kv_size,
             kv_sink=kv_sink,
+            kv_quant=_kv_quant(kv_bits, kv_group_size),
             prefill_chunk_size=prefill_chunk_size,
             max_concurrency=max_concurrency,
             max_queue=max_queue,
             specs=specs,
             **distributed,
         )
-    except CheckpointError as e:
+    except (CheckpointError, KVQuantError) as e:
         sock.close()
         raise _OneLineError(str(e), 1) from e
     except KeyboardInterrupt:
@@ -680,6 +714,8 @@ def serve(
         reasoning_parser=reasoning_parser,
     )
     window = f"max-kv-size {max_kv_size}, kv-sink {kv_sink}" if max_kv_size else "unbounded KV"
+    if kv_bits is not None:
+        window += f", {kv_bits}-bit KV (group {kv_group_size})"
     bound_host, bound_port = sock.getsockname()[:2]
     log.info(
         "serving %r from %s (%s, prefill chunk %d, concurrency %d, queue %d); OpenAI base_url "

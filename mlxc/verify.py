@@ -8,7 +8,10 @@ not the live key count (every mask is materialised and checked), on any differen
 untrimmed run before the first trim, and when the untrimmed chunked run disagrees with one full
 forward pass or with the fast ``"causal"`` mask path. Last, the server's batched decode: rows of
 different lengths (one with the image), trimmed, joining and leaving a ``BatchCache``, must give
-each row the logits it gets decoding alone.
+each row the logits it gets decoding alone. Where the model's head dims allow it, the chunked,
+trimmed and batched runs are repeated on 4-bit quantised KV caches (``--kv-bits``): chunked
+must equal one pass over the same quantised cache and batched must equal alone (each token is
+quantised on its own, so both hold up to float rounding).
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ from mlxc.compiler import build
 from mlxc.runtime.checkpoint.user_specs import load_source
 from mlxc.runtime.model import masks
 from mlxc.runtime.model.batch import BatchCache
-from mlxc.runtime.model.cache import cache_arrays, enforce_max_kv
+from mlxc.runtime.model.cache import (
+    KVQuant,
+    KVQuantError,
+    cache_arrays,
+    check_kv_quant,
+    enforce_max_kv,
+    make_caches,
+)
 from mlxc.runtime.serving.generate import prefill_spans
 
 PREFILL_CHUNK = 8
@@ -35,6 +45,7 @@ PROMPT_LEN = 44  # 6 chunks: trims happen inside prefill
 CONTINUATION = 5  # a multi-token chunk after the trims
 DECODE_STEPS = 4
 ATOL = 1e-4  # float32 chunked vs full forward: accumulation order differs, ~1e-6 typical
+KV_QUANT = KVQuant(bits=4, group_size=32)  # the smallest group: tiny heads are 32 wide at best
 
 
 class VerifyError(AssertionError):
@@ -115,10 +126,15 @@ def _schedule(
 
 
 def _run(
-    model, chunks, max_kv: int | None, keep: int, vision: dict | None = None
+    model,
+    chunks,
+    max_kv: int | None,
+    keep: int,
+    vision: dict | None = None,
+    quant: KVQuant | None = None,
 ) -> tuple[list[mx.array], int | None]:
     """Logits per chunk, and the index of the first chunk that ran after a trim."""
-    cache = model.make_cache()
+    cache = make_caches(model, quant)
     outputs, first_trimmed, offset = [], None, 0
     for i, chunk in enumerate(chunks):
         extra = vision if (vision and i == 0) else {}  # vision inputs come with the first chunk
@@ -184,6 +200,7 @@ def verify_module(
     batch_err = _batched_decode_error(model, rng, vocab, vision, image)
     if batch_err > ATOL:
         raise VerifyError(f"batched decode differs from decoding alone by {batch_err:.2e}")
+    notes.append(_verify_quantized(model, chunks, vision, rng, vocab, image))
     detail = (
         f"{len(chunks)} chunks x {1 + len(SINKS)} runs, {audit.checked} masks checked, "
         f"chunked vs full {err:.1e}, batched vs alone {batch_err:.1e}, {'; '.join(notes)}"
@@ -191,11 +208,32 @@ def verify_module(
     return Report(name, True, detail, audit.checked, notes)
 
 
+def _verify_quantized(model, chunks, vision, rng, vocab, image) -> str:
+    """The schedule on quantised KV caches (``KV_QUANT``); a note saying what ran."""
+    try:
+        check_kv_quant(model, KV_QUANT)
+    except KVQuantError:
+        return f"{KV_QUANT.bits}-bit KV skipped: a head is not a multiple of {KV_QUANT.group_size}"
+    chunked, _ = _run(model, chunks, None, 0, vision, KV_QUANT)
+    ids = mx.array(np.concatenate(chunks)[None, :])
+    full = model(ids, cache=make_caches(model, KV_QUANT), **(vision or {}))
+    err = mx.abs(mx.concatenate(chunked, axis=1) - full).max().item()
+    if err > ATOL:
+        raise VerifyError(f"quantised KV: chunked differs from one forward pass by {err:.2e}")
+    trimmed, first = _run(model, chunks, MAX_KV, SINKS[-1], vision, KV_QUANT)
+    if first is None or not all(mx.all(mx.isfinite(out)).item() for out in trimmed):
+        raise VerifyError("quantised KV: no trim happened, or non-finite logits after one")
+    batch_err = _batched_decode_error(model, rng, vocab, vision, image, KV_QUANT)
+    if batch_err > ATOL:
+        raise VerifyError(f"quantised KV: batched decode differs from alone by {batch_err:.2e}")
+    return f"{KV_QUANT.bits}-bit KV: chunked vs full {err:.1e}, batched vs alone {batch_err:.1e}"
+
+
 BATCH_PROMPTS = (44, 9, 23)  # prompt lengths of the batch's rows; the first has the image
 BATCH_STEPS = 6  # decode steps; row 2 joins after 2 of them, row 0 leaves after 4
 
 
-def _batched_decode_error(model, rng, vocab, vision, image) -> float:
+def _batched_decode_error(model, rng, vocab, vision, image, quant=None) -> float:
     """Largest logit difference between rows decoded in one ``BatchCache`` and alone.
 
     Each row is prefilled twice on its own (chunked, trimmed to ``MAX_KV`` with sinks): one
@@ -214,7 +252,7 @@ def _batched_decode_error(model, rng, vocab, vision, image) -> float:
                 tokens[IMAGE_AT : IMAGE_AT + count] = token
         pair = []
         for _ in range(2):
-            cache = model.make_cache()
+            cache = make_caches(model, quant)
             for i in range(0, n, PREFILL_CHUNK):
                 extra = vision if (has_image and i == 0) else {}
                 model(mx.array(tokens[None, i : min(i + PREFILL_CHUNK, n)]), cache=cache, **extra)

@@ -28,7 +28,13 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxc.runtime.model.cache import KVCache, LayerCache
+from mlxc.runtime.model.cache import (
+    KVCache,
+    KVQuant,
+    LayerCache,
+    QuantizedKV,
+    QuantizedKVMixin,
+)
 from mlxc.runtime.model.multimodal import SequenceCache
 
 
@@ -148,7 +154,7 @@ class BatchKVCache:
             # Existing rows shift right by the growth of the width; new rows end with them.
             parts = [] if mine is None else [_right_aligned(mine, self.width, width, capacity)]
             parts += [_right_aligned(t, t.shape[2], width, capacity) for t in theirs]
-            return mx.concatenate(parts)
+            return _per_part(lambda *rows: mx.concatenate(rows), *parts)
 
         live = [c.live() for c in caches]
         self.keys = joined(self.keys, [k for k, _ in live])
@@ -188,7 +194,9 @@ class BatchKVCache:
         for name in ("keys", "values"):
             buffer = getattr(self, name)
             if buffer is not None:
-                live = mx.take_along_axis(buffer[..., : self.width, :], index, axis=2)
+                live = _per_part(
+                    lambda b: mx.take_along_axis(b, index, axis=2), buffer[..., : self.width, :]
+                )
                 setattr(self, name, _right_aligned(live, width, width, capacity))
         self.width = width
         self.pad = width - lives
@@ -221,12 +229,38 @@ class BatchWindowedKVCache(BatchKVCache):
         self.trim_front(np.maximum(self.row_live_len - (self.window - 1), 0))
 
 
+class BatchQuantizedKVCache(QuantizedKVMixin, BatchKVCache):
+    """The rows of quantised full-KV layers (``QuantizedKVCache``): ``BatchKVCache``'s layout
+    (pads, sinks, gaps, compaction) on ``QuantizedKV`` buffers; no token is requantised."""
+
+    def __init__(self, quant: KVQuant) -> None:
+        super().__init__()
+        self.quant = quant
+
+
+class BatchQuantizedWindowedKVCache(QuantizedKVMixin, BatchWindowedKVCache):
+    """The rows of quantised sliding-window layers (``QuantizedWindowedKVCache``)."""
+
+    def __init__(self, window: int, quant: KVQuant) -> None:
+        super().__init__(window)
+        self.quant = quant
+
+
+def _per_part(fn, *buffers):
+    """``fn(*buffers)``, or part by part when the buffers are quantised (``QuantizedKV``)."""
+    if isinstance(buffers[0], QuantizedKV):
+        return buffers[0].map(fn, *buffers[1:])
+    return fn(*buffers)
+
+
 def _capacity(columns: int) -> int:
     return (columns + KVCache.step - 1) // KVCache.step * KVCache.step
 
 
 def _right_aligned(buffer: mx.array, used: int, width: int, capacity: int) -> mx.array:
     """``buffer[..., :used, :]`` placed to end at column ``width`` of ``capacity`` columns."""
+    if isinstance(buffer, QuantizedKV):
+        return buffer.map(lambda part: _right_aligned(part, used, width, capacity))
     B, H, _, D = buffer.shape
     parts = [buffer[..., :used, :]]
     if width > used:

@@ -13,6 +13,8 @@ quantities that a bounded cache separates, and that generated code reads by labe
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import mlx.core as mx
@@ -226,6 +228,167 @@ class WindowedKVCache(KVCache):
         from mlxc.runtime.model.batch import BatchWindowedKVCache  # batch builds on this module
 
         return BatchWindowedKVCache(self.window)
+
+
+# --- quantised KV (--kv-bits) ----------------------------------------------------------------
+
+
+class KVQuantError(ValueError):
+    """A KV quantisation the cache cannot apply (a group size that does not divide a head)."""
+
+
+@dataclass(frozen=True)
+class KVQuant:
+    """How ``--kv-bits`` / ``--kv-group-size`` quantise keys and values: ``mx.quantize``'s affine
+    scheme, each token's head vector in groups of ``group_size`` along the head dim."""
+
+    bits: int
+    group_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.bits not in KV_BITS or self.group_size not in KV_GROUP_SIZES:
+            raise ValueError(
+                f"KV quantisation takes bits in {KV_BITS} and group sizes in {KV_GROUP_SIZES}, "
+                f"got {self.bits} bits, group {self.group_size}"
+            )
+
+    def quantize(self, x: mx.array) -> QuantizedKV:
+        if x.shape[-1] % self.group_size:
+            raise KVQuantError(
+                f"--kv-group-size {self.group_size} does not divide this model's key/value head "
+                f"dim {x.shape[-1]}: pick a group size that does, or leave --kv-bits off"
+            )
+        return QuantizedKV(mx.quantize(x, self.group_size, self.bits), self)
+
+
+KV_BITS = (4, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+class QuantizedKV:
+    """Keys or values ``[B, H, T, D]`` as ``mx.quantize`` leaves them: ``parts`` = (packed
+    ``uint32 [B, H, T, D * bits / 32]``, scales and biases ``[B, H, T, D / group_size]``).
+
+    Each token is quantised on its own (the groups run along the head dim), so it indexes and
+    assigns like the float array on every axis but the last (``x[..., a:b, :]``, ``x[rows]``):
+    the caches' slides, trims and row gathers move tokens without requantising anything.
+    ``shape`` is the float array's.
+    """
+
+    def __init__(self, parts: Sequence[mx.array], quant: KVQuant) -> None:
+        self.parts = tuple(parts)
+        self.quant = quant
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        packed = self.parts[0]
+        return (*packed.shape[:-1], packed.shape[-1] * 32 // self.quant.bits)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __getitem__(self, index: Any) -> QuantizedKV:
+        return QuantizedKV([p[index] for p in self.parts], self.quant)
+
+    def __setitem__(self, index: Any, new: QuantizedKV) -> None:
+        for part, value in zip(self.parts, new.parts):
+            part[index] = value
+
+    def map(self, fn: Callable[..., mx.array], *others: QuantizedKV) -> QuantizedKV:
+        """``fn`` part by part (of this and ``others``, zipped), e.g. a concatenation."""
+        parts = zip(self.parts, *(o.parts for o in others))
+        return QuantizedKV([fn(*p) for p in parts], self.quant)
+
+    def dequantize(self) -> mx.array:
+        q = self.quant
+        return mx.dequantize(*self.parts, group_size=q.group_size, bits=q.bits)
+
+
+class QuantizedKVMixin:
+    """Quantises what a KV cache kind stores (``QuantizedKV`` buffers); the kind's own logic
+    (growth, trims, sinks, the window) runs unchanged on them. ``update_and_fetch`` returns
+    ``QuantizedKV`` keys and values, which ``layers.attend`` reads through
+    ``mx.quantized_matmul``; a keys-only cache (an MLA latent, values None) is stored quantised
+    and returned dequantised, since its attention slices the latent before attending."""
+
+    quant: KVQuant
+
+    def update_and_fetch(
+        self, keys: mx.array, values: mx.array | None = None
+    ) -> tuple[QuantizedKV | mx.array, QuantizedKV | None]:
+        q = self.quant
+        live_keys, live_values = super().update_and_fetch(
+            q.quantize(keys), None if values is None else q.quantize(values)
+        )
+        return (live_keys.dequantize() if values is None else live_keys), live_values
+
+    def _grown(self, buffer: QuantizedKV | None, new: QuantizedKV, needed: int) -> QuantizedKV:
+        old = [None] * len(new.parts) if buffer is None else buffer.parts
+        parts = [super(QuantizedKVMixin, self)._grown(b, n, needed) for b, n in zip(old, new.parts)]
+        return QuantizedKV(parts, self.quant)
+
+    def arrays(self) -> list[mx.array]:
+        return [
+            p for buffer in (self.keys, self.values) if buffer is not None for p in buffer.parts
+        ]
+
+
+class QuantizedKVCache(QuantizedKVMixin, KVCache):
+    """Full KV (``KVCache``: trimmed by ``--max-kv-size``, sinks kept) stored quantised."""
+
+    def __init__(self, quant: KVQuant) -> None:
+        super().__init__()
+        self.quant = quant
+
+    def batch_layer(self) -> LayerCache:
+        from mlxc.runtime.model.batch import BatchQuantizedKVCache
+
+        return BatchQuantizedKVCache(self.quant)
+
+
+class QuantizedWindowedKVCache(QuantizedKVMixin, WindowedKVCache):
+    """Windowed KV (``WindowedKVCache``: bounds itself to its window) stored quantised."""
+
+    def __init__(self, window: int, quant: KVQuant) -> None:
+        super().__init__(window)
+        self.quant = quant
+
+    def batch_layer(self) -> LayerCache:
+        from mlxc.runtime.model.batch import BatchQuantizedWindowedKVCache
+
+        return BatchQuantizedWindowedKVCache(self.window, self.quant)
+
+
+def quantized_caches(caches: list, quant: KVQuant | None) -> list:
+    """``caches`` (fresh from ``make_cache``) with each full-KV and windowed-KV cache replaced,
+    in place, by its quantised kind; None leaves them float. Other kinds stay as they are
+    (recurrent state is never quantised). Exact types: a subclass (a latent cache) has its
+    own layout and stays float until it names a quantised kind here."""
+    if quant is None:
+        return caches
+    for i, cache in enumerate(caches):
+        if type(cache) is KVCache:
+            caches[i] = QuantizedKVCache(quant)
+        elif type(cache) is WindowedKVCache:
+            caches[i] = QuantizedWindowedKVCache(cache.window, quant)
+    return caches
+
+
+def make_caches(model: Any, quant: KVQuant | None = None) -> list:
+    """A new sequence's caches: ``model.make_cache()``, quantised by ``quant`` (``--kv-bits``)
+    unless the model owns its cache state (``cache_policy`` "model-owned": left float)."""
+    caches = model.make_cache()
+    if cache_policy(model) == "model-owned":
+        return caches
+    return quantized_caches(caches, quant)
+
+
+def check_kv_quant(model: Any, quant: KVQuant | None) -> None:
+    """Raise KVQuantError now, not at the first prompt, when ``quant`` cannot apply to the
+    model's heads: one token's forward is built (never evaluated) on quantised caches."""
+    if quant is not None:
+        model(mx.array([[0]]), cache=make_caches(model, quant))
 
 
 def attention_cache(window: int | None) -> KVCache:

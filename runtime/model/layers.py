@@ -8,6 +8,7 @@ import mlx.core as mx
 from mlx import nn
 
 from mlxc.runtime.model import masks
+from mlxc.runtime.model.cache import QuantizedKV
 
 ACTIVATIONS = {"silu": nn.silu, "gelu": nn.gelu, "gelu_approx": nn.gelu_approx, "relu": nn.relu}
 
@@ -48,9 +49,75 @@ def attend(
     nothing (gpt-oss).
     """
     masks.check(mask, queries.shape[-2], keys.shape[-2])
+    if isinstance(keys, QuantizedKV):
+        if queries.shape[-2] <= QUANTIZED_MATMUL_QUERIES and packed_attention():
+            return quantized_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        # A prefill chunk: its L x T scores would be materialised; dequantising the live keys
+        # once lets it take the fused kernel (same values: dequantize is what the matmul reads).
+        keys, values = keys.dequantize(), values.dequantize()
     return mx.fast.scaled_dot_product_attention(
         queries, keys, values, scale=scale, mask=mask, sinks=sinks
     )
+
+
+# Up to this many queries (decode steps, short continuations) attention reads the quantised
+# keys and values directly; longer chunks dequantise them for the fused kernel (``attend``).
+QUANTIZED_MATMUL_QUERIES = 8
+
+
+def packed_attention() -> bool:
+    """Whether ``attend`` reads quantised keys packed (``quantized_attention``) on this device:
+    on the CPU and Metal. MLX 0.32.4's CUDA ``quantized_matmul`` gave wrong scores for batched
+    64-wide quantised keys (max error ~30 on N(0, 1) inputs, or NaN; H200, 2026-12-01), and
+    one stream's packed step was slower than the fused kernel on float keys there (172 against
+    92 us at 2048 keys), so CUDA dequantises: the resident KV stays quantised."""
+    return mx.default_device() == mx.cpu or mx.metal.is_available()
+
+
+def quantized_attention(
+    queries: mx.array,
+    keys: QuantizedKV,
+    values: QuantizedKV,
+    *,
+    scale: float,
+    mask: mx.array | str | None,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """``attend`` on quantised keys and values (``--kv-bits``): ``softmax(q k^T) v`` with both
+    products through ``mx.quantized_matmul``, so the keys are read packed, never expanded.
+
+    GQA: the ``n_heads / n_kv_heads`` query heads of one KV head attend as ``rep * L`` rows of
+    that head (as MLA's decode does), so each product is one plain batched matmul per KV head,
+    nothing broadcast; the masks see the scores as ``[B, kv, rep, L, T]``.
+    """
+    B, n_heads, L, _ = queries.shape
+    n_kv = keys.shape[1]
+    rep = n_heads // n_kv
+    q = keys.quant
+    kw = {"group_size": q.group_size, "bits": q.bits}
+    rows = (queries * scale).reshape(B, n_kv, rep * L, -1)
+    scores = mx.quantized_matmul(rows, *keys.parts, transpose=True, **kw)
+    scores = scores.reshape(B, n_kv, rep, L, -1)
+    if isinstance(mask, str):
+        mask = masks.causal_array(L, scores.shape[-1])
+    if mask is not None:
+        if mask.ndim == 4:  # [B | 1, 1, L, T]: one mask for every head
+            mask = mx.expand_dims(mask, 2)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    if sinks is not None:  # a virtual key per head that takes softmax mass and adds nothing
+        sink = mx.broadcast_to(
+            sinks.astype(scores.dtype).reshape(n_kv, rep, 1, 1), (*scores.shape[:-1], 1)
+        )
+        scores = mx.concatenate([sink, scores], axis=-1)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    if sinks is not None:
+        probs = probs[..., 1:]
+    probs = probs.reshape(B, n_kv, rep * L, -1)
+    out = mx.quantized_matmul(probs, *values.parts, transpose=False, **kw)  # [B, kv, rep*L, Dv]
+    return out.reshape(B, n_heads, L, -1)
 
 
 def softcap(x: mx.array, cap: float | None) -> mx.array:

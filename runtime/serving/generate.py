@@ -14,7 +14,13 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from mlxc.runtime.model.cache import cache_arrays, check_kv_limits, enforce_max_kv
+from mlxc.runtime.model.cache import (
+    KVQuant,
+    cache_arrays,
+    check_kv_limits,
+    enforce_max_kv,
+    make_caches,
+)
 from mlxc.runtime.model.cache import trimmable as caches_to_trim
 from mlxc.runtime.serving.sample import Sampler, make_sampler
 
@@ -121,6 +127,7 @@ def generate_tokens(
     prefill_chunk_size: int = 2048,
     max_kv_size: int | None = None,
     kv_sink: int = DEFAULT_KV_SINK,
+    kv_quant: KVQuant | None = None,
     eos_token_ids: Iterable[int] = (),
     cache: list | None = None,
     vision_inputs: Mapping[str, Any] | None = None,
@@ -132,9 +139,11 @@ def generate_tokens(
     guessed from the config); else each cache keeps at most that many live tokens after every
     chunk and step: the first ``kv_sink`` (default 4, the attention sinks StreamingLLM found
     necessary; 0 is a plain sliding window) plus the most recent. ``kv_sink`` only matters when
-    ``max_kv_size`` is set. Stops at an id in ``eos_token_ids`` or after ``max_tokens`` tokens.
+    ``max_kv_size`` is set. ``kv_quant``: keys and values stored quantised (``--kv-bits``;
+    None: the model's dtype) in the caches made here. Stops at an id in ``eos_token_ids`` or
+    after ``max_tokens`` tokens.
 
-    ``cache``: the model's caches to continue from (``model.make_cache()`` when None). Afterwards
+    ``cache``: the model's caches to continue from (``make_caches(model, kv_quant)`` when None). Afterwards
     it holds the prompt and the generated tokens except the last one yielded (plus the EOS token
     when one stopped the run).
 
@@ -154,7 +163,7 @@ def generate_tokens(
         return
     sampler = sampler or make_sampler()
     eos = set(eos_token_ids)
-    cache = model.make_cache() if cache is None else cache
+    cache = make_caches(model, kv_quant) if cache is None else cache
     trimmable = caches_to_trim(model, cache)
     first_chunk_inputs = as_model_inputs(vision_inputs)
 

@@ -48,10 +48,13 @@ from mlx import nn
 
 from mlxc.runtime.model.batch import BatchCache
 from mlxc.runtime.model.cache import (
+    KVQuant,
     cache_arrays,
     cache_policy,
     check_kv_limits,
+    check_kv_quant,
     enforce_max_kv,
+    make_caches,
     trimmable,
 )
 from mlxc.runtime.serving.admission import (
@@ -132,10 +135,17 @@ class CachePool:
     (the model's ``cache_policy`` is "model-owned") are never trimmed and never batched.
     """
 
-    def __init__(self, model: nn.Module | None, max_kv_size: int | None, kv_sink: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module | None,
+        max_kv_size: int | None,
+        kv_sink: int,
+        kv_quant: KVQuant | None = None,
+    ) -> None:
         self.model = model  # set by the scheduler once it has built the model
         self.max_kv_size = max_kv_size
         self.kv_sink = kv_sink
+        self.kv_quant = kv_quant  # --kv-bits: each new sequence's keys and values quantised
         self._caches: dict[str, list] = {}
         self.batch: BatchCache | None = None
         self.batch_keys: list[str] = []
@@ -149,7 +159,7 @@ class CachePool:
         return cache_policy(self.model) != "model-owned"
 
     def allocate(self, key: str) -> list:
-        caches = self.model.make_cache()
+        caches = make_caches(self.model, self.kv_quant)
         self._caches[key] = caches
         return caches
 
@@ -254,6 +264,7 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         max_kv_size: int | None = None,
         kv_sink: int = DEFAULT_KV_SINK,
+        kv_quant: KVQuant | None = None,
         prefill_chunk_size: int = 512,
         max_concurrency: int = 8,
         max_queue: int = 64,
@@ -277,7 +288,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.prefill_chunk_size = prefill_chunk_size
-        self.pool = CachePool(model, max_kv_size, kv_sink)
+        self.pool = CachePool(model, max_kv_size, kv_sink, kv_quant)
         self.lockstep = lockstep
 
         # Waiting requests, slots, counters, the stats snapshot: shared with other threads.
@@ -328,6 +339,7 @@ class Scheduler:
             try:
                 if self._load is not None:
                     self.model = self._load()
+                check_kv_quant(self.model, self.pool.kv_quant)
                 self.pool.model = self.model
             except BaseException as e:  # noqa: BLE001 - start() re-raises it
                 errors.append(e)
@@ -385,6 +397,7 @@ class Scheduler:
                 "peak_bytes": self.pool.peak_bytes,
                 "max_kv_size": self.pool.max_kv_size,
                 "kv_sink": self.pool.kv_sink,
+                "kv_bits": None if self.pool.kv_quant is None else self.pool.kv_quant.bits,
                 "trims": self.pool.trims,
             },
             "requests": counts,

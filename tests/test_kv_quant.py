@@ -1,0 +1,304 @@
+"""Quantised KV caches (``--kv-bits``): attention on them, their error, trims, sinks, batches.
+
+Tolerance. Keys and values are quantised per token, in groups along the head dim, so the
+logits move by an error set by the quantiser's step (a group's range / (2**bits - 1)). It is
+measured as the RMS of (logits - float-cache logits) over a phase's positions and the
+vocabulary, divided by the float logits' standard deviation (their scale). Over 30 random
+prompts on these tiny checkpoints (hidden 64, 3 layers, heads 32 and 64 wide, gains that give
+attention real spread), prefill and decode after trims with sinks, the worst phase was 0.031 at
+8 bits and 0.38 at 4 bits (llama, group 64; qwen3: 0.011 / 0.19); the 4-bit error is ~16x the
+8-bit one, as the step ratio 255 / 15 predicts. That is 1.6-3x the relative RMS error the
+quantiser itself puts on the cached keys and values (0.5% at 8 bits, 8-9% at 4), so the model
+adds little of its own. ``TOLERANCE`` bounds the measured worst with headroom.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import checkpoints as ckpt
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from test_server import LONG, SHORT, Server, chat, mlxc_generate
+
+from mlxc import verify
+from mlxc.cli import main
+from mlxc.runtime.checkpoint.loading import load_checkpoint, load_model
+from mlxc.runtime.checkpoint.tokenizer import encode_prompt
+from mlxc.runtime.model import layers
+from mlxc.runtime.model.batch import (
+    BatchCache,
+    BatchQuantizedKVCache,
+    BatchQuantizedWindowedKVCache,
+)
+from mlxc.runtime.model.cache import (
+    KVCache,
+    KVQuant,
+    QuantizedKVCache,
+    QuantizedWindowedKVCache,
+    WindowedKVCache,
+    enforce_max_kv,
+    make_caches,
+)
+from mlxc.runtime.model.layers import QUANTIZED_MATMUL_QUERIES, attend
+from mlxc.runtime.serving.generate import generate_tokens
+
+TOLERANCE = {8: 0.05, 4: 0.5}  # relative RMS logit error, see the module docstring
+MAX_KV, SINK = 24, 4
+CHUNKS, DECODE = (16, 16, 8), 8  # prefill 40 tokens (trimmed inside it), then 8 decode steps
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kvq")
+    return {
+        # head_dim 64: groups of 64 and 32; the tokenizer serves the CLI and server tests
+        "llama": ckpt.make_llama(root / "llama", head_dim=64, num_key_value_heads=2),
+        "qwen3": ckpt.make_qwen3(root / "qwen3", head_dim=32, tokenizer=False),
+        # sliding and full layers, learned attention sinks
+        "gpt_oss": ckpt.make_gpt_oss(root / "gpt_oss", head_dim=32, tokenizer=False),
+    }
+
+
+@pytest.fixture(scope="module")
+def models(dirs):
+    return {name: load_model(path) for name, path in dirs.items()}
+
+
+def _schedule(model, ids: np.ndarray, quant: KVQuant | None) -> tuple[np.ndarray, list]:
+    """Logits ``[T, V]`` of chunked prefill then decode, trimmed to ``MAX_KV`` with sinks."""
+    cache, outs, start = make_caches(model, quant), [], 0
+    for n in (*CHUNKS, *[1] * DECODE):
+        outs.append(model(mx.array(ids[None, start : start + n]), cache=cache))
+        enforce_max_kv(cache, MAX_KV, SINK)
+        start += n
+    return np.array(mx.concatenate(outs, axis=1))[0], cache
+
+
+def _relative_rms(out: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.sqrt(((out - ref) ** 2).mean()) / ref.std())
+
+
+# --- attention on quantised keys and values -------------------------------------------------
+
+
+def _qkv(rng, L: int, T: int, quant: KVQuant):
+    q = mx.array(rng.standard_normal((2, 4, L, 64)).astype(np.float32))
+    k, v = (mx.array(rng.standard_normal((2, 2, T, 64)).astype(np.float32)) for _ in range(2))
+    return q, quant.quantize(k), quant.quantize(v)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "key_valid", "window"])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_quantized_attention_is_attention_on_the_dequantized_keys(rng, mask_kind, sinks):
+    """The packed products (GQA 4 query heads on 2 KV heads) equal the fused kernel on the
+    dequantised keys and values for every mask form ``masks.causal`` returns."""
+    quant = KVQuant(4, 32)
+    L, T = (1, 20) if mask_kind in ("none", "key_valid") else (5, 20)
+    q, k, v = _qkv(rng, L, T, quant)
+    mask = {
+        "none": None,
+        "causal": "causal",
+        "key_valid": mx.array(rng.random((2, 1, 1, T)) > 0.3) | (mx.arange(T) == T - 1),
+        "window": mx.arange(T)[None, :] > mx.arange(T - L, T)[:, None] - 6,
+    }[mask_kind]
+    if mask_kind == "window":
+        mask = mask & (mx.arange(T)[None, :] <= mx.arange(T - L, T)[:, None])
+    sink = mx.array(rng.standard_normal(4).astype(np.float32)) if sinks else None
+    got = layers.quantized_attention(q, k, v, scale=0.125, mask=mask, sinks=sink)
+    want = mx.fast.scaled_dot_product_attention(
+        q, k.dequantize(), v.dequantize(), scale=0.125, mask=mask, sinks=sink
+    )
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_attend_dequantises_a_long_chunk_or_where_packing_is_off(rng, monkeypatch, packed):
+    """A decode step reads the keys packed where ``packed_attention`` holds (CPU, Metal); a
+    prefill chunk, and every step where it does not (CUDA), takes the fused kernel on the
+    dequantised keys, with the packed path's result."""
+    packed_calls, real = [], layers.quantized_attention
+
+    def counted(*args, **kwargs):
+        packed_calls.append(args[0].shape[-2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(layers, "packed_attention", lambda: packed)
+    monkeypatch.setattr(layers, "quantized_attention", counted)
+    quant = KVQuant(8, 64)
+    for L in (QUANTIZED_MATMUL_QUERIES + 4, 1):
+        q, k, v = _qkv(rng, L, 30, quant)
+        mask = "causal" if L > 1 else None
+        got = attend(q, k, v, scale=0.125, mask=mask)
+        np.testing.assert_allclose(
+            np.array(got), np.array(real(q, k, v, scale=0.125, mask=mask)), atol=1e-5
+        )
+    assert packed_calls == ([1] if packed else [])
+
+
+# --- logits against the float cache ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, group",
+    [("llama", 64), ("llama", 32), ("qwen3", 32)],
+    ids=["llama-g64", "llama-g32", "qwen3-g32"],
+)
+def test_logits_within_tolerance_of_the_float_cache(models, name, group):
+    """Prefill (chunked, trimmed inside it) and decode after trims with sinks, at 8 and 4
+    bits: each phase within ``TOLERANCE``, and the error shrinks with the step."""
+    model = models[name]
+    errors = {}
+    for seed in (0, 1):
+        ids = np.random.default_rng(seed).integers(0, ckpt.VOCAB_SIZE, sum(CHUNKS) + DECODE)
+        ref, _ = _schedule(model, ids, None)
+        for bits in (8, 4):
+            out, cache = _schedule(model, ids, KVQuant(bits, group))
+            assert all(isinstance(c, QuantizedKVCache) for c in cache)
+            assert all(c.live_start > 0 and c.sink == SINK for c in cache)  # it was trimmed
+            prefill, decode = sum(CHUNKS), slice(sum(CHUNKS), None)
+            for phase in (slice(0, prefill), decode):
+                err = _relative_rms(out[phase], ref[phase])
+                assert 0 < err <= TOLERANCE[bits], (bits, phase, err)
+                errors[bits] = max(errors.get(bits, 0), err)
+    assert errors[8] < errors[4] / 8  # 8 bits: a 17x finer step
+
+
+def test_chunked_prefill_equals_one_pass(models):
+    """Each token is quantised on its own (groups run along the head dim), so any chunking
+    stores the same cache: chunks that read it packed (<= 8 queries) or dequantised (longer)
+    give one pass's logits up to float rounding, boundaries off any group included."""
+    model, quant = models["llama"], KVQuant(4, 64)
+    ids = np.random.default_rng(3).integers(0, ckpt.VOCAB_SIZE, 40)
+    full = model(mx.array(ids[None]), cache=make_caches(model, quant))
+    cache, parts, start = make_caches(model, quant), [], 0
+    for n in (3, 13, 8, 16):
+        parts.append(model(mx.array(ids[None, start : start + n]), cache=cache))
+        start += n
+    np.testing.assert_allclose(np.array(mx.concatenate(parts, axis=1)), np.array(full), atol=1e-5)
+
+
+# --- the cache kinds -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_trims_and_windows_move_tokens_without_requantising(rng, window):
+    """Fed the same keys as the float kind, the quantised kind holds, after every write and
+    trim (sinks kept), exactly the quantised float cache's live tokens; offset never moves."""
+    quant = KVQuant(4, 32)
+    if window is None:
+        ours, theirs = QuantizedKVCache(quant), KVCache()
+    else:
+        ours, theirs = QuantizedWindowedKVCache(window, quant), WindowedKVCache(window)
+    for n in (5, 9, 1, 1, 12, 1, 3):
+        k, v = (mx.array(rng.standard_normal((1, 2, n, 32)).astype(np.float32)) for _ in "kv")
+        got_k, got_v = ours.update_and_fetch(k, v)
+        want_k, want_v = theirs.update_and_fetch(k, v)
+        for got, want in ((got_k, want_k), (got_v, want_v)):
+            assert mx.array_equal(got.dequantize(), quant.quantize(want).dequantize())
+        if window is None:
+            assert enforce_max_kv([ours], 10, keep=2) == enforce_max_kv([theirs], 10, keep=2)
+        assert (ours.offset, ours.live_len, ours.held) == (
+            theirs.offset,
+            theirs.live_len,
+            theirs.held,
+        )
+        live_k, _ = ours.live()
+        assert mx.array_equal(live_k.dequantize(), quant.quantize(theirs.live()[0]).dequantize())
+
+
+@pytest.mark.parametrize("bits, group", [(4, 64), (4, 32), (8, 64), (8, 32)])
+def test_kv_bytes_per_token(bits, group):
+    """Packed bits plus a bf16 scale and bias per group: bits/16 + 2/group of bf16's bytes
+    (4 bits: 0.281 at group 64, 0.3125 at 32); the issue's bound, 0.3, holds at group 64."""
+    quant = KVQuant(bits, group)
+    k = mx.random.normal((1, 8, 100, 128)).astype(mx.bfloat16)
+    ours, theirs = QuantizedKVCache(quant), KVCache()
+    ours.update_and_fetch(k, k)
+    theirs.update_and_fetch(k, k)
+    ratio = ours.nbytes / theirs.nbytes
+    assert ratio == pytest.approx(bits / 16 + 2 / group, rel=1e-12)
+    if group == 64 and bits == 4:
+        assert ratio <= 0.3
+    batch = ours.batch_layer()
+    batch.extend([ours])
+    assert batch.nbytes == ours.nbytes
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt_oss"])
+def test_batched_decode_equals_alone(models, name):
+    """Rows of different lengths, trimmed with sinks before and while they decode, joining
+    and leaving (``mlxc verify``'s schedule) on quantised caches: each row's logits equal its
+    logits decoding alone. gpt_oss: windowed layers and attention sinks too."""
+    model, quant = models[name], KVQuant(4, 32)
+    kinds = {type(b) for b in BatchCache.like(make_caches(model, quant))}
+    want = {BatchQuantizedKVCache} | (
+        {BatchQuantizedWindowedKVCache} if name == "gpt_oss" else set()
+    )
+    assert kinds == want
+    err = verify._batched_decode_error(
+        model, np.random.default_rng(0), ckpt.VOCAB_SIZE, None, None, quant
+    )
+    assert err <= verify.ATOL
+
+
+# --- generate and serve ----------------------------------------------------------------------
+
+
+def test_generate_kv_bits_with_max_kv_size(dirs):
+    """``mlxc generate --kv-bits 4 --max-kv-size N``: the quantised run, trims included."""
+    flags = ["--max-kv-size", "24", "--prefill-chunk-size", "8", "--max-tokens", "12"]
+    result = CliRunner().invoke(
+        main,
+        ["generate", "--model", str(dirs["llama"]), "--prompt", LONG, "--kv-bits", "4", *flags],
+    )
+    assert result.exit_code == 0, result.output
+    checkpoint = load_checkpoint(dirs["llama"])
+    ids = encode_prompt(checkpoint.tokenizer, LONG)
+    model = checkpoint.load_model()
+
+    def text(quant):
+        kw = {"max_kv_size": 24, "prefill_chunk_size": 8, "kv_quant": quant}
+        return checkpoint.tokenizer.decode(list(generate_tokens(model, ids, max_tokens=12, **kw)))
+
+    quantised = text(KVQuant(4, 64))
+    assert quantised != text(None)  # so the output shows which cache ran
+    assert result.stdout.rstrip("\n") == quantised
+
+
+def test_generate_refuses_a_group_wider_than_the_head(dirs):
+    args = ["generate", "--model", str(dirs["llama"]), "--prompt", SHORT, "--kv-bits", "8"]
+    result = CliRunner().invoke(main, [*args, "--kv-group-size", "128"])
+    assert result.exit_code == 1
+    assert "--kv-group-size 128 does not divide" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_server_with_kv_bits_and_max_kv_size_answers(dirs, tmp_path):
+    """``mlxc serve --kv-bits 8 --max-kv-size N``: a prompt several times N answers as
+    ``mlxc generate`` does with the same flags; concurrent requests decode batched as alone."""
+    flags = ["--kv-bits", 8, "--max-kv-size", 32, "--prefill-chunk-size", 16]
+    server = Server(["--model", dirs["llama"], *flags], tmp_path)
+    try:
+        want, n = mlxc_generate(dirs["llama"], LONG, "--max-tokens", 12, *flags)
+        # Short prompts so that their decodes overlap; each passes N while it decodes.
+        prompts = [SHORT, "the quick brown fox", " ".join(LONG.split()[:20])]
+        with server.client() as c:
+            body = chat(c, LONG, max_tokens=12).json()
+            assert body["choices"][0]["message"]["content"] == want
+            assert body["usage"]["completion_tokens"] == n
+            alone = [chat(c, p, max_tokens=16, ignore_eos=True).json() for p in prompts]
+            with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+                together = list(
+                    pool.map(lambda p: chat(c, p, max_tokens=16, ignore_eos=True), prompts)
+                )
+        for a, t in zip(alone, together):
+            assert t.status_code == 200, t.text
+            assert t.json()["choices"][0]["message"] == a["choices"][0]["message"]
+        health = server.wait_idle()
+        assert health["pool"]["kv_bits"] == 8 and health["pool"]["trims"]
+        assert health["requests"]["failed"] == 0 and health["pool"]["peak_batched"] >= 2
+    finally:
+        server.close()
