@@ -356,6 +356,10 @@ def _semantic_findings(spec: schema.Spec, rep: _Reporter) -> None:
         in_layers = path[:2] == lbase and path[2:3] != ("repeat",)
         _check_expr(text, layer_scope if in_layers else param_scope, path, rep)
 
+    for i, rule in enumerate(spec.weights.rename):  # per-layer renames: layer scope
+        if rule.when is not None and isinstance(rule.when, str):
+            _check_expr(rule.when, layer_scope, ("weights", "rename", i, "when"), rep)
+
     for part in blocks.PARTS:
         block = getattr(layers, part)
         _check_variants(block, lbase + (part,), rep)

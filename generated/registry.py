@@ -18,6 +18,7 @@ MODEL_TYPES = {
     "mistral3:mistral4": "mistral_small4",
     "mistral4": "mistral4",
     "nemotron-nas": "nemotron_nas",
+    "nemotron_h": "nemotron_h",
     "qwen2": "qwen2",
     "qwen2_5_vl": "qwen2_5_vl",
     "qwen2_vl": "qwen2_vl",

@@ -62,6 +62,8 @@ class CacheKind:
 FULL_KV = CacheKind("full-kv", ("mlxc.runtime.model.cache", "KVCache"))  # trimmed by --max-kv-size
 # Keeps what its sliding window can see, bounded by the window; full KV where it is null.
 WINDOWED_KV = CacheKind("windowed-kv", ("mlxc.runtime.model.cache", "attention_cache"), True)
+# A state-space layer's conv and SSM state: advanced by every token, never trimmed or reset.
+RECURRENT_STATE = CacheKind("recurrent-state", ("mlxc.runtime.model.ssm", "RecurrentCache"))
 NO_CACHE = CacheKind("none", None)
 
 

@@ -164,6 +164,22 @@ def convert_conv_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 # --- the mixer ----------------------------------------------------------------------------------
 
 
+def time_step_limit(limit: list | tuple | None) -> tuple[float, float]:
+    """A config's ``time_step_limit`` as the clamp's (min, max); None: (0, inf), no clamp.
+
+    transformers 5 writes an infinite bound to config.json as ``{"__float__": "Infinity"}``.
+    """
+
+    def bound(value) -> float:
+        return float(value["__float__"] if isinstance(value, dict) else value)
+
+    if limit is None:
+        return (0.0, math.inf)
+    if len(limit) != 2:
+        raise ValueError(f"time_step_limit must be [min, max], got {limit!r}")
+    return (bound(limit[0]), bound(limit[1]))
+
+
 class GatedRMSNorm(nn.Module):
     """``rms_norm(x * silu(gate))`` over each of ``n_groups`` equal channel groups, times
     ``weight`` (transformers' ``NemotronHRMSNormGated``: the gate before the norm), in float32."""

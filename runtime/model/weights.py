@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -13,7 +14,14 @@ class WeightRules:
     rename: tuple[tuple[str, str], ...] = ()  # (regex, replacement), applied in order
     drop: tuple[str, ...] = ()  # regexes of tensors the model does not use
 
-    def apply(self, weights: dict[str, mx.array], tied_lm_head: bool) -> dict[str, mx.array]:
+    def apply(
+        self,
+        weights: dict[str, mx.array],
+        tied_lm_head: bool,
+        layer_rules: tuple[str, Callable[[int], list[tuple[str, str]]]] | None = None,
+    ) -> dict[str, mx.array]:
+        """``layer_rules``: (the decoder layers' name prefix, e.g. ``model.layers.``, and the
+        renames that hold for layer ``i``), applied after the others to the names under it."""
         drops = [re.compile(p) for p in self.drop]
         if tied_lm_head:
             drops.append(re.compile(r"^lm_head\.weight$"))
@@ -24,5 +32,16 @@ class WeightRules:
                 continue
             for pattern, to in renames:
                 name = pattern.sub(to, name)
+            if layer_rules is not None:
+                name = _layer_renamed(name, *layer_rules)
             out[name] = tensor
         return out
+
+
+def _layer_renamed(name: str, prefix: str, rules: Callable[[int], list[tuple[str, str]]]) -> str:
+    match = re.match(re.escape(prefix) + r"(\d+)\.", name)
+    if match is None:
+        return name
+    for pattern, to in rules(int(match.group(1))):
+        name = re.sub(pattern, to, name)
+    return name
