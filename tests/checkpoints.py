@@ -656,3 +656,11 @@ def nemotron_torch_reference(path, input_ids) -> np.ndarray:
             else sd["lm_head.weight"]
         )
         return (x @ w.T).numpy()
+
+
+def make_nemotron_h(path, seed: int = 0) -> Path:
+    """A hub-format nemotron_h checkpoint (Mamba2, attention and MLP layers) with the factory
+    tokenizer: tests/test_nemotron_h.py's."""
+    from test_nemotron_h import make_nemotron_h
+
+    return make_nemotron_h(path, seed)[1]
