@@ -664,3 +664,11 @@ def make_nemotron_h(path, seed: int = 0) -> Path:
     from test_nemotron_h import make_nemotron_h
 
     return make_nemotron_h(path, seed)[1]
+
+
+def make_jamba(path, seed: int = 0) -> Path:
+    """A hub-format jamba checkpoint (Mamba and attention layers, SwiGLU and routed-expert
+    MLPs) with the factory tokenizer: tests/test_jamba.py's."""
+    from test_jamba import make_jamba
+
+    return make_jamba(path, seed)[1]

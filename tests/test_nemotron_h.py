@@ -6,10 +6,7 @@ the config's time_step_limit, and not at all in decode; the published model read
 (0, inf). The reference here sets the config's limit on its mixers, and mlxc's decode is
 compared with transformers' full forward pass, never with its decode.
 
-Under a bounded cache the attention layers are trimmed (with sinks) and the Mamba2 state is
-not: the reference for that is transformers' forward with each attention layer's mask hiding
-exactly the keys the trims dropped (attention here has no positional encoding, so that is the
-same computation), replayed from the trim rule itself.
+The checks themselves (chunked, decode, decode after trims) are tests/_hybrid.py's.
 """
 
 from __future__ import annotations
@@ -19,20 +16,26 @@ import math
 import sys
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
 import mlxc
-from mlxc.runtime.model.cache import enforce_max_kv
-from mlxc.runtime.model.ssm import RecurrentCache
 
 sys.path.insert(0, str(Path(__file__).parent))
 import checkpoints as ckpt
+from _hybrid import (
+    CHUNK_SIZES,
+    check_chunked,
+    check_decode,
+    check_decode_after_trims,
+    check_state_size_is_constant,
+    close,
+    ours,
+    reference,
+)
 
-ATOL = 1e-4
 PATTERN = "M-M*-M-*M"
 # nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B's config.json keys, sizes shrunk (every key kept).
 HUB_CONFIG = {
@@ -156,25 +159,24 @@ def make_nemotron_h(path, seed: int = 0, pattern: str = PATTERN, naming: str = "
     return hf, path
 
 
-def reference(hf, ids: np.ndarray, attention_mask=None) -> np.ndarray:
-    with torch.no_grad():
-        return hf(input_ids=torch.from_numpy(ids), attention_mask=attention_mask).logits.numpy()
-
-
-def ours(model, ids: np.ndarray, cache) -> np.ndarray:
-    return np.array(model(mx.array(ids), cache=cache))
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    return make_nemotron_h(tmp_path_factory.mktemp("nemotron_h"))
 
 
 @pytest.fixture(scope="module", params=["hub", "tf5"])
-def checkpoint(request, tmp_path_factory):
-    return make_nemotron_h(tmp_path_factory.mktemp("nemotron_h"), naming=request.param)
+def checkpoint(request, hub, tmp_path_factory):
+    """Both namings load (the checks past the logits run on the hub one)."""
+    if request.param == "hub":
+        return hub
+    return make_nemotron_h(tmp_path_factory.mktemp("nemotron_h-tf5"), naming="tf5")
 
 
 def test_logits_match_transformers(checkpoint):
     hf, path = checkpoint
     ids = np.random.default_rng(0).integers(0, ckpt.VOCAB_SIZE, size=(2, 37))
     model = mlxc.load_model(path)
-    np.testing.assert_allclose(ours(model, ids, None), reference(hf, ids), atol=ATOL, rtol=0)
+    close(ours(model, ids, None), reference(hf, ids))
 
 
 def test_each_layer_type_has_its_cache_kind(checkpoint):
@@ -185,76 +187,24 @@ def test_each_layer_type_has_its_cache_kind(checkpoint):
     assert kinds == ["RecurrentCache" if t == "M" else "KVCache" for t in PATTERN if t in "M*"]
 
 
-@pytest.mark.parametrize("size", [1, 2, 3, 7, 64])  # 2 < conv_kernel - 1: splits the kernel
-def test_chunked_prefill_equals_one_pass(checkpoint, size):
-    hf, path = checkpoint
+@pytest.mark.parametrize("size", CHUNK_SIZES)
+def test_chunked_prefill_equals_one_pass(hub, size):
+    hf, path = hub
     ids = np.random.default_rng(1).integers(0, ckpt.VOCAB_SIZE, size=(1, 29))
-    model = mlxc.load_model(path)
-    cache = model.make_cache()
-    parts = [ours(model, ids[:, i : i + size], cache) for i in range(0, ids.shape[1], size)]
-    np.testing.assert_allclose(np.concatenate(parts, axis=1), reference(hf, ids), atol=ATOL)
-    assert all(c.offset == ids.shape[1] for c in cache)
+    check_chunked(mlxc.load_model(path), hf, ids, size)
 
 
-def test_decode_equals_the_full_pass(checkpoint):
-    hf, path = checkpoint
+def test_decode_equals_the_full_pass(hub):
+    hf, path = hub
     ids = np.random.default_rng(2).integers(0, ckpt.VOCAB_SIZE, size=(1, 30))
-    model = mlxc.load_model(path)
-    cache = model.make_cache()
-    parts = [ours(model, ids[:, :17], cache)]
-    parts += [ours(model, ids[:, t : t + 1], cache) for t in range(17, ids.shape[1])]
-    np.testing.assert_allclose(np.concatenate(parts, axis=1), reference(hf, ids), atol=ATOL)
+    check_decode(mlxc.load_model(path), hf, ids, prefill=17)
 
 
-def trimmed_mask(pieces: list[tuple[int, int]], max_kv: int, keep: int) -> torch.Tensor:
-    """The additive mask [1, 1, L, L] of what each query still sees after the trims: the trim
-    rule replayed on key positions (after each piece, the oldest past max_kv go, after the
-    first ``keep`` sinks)."""
-    total = pieces[-1][1]
-    mask = torch.full((1, 1, total, total), -math.inf)
-    live: list[int] = []
-    for a, b in pieces:
-        for p in range(a, b):
-            mask[0, 0, p, live + list(range(a, p + 1))] = 0.0
-        live += list(range(a, b))
-        if len(live) > max_kv:
-            live = live[:keep] + live[keep + len(live) - max_kv :]
-    return mask
-
-
-def test_decode_after_trims_of_the_attention_layers(checkpoint):
-    """--max-kv-size 12 with 2 sinks, prefill in chunks of 5 then decode: the attention layers
-    are trimmed after every chunk and step, the Mamba2 state never is; every logit equals
-    transformers' with the trimmed keys masked out of its attention layers."""
-    hf, path = checkpoint
+def test_decode_after_trims_of_the_attention_layers(hub):
+    hf, path = hub
     ids = np.random.default_rng(3).integers(0, ckpt.VOCAB_SIZE, size=(1, 34))
-    pieces = [(a, min(a + 5, 20)) for a in range(0, 20, 5)]
-    pieces += [(t, t + 1) for t in range(20, ids.shape[1])]
-    model = mlxc.load_model(path)
-    cache, parts, dropped = model.make_cache(), [], 0
-    for a, b in pieces:
-        parts.append(ours(model, ids[:, a:b], cache))
-        dropped += enforce_max_kv(cache, 12, keep=2)
-    assert dropped > 0
-    for c in cache:
-        assert c.offset == ids.shape[1]
-        if isinstance(c, RecurrentCache):
-            assert c.live_len == 0 and c.ssm is not None  # state, not keys: never trimmed
-        else:
-            assert c.live_len == 12
-    mask = {"full_attention": trimmed_mask(pieces, 12, 2), "linear_attention": None}
-    want = reference(hf, ids, attention_mask=mask)
-    np.testing.assert_allclose(np.concatenate(parts, axis=1), want, atol=ATOL, rtol=0)
-    # The guard: the trims change the output (the masked reference is not the plain one).
-    assert np.abs(want - reference(hf, ids))[:, 20:].max() > 1e-2
+    check_decode_after_trims(mlxc.load_model(path), hf, ids)
 
 
-def test_state_stays_constant_in_size(checkpoint):
-    _, path = checkpoint
-    model = mlxc.load_model(path)
-    cache = model.make_cache()
-    ours(model, np.array([[5, 6, 7, 8]]), cache)
-    sizes = [c.nbytes for c in cache if isinstance(c, RecurrentCache)]
-    for t in range(20):
-        ours(model, np.array([[t + 3]]), cache)
-    assert [c.nbytes for c in cache if isinstance(c, RecurrentCache)] == sizes
+def test_state_stays_constant_in_size(hub):
+    check_state_size_is_constant(mlxc.load_model(hub[1]))
