@@ -36,7 +36,7 @@ from _hybrid import (
     reference,
 )
 
-PATTERN = "M-M*-M-*M"
+PATTERN = "M-M*-ME*M"
 # nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B's config.json keys, sizes shrunk (every key kept).
 HUB_CONFIG = {
     "architectures": ["NemotronHForCausalLM"],
@@ -208,3 +208,16 @@ def test_decode_after_trims_of_the_attention_layers(hub):
 
 def test_state_stays_constant_in_size(hub):
     check_state_size_is_constant(mlxc.load_model(hub[1]))
+
+
+@pytest.mark.parametrize("naming", ["hub", "tf5"])
+def test_experts_in_a_latent_width_with_group_limited_routing(tmp_path, naming):
+    """moe_latent_size (routed experts between fc1/fc2_latent_proj, the shared expert on the
+    input) and n_group 3 / topk_group 1 (each token's experts from its best group only)."""
+    hf, path = make_nemotron_h(
+        tmp_path, pattern="ME*E", naming=naming, moe_latent_size=24, n_group=3, topk_group=1
+    )
+    model = mlxc.load_model(path)
+    assert model.model.layers[1].mlp.fc1_latent_proj.weight.shape == (24, 64)
+    ids = np.random.default_rng(5).integers(0, ckpt.VOCAB_SIZE, size=(2, 23))
+    close(ours(model, ids, None), reference(hf, ids))

@@ -28,7 +28,12 @@ class MoE(Block):
     expert_bias: BoolExpr = False  # every expert's gate, up and down have a bias (gpt_oss)
     # silu: down(silu(gate) * up). clamped_swiglu (gpt_oss): gate clamped from above and up both
     # ways at swiglu_limit, then down((up + 1) * gate * sigmoid(swiglu_alpha * gate)).
-    act: Literal["silu", "clamped_swiglu"] = "silu"
+    act: Literal["silu", "clamped_swiglu", "relu2"] = "silu"
+    # false: experts and shared experts without a gate, down(act(up(x))) (nemotron_h)
+    gated: bool = True
+    # The routed experts run in this width, between fc1_latent_proj and fc2_latent_proj
+    # (nemotron_h's moe_latent_size); may be null at run time: the hidden size.
+    latent: IntExpr | None = None
     swiglu_alpha: FloatExpr = 1.702
     swiglu_limit: FloatExpr = 7.0
     # How the checkpoint's fused gate_up_proj holds gate and up along its outputs: the first and
@@ -45,7 +50,7 @@ class MoEKind(BlockKind):
     doc = (
         "routed gated experts: softmax (optionally biased) or sigmoid router, group-limited "
         "top-k, shared experts, silu or clamped SwiGLU (gpt_oss), expert biases, MXFP4 "
-        "checkpoint experts as MLX mxfp4"
+        "checkpoint experts as MLX mxfp4; ungated relu2 experts in a latent width (nemotron_h)"
     )
 
     def ctor(self, b: MoE, gen) -> str:
@@ -68,6 +73,10 @@ class MoEKind(BlockKind):
         if b.act == "clamped_swiglu":
             options.append(f"swiglu_alpha={gen.py(b.swiglu_alpha)}")
             options.append(f"swiglu_limit={gen.py(b.swiglu_limit)}")
+        if not b.gated:
+            options.append("gated=False")
+        if b.latent is not None:
+            options.append(f"latent={gen.py(b.latent)}")
         return (
             f"moe.MoE({gen.py(gen.spec.text.embed.dim)}, {gen.py(b.expert_hidden)}, "
             f"{gen.py(b.experts)}, {gen.py(b.top_k)}, {', '.join(options)})"
@@ -83,8 +92,13 @@ class MoEKind(BlockKind):
             layout += f", gate_up={pyrepr(b.fused_gate_up)}"
         if b.fused_orientation != "by_shape":
             layout += f", fused={pyrepr(b.fused_orientation)}"
+        dim = gen.py(gen.spec.text.embed.dim, args="self.args", layer=False)
+        if b.latent is not None:  # the experts' input width
+            latent = gen.py(b.latent, args="self.args", layer=False)
+            dim = f"{dim} if {latent} is None else {latent}"
         return {
             "moe": {
+                "dim": dim,
                 "hidden": gen.py(b.expert_hidden, args="self.args", layer=False),
                 "experts": gen.py(b.experts, args="self.args", layer=False),
                 "layout": layout,
