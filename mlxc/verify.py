@@ -193,18 +193,21 @@ def verify_module(
     if err > ATOL:
         raise VerifyError(f"chunked prefill + decode differs from one forward pass by {err:.2e}")
     # State layers: the chunks (prefill, continuation, decode steps) carry the state through
-    # exactly as one pass does.
+    # as one pass does. Relative to the state's scale: an SSM state sums many tokens' inputs
+    # (tens here), where the logits' absolute tolerance would measure float32 rounding.
     state_err = 0.0
     for a, b in zip(_states(chunked_cache), _states(full_cache), strict=True):
         if len(a) != len(b):
             raise VerifyError("a recurrent layer holds other state chunked than in one pass")
-        state_err = max([state_err] + [mx.abs(x - y).max().item() for x, y in zip(a, b)])
+        for x, y in zip(a, b):
+            scale = max(1.0, mx.abs(y).max().item())
+            state_err = max(state_err, mx.abs(x - y).max().item() / scale)
     if state_err > ATOL:
         raise VerifyError(f"recurrent state chunked differs from one pass by {state_err:.2e}")
     if _states(full_cache):
         notes.append(
             f"{len(_states(full_cache))} state layers continuous across chunks "
-            f"({state_err:.1e}), untouched by trims"
+            f"({state_err:.1e} relative), untouched by trims"
         )
     fast, _, _ = _run(model, chunks, None, 0, vision)  # string "causal" masks, as in production
     fast_err = max(mx.abs(a - b).max().item() for a, b in zip(fast, reference))
