@@ -305,6 +305,7 @@ def _per_head(m: mx.array, num_heads: int, axis: int = -2) -> mx.array:
     return mx.repeat(m, num_heads // m.shape[axis], axis=axis)
 
 
+@mx.compile  # one fused kernel per decode step where the backend fuses (GPU)
 def ssm_step(x, dt, A, B, C, state):
     """One token of the recurrence (decode). ``x`` ``[b, 1, h, p]``, ``dt`` ``[b, 1, h]``, ``B``
     and ``C`` ``[b, 1, g, n]``, ``state`` ``[b, h, p, n]``; returns ``y`` without the ``D``
@@ -453,7 +454,7 @@ class MambaMixer(nn.Module):
         return self.out_proj(y.astype(x.dtype))
 
 
-@mx.compile
+@mx.compile  # one fused kernel per decode step where the backend fuses (GPU)
 def _selective_step(x, dt, A, B, C, state):
     """One token (decode), one fused kernel: ``x``, ``dt`` ``[b, 1, I]``, ``B``, ``C``
     ``[b, 1, n]``, ``state`` ``[b, I, n]``; ``y`` (no ``D`` term) ``[b, 1, I]``, the new state."""
