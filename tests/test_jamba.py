@@ -70,7 +70,7 @@ HUB_CONFIG = {
     "tie_word_embeddings": False,
     "torch_dtype": "float32",
     "use_cache": True,
-    "use_mamba_kernels": False,
+    "use_mamba_kernels": True,  # as released; transformers 5 ignores it (torch path on a CPU)
     "vocab_size": ckpt.VOCAB_SIZE,
 }
 

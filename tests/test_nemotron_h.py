@@ -93,7 +93,7 @@ HUB_CONFIG = {
     "use_bias": False,
     "use_cache": True,
     "use_conv_bias": True,
-    "use_mamba_kernels": False,
+    "use_mamba_kernels": True,  # as released; transformers 5 ignores it (torch path on a CPU)
     "vocab_size": ckpt.VOCAB_SIZE,
 }
 
