@@ -94,6 +94,9 @@ class Layers(Strict):
     post_norms: bool = False
     attention: AttentionBlock | list[AttentionBlock]
     mlp: MLPBlock | list[MLPBlock]
+    # Each branch's output is multiplied by this before it joins the residual (granite's
+    # residual_multiplier).
+    residual_scale: FloatExpr | None = None
     # DeepStack (qwen3_vl): the tower's extra feature sets are added, one per decoder layer
     # from the first, to that layer's output at the image-token rows.
     deepstack: bool = False
@@ -108,6 +111,7 @@ class Embedding(Strict):
 class LMHead(Strict):
     tied: BoolExpr = False
     softcap: FloatExpr | None = None  # logits -> softcap * tanh(logits / softcap); may be null
+    scale: FloatExpr | None = None  # logits multiplied by it (granite: 1 / logits_scaling)
 
 
 class TextModel(Strict):

@@ -9,6 +9,7 @@ MODEL_TYPES = {
     "gemma3:gemma3_text": "gemma3",
     "gemma3_text": "gemma3_text",
     "gpt_oss": "gpt_oss",
+    "granitemoehybrid": "granitemoehybrid",
     "jamba": "jamba",
     "llama": "llama",
     "ministral3": "ministral3",

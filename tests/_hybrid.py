@@ -1,10 +1,12 @@
-"""What the hybrid (state + attention) tests share: the checks of tests/test_nemotron_h.py and
-tests/test_jamba.py against transformers, and the mask that replays the trims.
+"""What the hybrid (state + attention) tests share: the checks of tests/test_nemotron_h.py,
+tests/test_jamba.py and tests/test_granitemoehybrid.py against transformers, and the mask that
+replays the trims.
 
 Under a bounded cache the attention layers are trimmed (with sinks) and the recurrent state is
 not. The reference for that is transformers' forward with each attention layer's mask hiding
-exactly the keys the trims dropped, replayed from the trim rule itself: both models' attention
-has no positional encoding, so that is the same computation.
+exactly the keys the trims dropped, replayed from the trim rule itself: a kept key keeps the
+position it was written at (RoPE, where there is one, rotated it then), so that is the same
+computation.
 """
 
 from __future__ import annotations

@@ -672,3 +672,11 @@ def make_jamba(path, seed: int = 0) -> Path:
     from test_jamba import make_jamba
 
     return make_jamba(path, seed)[1]
+
+
+def make_granitemoehybrid(path, seed: int = 0) -> Path:
+    """A hub-format granitemoehybrid checkpoint (Mamba2 and attention layers, routed experts
+    plus a shared MLP) with the factory tokenizer: tests/test_granitemoehybrid.py's."""
+    from test_granitemoehybrid import make_granite
+
+    return make_granite(path, seed)[1]

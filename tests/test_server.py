@@ -85,6 +85,7 @@ ARCHS = {
     "mistral4": make_mistral4,
     "nemotron_h": ckpt.make_nemotron_h,
     "jamba": ckpt.make_jamba,
+    "granitemoehybrid": ckpt.make_granitemoehybrid,
 }
 SHORT = "hello world"  # 25 tokens under the chat template: one chunk, nothing trimmed
 LONG = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(12))

@@ -34,6 +34,8 @@ class MoE(Block):
     # The routed experts run in this width, between fc1_latent_proj and fc2_latent_proj
     # (nemotron_h's moe_latent_size); may be null at run time: the hidden size.
     latent: IntExpr | None = None
+    # The shared experts' gate and up as the halves of one input_linear (granite's shared_mlp)
+    shared_fused: bool = False
     swiglu_alpha: FloatExpr = 1.702
     swiglu_limit: FloatExpr = 7.0
     # How the checkpoint's fused gate_up_proj holds gate and up along its outputs: the first and
@@ -77,6 +79,8 @@ class MoEKind(BlockKind):
             options.append("gated=False")
         if b.latent is not None:
             options.append(f"latent={gen.py(b.latent)}")
+        if b.shared_fused:
+            options.append("shared_fused=True")
         return (
             f"moe.MoE({gen.py(gen.spec.text.embed.dim)}, {gen.py(b.expert_hidden)}, "
             f"{gen.py(b.experts)}, {gen.py(b.top_k)}, {', '.join(options)})"

@@ -14,17 +14,20 @@ class SwiGLU(Block):
     hidden: IntExpr
     bias: BoolExpr = False
     act: Literal["silu", "gelu", "gelu_approx", "relu"] = "silu"
+    # gate and up as the halves of one input_linear, down as output_linear (granite)
+    fused: bool = False
 
 
 class SwiGLUKind(BlockKind):
     part = "mlp"
     schema = SwiGLU
-    doc = "gated MLP: silu, gelu, gelu_approx or relu"
+    doc = "gated MLP: silu, gelu, gelu_approx or relu; gate and up fused in one linear (granite)"
 
     def ctor(self, b: SwiGLU, gen) -> str:
         dim, hidden, bias = gen.py(gen.spec.text.embed.dim), gen.py(b.hidden), gen.py(b.bias)
         act = "" if b.act == "silu" else f", act={pyrepr(b.act)}"
-        return f"layers.SwiGLU({dim}, {hidden}, bias={bias}{act})"
+        cls = "FusedSwiGLU" if b.fused else "SwiGLU"
+        return f"layers.{cls}({dim}, {hidden}, bias={bias}{act})"
 
     def runtime_imports(self, b) -> dict[str, set[str]]:
         return {"mlxc.runtime.model": {"layers"}}

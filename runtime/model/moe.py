@@ -19,7 +19,8 @@ Internal parameter layout (what the model's ``sanitize`` must produce), under th
     experts.down_proj.weight         [E, H, I]
     experts.{gate,up}_proj.bias      [E, I]     with ``expert_bias`` (gpt_oss)
     experts.down_proj.bias           [E, H]
-    shared_experts.{gate,up,down}_proj.weight   SwiGLU of width ``shared_hidden`` (ungated: up, down)
+    shared_experts.{gate,up,down}_proj.weight   SwiGLU of width ``shared_hidden`` (ungated: up, down;
+                                                ``shared_fused``: input_linear, output_linear)
     fc1_latent_proj.weight [L, H], fc2_latent_proj.weight [H, L]   with ``latent`` (nemotron_h)
     shared_expert.{gate,up,down}_proj.weight    qwen2_moe style instead (``shared_gate=True``)
     shared_expert_gate.weight        [1, H]     qwen2_moe style
@@ -75,7 +76,7 @@ from functools import partial
 import mlx.core as mx
 from mlx import nn
 
-from mlxc.runtime.model.layers import ACTIVATIONS, MLP, SwiGLU
+from mlxc.runtime.model.layers import ACTIVATIONS, MLP, FusedSwiGLU, SwiGLU
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -325,6 +326,9 @@ class MoE(nn.Module):
                     shared_hidden=[moe_shared_expert_intermediate_size], latent=[moe_latent_size]
                     (the routed experts run in a latent width between fc1_latent_proj and
                     fc2_latent_proj; the shared expert on the input).
+      granitemoehybrid: softmax, norm_topk_prob=True (the softmax of the top-k logits),
+                    shared_hidden=[shared_intermediate_size], shared_fused=True (its shared
+                    MLP's gate and up are one input_linear).
     """
 
     def __init__(
@@ -350,6 +354,7 @@ class MoE(nn.Module):
         swiglu_limit: float = 7.0,
         gated: bool = True,
         latent: int | None = None,
+        shared_fused: bool = False,
     ) -> None:
         super().__init__()
         if scoring not in ("softmax", "sigmoid"):
@@ -386,7 +391,7 @@ class MoE(nn.Module):
             swiglu_limit=swiglu_limit,
             gated=gated,
         )
-        shared = SwiGLU if gated else MLP
+        shared = (FusedSwiGLU if shared_fused else SwiGLU) if gated else MLP
         if shared_hidden and shared_gate:
             self.shared_expert = shared(hidden, shared_hidden, act=act)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
