@@ -331,7 +331,7 @@ def model_context(spec: schema.Spec, source: str, spec_label: str) -> dict:
         ),
         "embed_scale": gen.py_optional(spec.text.embed.scale, layer=False),
         "logit_softcap": gen.py_optional(spec.text.lm_head.softcap, layer=False),
-        "logit_scale": gen.py_optional(spec.text.lm_head.scale, layer=False),
+        "head_scale": gen.py_optional(spec.text.lm_head.scale, layer=False),
         "residual_scale": gen.py_optional(layers.residual_scale, layer=False),
         "tied": tied if isinstance(tied, bool) else gen.py(tied, args="self.args", layer=False),
         "tied_args": gen.py(tied, layer=False),

@@ -92,11 +92,11 @@ class Layers(Strict):
     # Each branch's output is normed too before it joins the residual (Gemma: four norms per
     # layer, named input/post_attention and pre/post_feedforward_layernorm).
     post_norms: bool = False
+    # Each branch's output times it before it joins the residual (MiniCPM's muP depth scale:
+    # scale_depth / num_hidden_layers ** 0.5); may be null.
+    residual_scale: FloatExpr | None = None
     attention: AttentionBlock | list[AttentionBlock]
     mlp: MLPBlock | list[MLPBlock]
-    # Each branch's output is multiplied by this before it joins the residual (granite's
-    # residual_multiplier).
-    residual_scale: FloatExpr | None = None
     # DeepStack (qwen3_vl): the tower's extra feature sets are added, one per decoder layer
     # from the first, to that layer's output at the image-token rows.
     deepstack: bool = False
@@ -111,7 +111,8 @@ class Embedding(Strict):
 class LMHead(Strict):
     tied: BoolExpr = False
     softcap: FloatExpr | None = None  # logits -> softcap * tanh(logits / softcap); may be null
-    scale: FloatExpr | None = None  # logits multiplied by it (granite: 1 / logits_scaling)
+    # The final hidden states times it before the head (MiniCPM: dim_model_base / hidden_size).
+    scale: FloatExpr | None = None
 
 
 class TextModel(Strict):

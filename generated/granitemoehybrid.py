@@ -317,7 +317,7 @@ class Model(nn.Module):
         super().__init__()
         self.args = args
         self.model = TextModel(args)
-        self.logit_scale = 1 / args.logits_scaling
+        self.head_scale = 1 / args.logits_scaling  # the final hidden states, before the head
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
@@ -337,7 +337,7 @@ class Model(nn.Module):
         h = self.model(input_ids, cache)
         if last_only:
             h = h[:, -1:, :]
-        h = h * self.logit_scale  # scales the logits: the head is linear, without a bias
+        h = h * self.head_scale
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
