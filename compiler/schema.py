@@ -148,6 +148,9 @@ class Weights(Strict):
     rename: list[Rename] = Field(default_factory=list)
     # regular expressions of tensors the model does not use
     drop: list[str] = Field(default_factory=list)
+    # Text decoder layers `model.layers.{i}.*` with i at or past this are dropped with a log
+    # line (DeepSeek's multi-token-prediction layers follow the stack: num_hidden_layers).
+    drop_layers_from: IntExpr | None = None
 
 
 class Serves(Strict):

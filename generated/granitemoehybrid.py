@@ -269,6 +269,7 @@ class DecoderLayer(nn.Module):
             self.mlp = layers.FusedSwiGLU(
                 args.hidden_size, args.shared_intermediate_size, bias=False
             )
+        self.residual_scale = args.residual_multiplier  # each branch's output, before the residual
 
         self.residual_scale = args.residual_multiplier  # each branch's output, before the residual
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx import nn
 
-from mlxc.runtime.model import layers, masks, moe, yarn
+from mlxc.runtime.model import latent, layers, masks, moe, yarn
 from mlxc.runtime.model.cache import KVCache
 from mlxc.runtime.model.config import read
 from mlxc.runtime.model.layers import AttentionInputs, attend
@@ -386,6 +386,12 @@ class Model(nn.Module):
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = WEIGHT_RULES.apply(weights, tied_lm_head=self.args.tie_word_embeddings)
+        # mlx-lm's split kv_b_proj (embed_q / unembed_out) -> kv_b_proj, as the model holds it.
+        weights = latent.join_kv_b(
+            weights,
+            qk_nope_head_dim=self.args.qk_nope_head_dim,
+            kv_lora_rank=self.args.kv_lora_rank,
+        )
         # Per-expert, fused or mlx-lm expert tensors -> the stacked layout of moe.MoE.
         weights = moe.convert_expert_weights(
             weights,

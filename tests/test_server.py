@@ -86,6 +86,10 @@ ARCHS = {
     "nemotron_h": ckpt.make_nemotron_h,
     "jamba": ckpt.make_jamba,
     "granitemoehybrid": ckpt.make_granitemoehybrid,
+    "deepseek_v3": lambda path: __import__("test_deepseek_v3").make_server_checkpoint(path),
+    "glm4_moe_lite": lambda path: __import__("test_glm4_moe_lite").make_server_checkpoint(path),
+    "deepseek_v2": lambda path: __import__("test_deepseek_v2").make_server_checkpoint(path),
+    "minicpm3": lambda path: __import__("test_minicpm3").make_server_checkpoint(path),
 }
 SHORT = "hello world"  # 25 tokens under the chat template: one chunk, nothing trimmed
 LONG = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(12))

@@ -68,9 +68,19 @@ class MLAKind(BlockKind):
             "rope": {"param": b.rope.param, "traditional": gen.py(b.rope.traditional)},
         }
 
+    def model_context(self, b: MLA, gen) -> dict:
+        # sanitize() joins mlx-lm's split kv_b_proj (embed_q / unembed_out) back together.
+        return {
+            "mla": {
+                "nope": gen.py(b.qk_nope_head_dim, args="self.args", layer=False),
+                "kv_lora_rank": gen.py(b.kv_lora_rank, args="self.args", layer=False),
+            }
+        }
+
     def runtime_imports(self, b: MLA) -> dict[str, set[str]]:
         return {
-            "mlxc.runtime.model": {"masks", "yarn"},  # yarn: the mla softmax and llama4 scales
+            # yarn: the mla softmax and llama4 scales; latent: mlx-lm's split kv_b_proj
+            "mlxc.runtime.model": {"latent", "masks", "yarn"},
             "mlxc.runtime.model.cache": {"KVCache"},
             "mlxc.runtime.model.layers": {"attend"},
             "mlxc.runtime.model.rope": {"make_rope"},

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
+
+log = logging.getLogger("mlxc.load")
+_TEXT_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -18,10 +22,16 @@ class WeightRules:
         self,
         weights: dict[str, mx.array],
         tied_lm_head: bool,
+        drop_layers_from: int | None = None,
         layer_rules: tuple[str, Callable[[int], list[tuple[str, str]]]] | None = None,
     ) -> dict[str, mx.array]:
-        """``layer_rules``: (the decoder layers' name prefix, e.g. ``model.layers.``, and the
+        """``weights`` renamed, without the dropped tensors. ``drop_layers_from``: decoder layers
+        ``model.layers.{i}.*`` with ``i`` at or past it are not the model's (DeepSeek-style
+        multi-token-prediction layers stored after the stack): dropped, with one log line.
+        ``layer_rules``: (the decoder layers' name prefix, e.g. ``model.layers.``, and the
         renames that hold for layer ``i``), applied after the others to the names under it."""
+        if drop_layers_from is not None:
+            weights = _drop_layers(weights, drop_layers_from)
         drops = [re.compile(p) for p in self.drop]
         if tied_lm_head:
             drops.append(re.compile(r"^lm_head\.weight$"))
@@ -45,3 +55,21 @@ def _layer_renamed(name: str, prefix: str, rules: Callable[[int], list[tuple[str
     for pattern, to in rules(int(match.group(1))):
         name = re.sub(pattern, to, name)
     return name
+
+
+def _drop_layers(weights: dict[str, mx.array], first: int) -> dict[str, mx.array]:
+    kept, dropped = {}, set()
+    for name, tensor in weights.items():
+        m = _TEXT_LAYER.match(name)
+        if m and int(m[1]) >= first:
+            dropped.add(int(m[1]))
+        else:
+            kept[name] = tensor
+    if dropped:
+        n = len(weights) - len(kept)
+        log.info(
+            "dropped %d tensors of layers %s: past the %d decoder layers (multi-token "
+            "prediction), unused here",
+            n, ", ".join(map(str, sorted(dropped))), first,
+        )  # fmt: skip
+    return kept
