@@ -463,13 +463,26 @@ def _selective_step(x, dt, A, B, C, state):
     return y[:, None], state
 
 
-def selective_scan(x, dt, A, B, C, state):
+SCAN_CHUNK = 128  # tokens per parallel scan: bounds its [b, tokens, channels, state] arrays
+
+
+def selective_scan(x, dt, A, B, C, state, chunk: int = SCAN_CHUNK):
     """The recurrence over ``L`` tokens from ``state``, as a parallel prefix scan: each token's
     step is the affine map ``h -> a_t h + u_t`` (``a_t = exp(dt_t A)``, ``u_t = dt_t x_t B_t``),
-    and log2(L) rounds of composing each map with the one ``d`` tokens before it (d = 1, 2,
-    4, ...) leave every token's map from the chunk's start, all tokens at once. The factors are
+    and log2(Q) rounds of composing each map with the one ``d`` tokens before it (d = 1, 2,
+    4, ...) leave every token's map from the start of its chunk of ``Q = chunk`` tokens, all
+    tokens at once; chunks follow each other from the state the last one left. The factors are
     decays in (0, 1], so no round overflows. Shapes as in ``_selective_step`` with ``L`` tokens;
     returns ``y`` (no ``D`` term) ``[b, L, I]`` and the state after the last token."""
+    ys = []
+    for start in range(0, x.shape[1], chunk):
+        part = slice(start, start + chunk)
+        y, state = _scan_chunk(x[:, part], dt[:, part], A, B[:, part], C[:, part], state)
+        ys.append(y)
+    return mx.concatenate(ys, axis=1), state
+
+
+def _scan_chunk(x, dt, A, B, C, state):
     L = x.shape[1]
     a = mx.exp(dt[..., None] * A)  # [b, L, I, n]
     u = (dt * x)[..., None] * B[:, :, None, :]  # [b, L, I, n]
