@@ -175,8 +175,11 @@ def _field_key(model: pydantic.BaseModel, name: str) -> str:
 def _is_expr_field(annotation) -> bool:
     if annotation in EXPR_TYPES:
         return True
-    args = typing.get_args(annotation)
-    return bool(args) and any(_is_expr_field(a) for a in args if a is not type(None))
+    # `IntExpr | None` flattens to int | str | None: an expression field that may be left out.
+    args = set(typing.get_args(annotation)) - {type(None)}
+    if any(args == set(typing.get_args(t)) for t in EXPR_TYPES):
+        return True
+    return bool(args) and any(_is_expr_field(a) for a in args)
 
 
 def _walk_exprs(model: pydantic.BaseModel, path: tuple):

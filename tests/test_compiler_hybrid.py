@@ -54,3 +54,12 @@ def test_per_layer_renames_follow_each_layers_type(tmp_path):
     ])  # fmt: skip
     # A layer the model does not have keeps its name (the strict load then names it).
     assert list(model.sanitize({"backbone.layers.9.mixer.x": w})) == ["model.layers.9.mixer.x"]
+
+
+def test_an_expression_field_that_may_be_left_out_is_linted_too():
+    """`IntExpr | None` fields (moe latent, gqa sliding_window, ...) were skipped by lint: an
+    undefined name there passed lint and failed only when the model was built."""
+    broken = SPEC.replace("latent: moe_latent_size", "latent: moe_latent_width")
+    assert broken != SPEC
+    [finding] = findings(broken)
+    assert finding.startswith("P001 undefined name 'moe_latent_width'")
