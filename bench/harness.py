@@ -75,8 +75,8 @@ def kv_bytes_per_token(cache: list) -> float:
     """
     total = 0.0
     for c in cache:
-        if c is None:
-            continue
+        if c is None or not getattr(c, "holds_keys", True):
+            continue  # recurrent state (mlxc's kind): a fixed size, not per token
         arrays = c.arrays() if hasattr(c, "arrays") else vars(c).values()
         for v in arrays:
             if isinstance(v, mx.array) and v.ndim >= 3 and v.shape[-2] > 0:

@@ -8,6 +8,7 @@ checkpoint is the same on every machine and in every run. No transformers or tor
 Sizes:
   medium (GPU): hidden 2048, 16 layers, realistic head dims, vocab and expert counts
                 (gemma3_text: Gemma-3-1B's widths, 18 layers; qwen3_moe: experts 256 wide;
+                nemotron_h: Nemotron-H-8B's layer mix and Mamba2 widths, 16 layers;
                 deepseek_v3, glm4_moe_lite: their attention widths, experts 512 wide)
   small  (CPU): hidden 1024, 8 layers, vocab 32k, so a CPU run takes minutes
 """
@@ -272,6 +273,62 @@ def _qwen3_moe(size: str) -> dict:
     }
 
 
+def _nemotron_h(size: str) -> dict:
+    # Nemotron-H-8B's layer mix and Mamba2 widths (64-wide heads, state 128, 8 groups, conv 4,
+    # SSD chunks of 128; attention without positional encoding, 128-wide heads, 8 kv heads;
+    # squared-ReLU MLPs) at hidden 2048 with 16 layers: 7 Mamba2, 2 attention, 7 MLP (its
+    # pattern's first 16). small: hidden 1024, 8 layers. Every key of nvidia/Nemotron-H-8B-Base-8K's
+    # config.json.
+    small = size == "small"
+    pattern = "M-M*-M-M" if small else "M-M-M-M*-M-M-M-M"
+    hidden = 1024 if small else 2048
+    return {
+        "architectures": ["NemotronHForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attention_head_dim": 128,
+        "bos_token_id": 1,
+        "chunk_size": 128,
+        "conv_kernel": 4,
+        "eos_token_id": 2,
+        "expand": 2,
+        "head_dim": 128,
+        "hidden_dropout": 0.0,
+        "hidden_size": hidden,
+        "hybrid_override_pattern": pattern,
+        "initializer_range": 0.02,
+        "intermediate_size": 4 * hidden,
+        "layer_norm_epsilon": 1e-05,
+        "mamba_head_dim": 64,
+        "mamba_hidden_act": "silu",
+        "mamba_num_heads": 2 * hidden // 64,
+        "mamba_proj_bias": False,
+        "max_position_embeddings": 8192,
+        "mlp_bias": False,
+        "mlp_hidden_act": "relu2",
+        "model_type": "nemotron_h",
+        "n_groups": 8,
+        "num_attention_heads": hidden // 128,
+        "num_hidden_layers": len(pattern),
+        "num_key_value_heads": 8 if not small else 2,
+        "num_logits_to_keep": 1,
+        "pad_token_id": 0,
+        "rescale_prenorm_residual": True,
+        "residual_in_fp32": False,
+        "rms_norm_eps": 1e-05,
+        "sliding_window": None,
+        "ssm_state_size": 128,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.48.0.dev0",
+        "use_bias": False,
+        "use_cache": True,
+        "use_conv_bias": True,
+        "use_mamba_kernels": True,
+        "vocab_size": 32000 if small else 131072,
+    }
+
+
 def _deepseek_v3(size: str) -> dict:
     # DeepSeek-V3's attention (q LoRA 1536, latent 512, 128 + 64 qk dims, 128 v dims), router
     # (sigmoid with e_score_correction_bias, 8 of 64 experts in 4 of 8 groups, scaling 2.5,
@@ -393,6 +450,7 @@ CONFIGS = {
     "mistral4": _mistral4,
     "gemma3_text": _gemma3_text,
     "qwen3_moe": _qwen3_moe,
+    "nemotron_h": _nemotron_h,
     "deepseek_v3": _deepseek_v3,
     "glm4_moe_lite": _glm4_moe_lite,
 }
@@ -419,6 +477,9 @@ def shapes(cfg: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
     """Hub tensor names and shapes of ``cfg`` (what the HF checkpoint would hold)."""
     mt = cfg["model_type"]
     h, v = cfg["hidden_size"], cfg["vocab_size"]
+    if mt == "nemotron_h":
+        yield from _nemotron_h_shapes(cfg)
+        return
     yield "model.embed_tokens.weight", (v, h)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -476,6 +537,38 @@ def _qwen3_moe_mlp(p: str, cfg: dict):
     yield p + "gate.weight", (cfg["num_experts"], h)
     for e in range(cfg["num_experts"]):
         yield from _swiglu(f"{p}experts.{e}.", h, mi)
+
+
+def _nemotron_h_shapes(cfg: dict):
+    # The hub's names: backbone.*, one `mixer` and one `norm` per layer.
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    yield "backbone.embeddings.weight", (v, h)
+    for i, kind in enumerate(cfg["hybrid_override_pattern"]):
+        p = f"backbone.layers.{i}."
+        yield p + "norm.weight", (h,)
+        if kind == "M":
+            heads, n = cfg["mamba_num_heads"], cfg["ssm_state_size"]
+            inner = heads * cfg["mamba_head_dim"]
+            conv = inner + 2 * cfg["n_groups"] * n
+            yield p + "mixer.in_proj.weight", (inner + conv + heads, h)
+            yield p + "mixer.conv1d.weight", (conv, 1, cfg["conv_kernel"])
+            yield p + "mixer.conv1d.bias", (conv,)
+            yield p + "mixer.dt_bias", (heads,)
+            yield p + "mixer.A_log", (heads,)
+            yield p + "mixer.D", (heads,)
+            yield p + "mixer.norm.weight", (inner,)
+            yield p + "mixer.out_proj.weight", (h, inner)
+        elif kind == "*":
+            nh, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+            yield p + "mixer.q_proj.weight", (nh * hd, h)
+            yield p + "mixer.k_proj.weight", (kv * hd, h)
+            yield p + "mixer.v_proj.weight", (kv * hd, h)
+            yield p + "mixer.o_proj.weight", (h, nh * hd)
+        else:
+            yield p + "mixer.up_proj.weight", (cfg["intermediate_size"], h)
+            yield p + "mixer.down_proj.weight", (h, cfg["intermediate_size"])
+    yield "backbone.norm_f.weight", (h,)
+    yield "lm_head.weight", (v, h)
 
 
 def _mla_layer(p: str, cfg: dict, i: int):

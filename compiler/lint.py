@@ -175,8 +175,11 @@ def _field_key(model: pydantic.BaseModel, name: str) -> str:
 def _is_expr_field(annotation) -> bool:
     if annotation in EXPR_TYPES:
         return True
-    args = typing.get_args(annotation)
-    return bool(args) and any(_is_expr_field(a) for a in args if a is not type(None))
+    # `IntExpr | None` flattens to int | str | None: an expression field that may be left out.
+    args = set(typing.get_args(annotation)) - {type(None)}
+    if any(args == set(typing.get_args(t)) for t in EXPR_TYPES):
+        return True
+    return bool(args) and any(_is_expr_field(a) for a in args)
 
 
 def _walk_exprs(model: pydantic.BaseModel, path: tuple):
@@ -355,6 +358,10 @@ def _semantic_findings(spec: schema.Spec, rep: _Reporter) -> None:
     for path, text in _walk_exprs(spec.text, ("text",)):
         in_layers = path[:2] == lbase and path[2:3] != ("repeat",)
         _check_expr(text, layer_scope if in_layers else param_scope, path, rep)
+
+    for i, rule in enumerate(spec.weights.rename):  # per-layer renames: layer scope
+        if rule.when is not None and isinstance(rule.when, str):
+            _check_expr(rule.when, layer_scope, ("weights", "rename", i, "when"), rep)
 
     for part in blocks.PARTS:
         block = getattr(layers, part)

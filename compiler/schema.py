@@ -138,6 +138,10 @@ class Vision(Strict):
 class Rename(Strict):
     pattern: str  # regular expression over checkpoint tensor names
     to: str
+    # Per layer: the rule applies to the tensors of decoder layer `layer_idx` (names under the
+    # text model's `layers.N.`, after the rules without `when`) where this holds. For
+    # checkpoints whose names depend on the layer's type (nemotron_h's `mixer`).
+    when: BoolExpr | None = None
 
 
 class Weights(Strict):

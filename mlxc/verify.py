@@ -6,7 +6,9 @@ max-kv-size (without and with sink tokens): chunked prefill, a multi-token conti
 steps, ``enforce_max_kv`` after each. It fails on any exception, on an array mask whose width is
 not the live key count (every mask is materialised and checked), on any difference from the
 untrimmed run before the first trim, and when the untrimmed chunked run disagrees with one full
-forward pass or with the fast ``"causal"`` mask path. Last, the server's batched decode: rows of
+forward pass or with the fast ``"causal"`` mask path. Layers whose cache holds state rather
+than keys (a recurrent layer's, ``holds_keys`` false) must end the chunked run with the state
+one forward pass leaves, and no trim may touch that state. Last, the server's batched decode: rows of
 different lengths (one with the image), trimmed, joining and leaving a ``BatchCache``, must give
 each row the logits it gets decoding alone. Where the model's head dims allow it, the chunked,
 trimmed and batched runs are repeated on 4-bit quantised KV caches (``--kv-bits``): chunked
@@ -125,6 +127,11 @@ def _schedule(
     return chunks
 
 
+def _states(cache) -> list[list[mx.array]]:
+    """The arrays of every layer cache that holds state, not keys (recurrent layers)."""
+    return [c.arrays() for c in cache if not c.holds_keys]
+
+
 def _run(
     model,
     chunks,
@@ -132,8 +139,8 @@ def _run(
     keep: int,
     vision: dict | None = None,
     quant: KVQuant | None = None,
-) -> tuple[list[mx.array], int | None]:
-    """Logits per chunk, and the index of the first chunk that ran after a trim."""
+) -> tuple[list[mx.array], int | None, list]:
+    """Logits per chunk, the index of the first chunk that ran after a trim, and the cache."""
     cache = make_caches(model, quant)
     outputs, first_trimmed, offset = [], None, 0
     for i, chunk in enumerate(chunks):
@@ -145,14 +152,20 @@ def _run(
         for c in cache:
             if c.offset != offset:
                 raise VerifyError(f"cache.offset is {c.offset} after {offset} tokens")
+        states = _states(cache)
         if enforce_max_kv(cache, max_kv, keep) and first_trimmed is None:
             first_trimmed = i + 1
+        after = _states(cache)
+        if len(after) != len(states) or any(
+            len(a) != len(b) or not all(x is y for x, y in zip(a, b)) for a, b in zip(states, after)
+        ):
+            raise VerifyError(f"a trim after chunk {i} changed a recurrent layer's state")
         if max_kv is not None and any(c.live_len > max_kv for c in cache if c.trimmable):
             raise VerifyError("a cache is still over max-kv-size after enforce_max_kv")
         for c in cache:
             if c.window is not None and (c.live_len >= c.window or c.held >= c.window + c.slack):
                 raise VerifyError(f"a window-{c.window} cache holds {c.held} keys")
-    return outputs, first_trimmed
+    return outputs, first_trimmed, cache
 
 
 def verify_module(
@@ -172,10 +185,12 @@ def verify_module(
     chunks = _schedule(rng, vocab, image, model)
     notes = [] if vision is None else ["one image in the first chunks"]
     with masks.array_masks() as audit:
-        reference, _ = _run(model, chunks, None, 0, vision)
-        full = model(mx.array(np.concatenate(chunks)[None, :]), **(vision or {}))
+        reference, _, chunked_cache = _run(model, chunks, None, 0, vision)
+        full_cache = model.make_cache()
+        tokens = mx.array(np.concatenate(chunks)[None, :])
+        full = model(tokens, cache=full_cache, **(vision or {}))
         for keep in SINKS:
-            trimmed, first = _run(model, chunks, MAX_KV, keep, vision)
+            trimmed, first, _ = _run(model, chunks, MAX_KV, keep, vision)
             if first is None:
                 raise VerifyError(f"no trim happened with max-kv-size {MAX_KV}")
             for i in range(first):
@@ -193,7 +208,24 @@ def verify_module(
     err = mx.abs(chunked - full).max().item()
     if err > ATOL:
         raise VerifyError(f"chunked prefill + decode differs from one forward pass by {err:.2e}")
-    fast, _ = _run(model, chunks, None, 0, vision)  # string "causal" masks, as in production
+    # State layers: the chunks (prefill, continuation, decode steps) carry the state through
+    # as one pass does. Relative to the state's scale: an SSM state sums many tokens' inputs
+    # (tens here), where the logits' absolute tolerance would measure float32 rounding.
+    state_err = 0.0
+    for a, b in zip(_states(chunked_cache), _states(full_cache), strict=True):
+        if len(a) != len(b):
+            raise VerifyError("a recurrent layer holds other state chunked than in one pass")
+        for x, y in zip(a, b):
+            scale = max(1.0, mx.abs(y).max().item())
+            state_err = max(state_err, mx.abs(x - y).max().item() / scale)
+    if state_err > ATOL:
+        raise VerifyError(f"recurrent state chunked differs from one pass by {state_err:.2e}")
+    if _states(full_cache):
+        notes.append(
+            f"{len(_states(full_cache))} state layers continuous across chunks "
+            f"({state_err:.1e} relative), untouched by trims"
+        )
+    fast, _, _ = _run(model, chunks, None, 0, vision)  # string "causal" masks, as in production
     fast_err = max(mx.abs(a - b).max().item() for a, b in zip(fast, reference))
     if fast_err > ATOL:
         raise VerifyError(f'"causal" fast path differs from array masks by {fast_err:.2e}')
@@ -214,13 +246,13 @@ def _verify_quantized(model, chunks, vision, rng, vocab, image) -> str:
         check_kv_quant(model, KV_QUANT)
     except KVQuantError:
         return f"{KV_QUANT.bits}-bit KV skipped: a head is not a multiple of {KV_QUANT.group_size}"
-    chunked, _ = _run(model, chunks, None, 0, vision, KV_QUANT)
+    chunked, _, _ = _run(model, chunks, None, 0, vision, KV_QUANT)
     ids = mx.array(np.concatenate(chunks)[None, :])
     full = model(ids, cache=make_caches(model, KV_QUANT), **(vision or {}))
     err = mx.abs(mx.concatenate(chunked, axis=1) - full).max().item()
     if err > ATOL:
         raise VerifyError(f"quantised KV: chunked differs from one forward pass by {err:.2e}")
-    trimmed, first = _run(model, chunks, MAX_KV, SINKS[-1], vision, KV_QUANT)
+    trimmed, first, _ = _run(model, chunks, MAX_KV, SINKS[-1], vision, KV_QUANT)
     if first is None or not all(mx.all(mx.isfinite(out)).item() for out in trimmed):
         raise VerifyError("quantised KV: no trim happened, or non-finite logits after one")
     batch_err = _batched_decode_error(model, rng, vocab, vision, image, KV_QUANT)

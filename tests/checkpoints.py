@@ -656,3 +656,27 @@ def nemotron_torch_reference(path, input_ids) -> np.ndarray:
             else sd["lm_head.weight"]
         )
         return (x @ w.T).numpy()
+
+
+def make_nemotron_h(path, seed: int = 0) -> Path:
+    """A hub-format nemotron_h checkpoint (Mamba2, attention and MLP layers) with the factory
+    tokenizer: tests/test_nemotron_h.py's."""
+    from test_nemotron_h import make_nemotron_h
+
+    return make_nemotron_h(path, seed)[1]
+
+
+def make_jamba(path, seed: int = 0) -> Path:
+    """A hub-format jamba checkpoint (Mamba and attention layers, SwiGLU and routed-expert
+    MLPs) with the factory tokenizer: tests/test_jamba.py's."""
+    from test_jamba import make_jamba
+
+    return make_jamba(path, seed)[1]
+
+
+def make_granitemoehybrid(path, seed: int = 0) -> Path:
+    """A hub-format granitemoehybrid checkpoint (Mamba2 and attention layers, routed experts
+    plus a shared MLP) with the factory tokenizer: tests/test_granitemoehybrid.py's."""
+    from test_granitemoehybrid import make_granite
+
+    return make_granite(path, seed)[1]

@@ -233,7 +233,7 @@ def test_a_registered_kinds_labels_and_c001_come_from_it(toy):
 def test_an_unregistered_kind_is_unknown():
     assert "toy" not in blocks.BLOCKS["attention"]
     assert findings(toy_spec()) == [
-        "S004 unknown kind 'toy' (expected 'gqa', 'mla', 'linear', 'none')",
+        "S004 unknown kind 'toy' (expected 'gqa', 'mla', 'linear', 'none', 'mamba2', 'mamba')",
         "L005 a toy block here does not consume 'mask'",
     ]
 
@@ -241,7 +241,14 @@ def test_an_unregistered_kind_is_unknown():
 def test_each_kind_declares_what_its_layers_cache():
     # make_cache is built per layer from these; mlp kinds cache nothing.
     caches = {name: kind.cache.name for name, kind in blocks.BLOCKS["attention"].items()}
-    assert caches == {"gqa": "full-kv", "mla": "full-kv", "linear": "none", "none": "none"}
+    assert caches == {
+        "gqa": "full-kv",
+        "mla": "full-kv",
+        "linear": "none",
+        "none": "none",
+        "mamba2": "recurrent-state",
+        "mamba": "recurrent-state",
+    }
     assert {kind.cache.name for kind in blocks.BLOCKS["mlp"].values()} == {"none"}
 
 

@@ -25,7 +25,7 @@ EXPECTED = {
     "type_error": "type_error.yaml:13:13: S003 'repeat' must be an integer or an expression "
     "string, got a list",
     "unknown_kind": "unknown_kind.yaml:24:17: S004 unknown kind 'swishglu' "
-    "(expected 'swiglu', 'linear', 'none', 'moe')",
+    "(expected 'swiglu', 'linear', 'none', 'moe', 'dense')",
     "variant_fallback": "variant_fallback.yaml:25:9: S005 every variant but the last needs `when`",
     "mask_monotonic": "mask_monotonic.yaml:23:15: L001 mask labelled monotonic-position: after "
     "trim_front the cache returns live_len keys, so a mask sized from offset is wider than K/V "

@@ -239,3 +239,32 @@ def test_conv_weight_conversion():
     assert out["m.in_proj.weight"].shape == (6, 1, 4)  # only conv1d weights
     again = convert_conv_weights(out)  # MLX layout (an mlx-lm conversion) passes unchanged
     assert again["m.conv1d.weight"].shape == (6, 4, 1)
+
+
+def test_selective_scan_in_chunks_equals_one_chunk_and_the_steps():
+    """Mamba (v1)'s parallel scan: any chunking of the tokens gives the state and outputs one
+    chunk does, and both equal the one-token step applied token by token."""
+    from mlxc.runtime.model.ssm import _selective_step, selective_scan
+
+    rng = np.random.default_rng(3)
+    b, L, I, n = 2, 23, 6, 4
+
+    def r(*shape, scale=1.0):
+        return mx.array(scale * rng.standard_normal(shape).astype(np.float32))
+
+    x, B, C, state = r(b, L, I), r(b, L, n), r(b, L, n), r(b, I, n)
+    dt = mx.array(rng.uniform(0.01, 0.5, (b, L, I)).astype(np.float32))
+    A = -mx.array(rng.uniform(0.5, 4.0, (I, n)).astype(np.float32))
+    y, last = selective_scan(x, dt, A, B, C, state)
+    for chunk in (1, 4, 7):
+        yc, lc = selective_scan(x, dt, A, B, C, state, chunk=chunk)
+        _close(yc, y)
+        _close(lc, last)
+    h, steps = state, []
+    for t in range(L):
+        yt, h = _selective_step(
+            x[:, t : t + 1], dt[:, t : t + 1], A, B[:, t : t + 1], C[:, t : t + 1], h
+        )
+        steps.append(yt)
+    _close(mx.concatenate(steps, axis=1), y)
+    _close(h, last)

@@ -81,3 +81,35 @@ def test_verify_catches_batch_positions_without_the_rows_mrope_deltas(monkeypatc
     module = load_source("qwen2_vl_batch", source)
     with pytest.raises(VerifyError, match="batched decode differs"):
         verify_module("qwen2_vl", module, spec.tiny_config, spec.vision.image_token)
+
+
+def test_verify_catches_a_trim_that_resets_recurrent_state(monkeypatch):
+    """A hybrid's state layers: a trim that resets the Mamba2 state fails verify."""
+    from mlxc.runtime.model.ssm import RecurrentCache
+
+    spec, source = _spec("nemotron_h")
+
+    def reset(self, n, keep=0):
+        self.conv = self.ssm = None
+        return n
+
+    # A kind that counted its tokens as live and let --max-kv-size trim them would do this.
+    monkeypatch.setattr(RecurrentCache, "trimmable", True)
+    monkeypatch.setattr(RecurrentCache, "row_live_len", property(lambda self: self.offset))
+    monkeypatch.setattr(RecurrentCache, "trim_front", reset)
+    with pytest.raises(VerifyError, match="changed a recurrent layer's state"):
+        verify_module("nemotron_h", load_source("nemotron_h_reset", source), spec.tiny_config)
+
+
+def test_verify_catches_recurrent_state_that_does_not_carry_across_chunks():
+    """A Mamba2 layer that starts each chunk's SSM state from zero: chunked != one pass."""
+    spec, source = _spec("nemotron_h")
+    broken = source.replace(
+        "return super().__call__(x, cache)",
+        "if cache.ssm is not None:\n"
+        "            cache.ssm = mx.zeros_like(cache.ssm)\n"
+        "        return super().__call__(x, cache)",
+    )
+    assert broken != source
+    with pytest.raises(VerifyError, match="differs from one (forward )?pass"):
+        verify_module("nemotron_h", load_source("nemotron_h_broken", broken), spec.tiny_config)

@@ -39,7 +39,7 @@ SCHEDULES = ((None, 0), (V.MAX_KV, 4))  # untrimmed; trimmed to MAX_KV keeping 4
 def schedule_logits(model, chunks, vision) -> list[mx.array]:
     out = []
     for max_kv, keep in SCHEDULES:
-        logits, _ = V._run(model, chunks, max_kv, keep, vision)
+        logits, _, _ = V._run(model, chunks, max_kv, keep, vision)
         out += logits
     return out
 

@@ -7,7 +7,7 @@ template and its runtime module, plus a ``register`` call.
 
 from __future__ import annotations
 
-from mlxc.compiler.blocks import gqa, linear, mla, moe, none, swiglu
+from mlxc.compiler.blocks import dense, gqa, linear, mamba, mamba2, mla, moe, none, swiglu
 from mlxc.compiler.blocks.base import BlockKind
 
 PARTS = ("attention", "mlp")  # the sublayer slots of a decoder layer (fields of schema.Layers)
@@ -16,8 +16,8 @@ PARTS = ("attention", "mlp")  # the sublayer slots of a decoder layer (fields of
 BLOCKS: dict[str, dict[str, BlockKind]] = {part: {} for part in PARTS}
 
 for _kind in (
-    gqa.KIND, mla.KIND, linear.ATTENTION, none.ATTENTION,
-    swiglu.KIND, linear.MLP, none.MLP, moe.KIND,
+    gqa.KIND, mla.KIND, linear.ATTENTION, none.ATTENTION, mamba2.KIND, mamba.KIND,
+    swiglu.KIND, linear.MLP, none.MLP, moe.KIND, dense.KIND,
 ):  # fmt: skip
     BLOCKS[_kind.part][_kind.kind] = _kind
 

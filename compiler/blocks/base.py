@@ -62,6 +62,8 @@ class CacheKind:
 FULL_KV = CacheKind("full-kv", ("mlxc.runtime.model.cache", "KVCache"))  # trimmed by --max-kv-size
 # Keeps what its sliding window can see, bounded by the window; full KV where it is null.
 WINDOWED_KV = CacheKind("windowed-kv", ("mlxc.runtime.model.cache", "attention_cache"), True)
+# A state-space layer's conv and SSM state: advanced by every token, never trimmed or reset.
+RECURRENT_STATE = CacheKind("recurrent-state", ("mlxc.runtime.model.ssm", "RecurrentCache"))
 NO_CACHE = CacheKind("none", None)
 
 
@@ -79,6 +81,8 @@ class Sharding:
     doc: str = ""  # one line, the comment over the generated call
     by_output: tuple[str, ...] = ()  # all-to-sharded: each rank computes its share of outputs
     by_input: tuple[str, ...] = ()  # sharded-to-all: partial products, summed over the ranks
+    # fused gate|up linears (granite's input_linear): each half split by output, as by_output
+    fused_halves: tuple[str, ...] = ()
     kv: tuple[str, ...] = ()  # split by key/value head; replicated when fewer heads than ranks
     per_head: tuple[str, ...] = ()  # arrays [heads, ...] split by head (gpt-oss sinks)
     heads: tuple[tuple[str, str], ...] = ()  # (module attribute, schema field): divided by N

@@ -29,7 +29,14 @@ class MoE(Block):
     expert_bias: BoolExpr = False  # every expert's gate, up and down have a bias (gpt_oss)
     # silu: down(silu(gate) * up). clamped_swiglu (gpt_oss): gate clamped from above and up both
     # ways at swiglu_limit, then down((up + 1) * gate * sigmoid(swiglu_alpha * gate)).
-    act: Literal["silu", "clamped_swiglu"] = "silu"
+    act: Literal["silu", "clamped_swiglu", "relu2"] = "silu"
+    # false: experts and shared experts without a gate, down(act(up(x))) (nemotron_h)
+    gated: bool = True
+    # The routed experts run in this width, between fc1_latent_proj and fc2_latent_proj
+    # (nemotron_h's moe_latent_size); may be null at run time: the hidden size.
+    latent: IntExpr | None = None
+    # The shared experts' gate and up as the halves of one input_linear (granite's shared_mlp)
+    shared_fused: bool = False
     swiglu_alpha: FloatExpr = 1.702
     swiglu_limit: FloatExpr = 7.0
     # How the checkpoint's fused gate_up_proj holds gate and up along its outputs: the first and
@@ -46,7 +53,7 @@ class MoEKind(BlockKind):
     doc = (
         "routed gated experts: softmax (optionally biased) or sigmoid router, group-limited "
         "top-k, shared experts, silu or clamped SwiGLU (gpt_oss), expert biases, MXFP4 "
-        "checkpoint experts as MLX mxfp4"
+        "checkpoint experts as MLX mxfp4; ungated relu2 experts in a latent width (nemotron_h)"
     )
     sharding = Sharding(
         doc="every expert's width split over the ranks (each rank holds a slice of every "
@@ -61,6 +68,13 @@ class MoEKind(BlockKind):
     )  # fmt: skip
 
     def sharding_of(self, b: MoE) -> Sharding:
+        if b.shared_experts_hidden != 0 and b.shared_fused:  # granite: one fused gate|up
+            return dataclasses.replace(
+                self.sharding,
+                by_output=("experts.gate_proj", "experts.up_proj"),
+                fused_halves=("shared_experts.input_linear",),
+                by_input=("experts.down_proj", "shared_experts.output_linear"),
+            )
         if b.shared_experts_hidden != 0:
             return self.sharding
         routed = [name for name in self.sharding.by_output if not name.startswith("shared_")]
@@ -88,6 +102,12 @@ class MoEKind(BlockKind):
         if b.act == "clamped_swiglu":
             options.append(f"swiglu_alpha={gen.py(b.swiglu_alpha)}")
             options.append(f"swiglu_limit={gen.py(b.swiglu_limit)}")
+        if not b.gated:
+            options.append("gated=False")
+        if b.latent is not None:
+            options.append(f"latent={gen.py(b.latent)}")
+        if b.shared_fused:
+            options.append("shared_fused=True")
         return (
             f"moe.MoE({gen.py(gen.spec.text.embed.dim)}, {gen.py(b.expert_hidden)}, "
             f"{gen.py(b.experts)}, {gen.py(b.top_k)}, {', '.join(options)})"
@@ -103,8 +123,13 @@ class MoEKind(BlockKind):
             layout += f", gate_up={pyrepr(b.fused_gate_up)}"
         if b.fused_orientation != "by_shape":
             layout += f", fused={pyrepr(b.fused_orientation)}"
+        dim = gen.py(gen.spec.text.embed.dim, args="self.args", layer=False)
+        if b.latent is not None:  # the experts' input width
+            latent = gen.py(b.latent, args="self.args", layer=False)
+            dim = f"{dim} if {latent} is None else {latent}"
         return {
             "moe": {
+                "dim": dim,
                 "hidden": gen.py(b.expert_hidden, args="self.args", layer=False),
                 "experts": gen.py(b.experts, args="self.args", layer=False),
                 "layout": layout,

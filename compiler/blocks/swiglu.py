@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 from mlxc.compiler.blocks.base import BlockKind, Sharding
@@ -14,12 +15,14 @@ class SwiGLU(Block):
     hidden: IntExpr
     bias: BoolExpr = False
     act: Literal["silu", "gelu", "gelu_approx", "relu"] = "silu"
+    # gate and up as the halves of one input_linear, down as output_linear (granite)
+    fused: bool = False
 
 
 class SwiGLUKind(BlockKind):
     part = "mlp"
     schema = SwiGLU
-    doc = "gated MLP: silu, gelu, gelu_approx or relu"
+    doc = "gated MLP: silu, gelu, gelu_approx or relu; gate and up fused in one linear (granite)"
     sharding = Sharding(
         doc="hidden width split over the ranks: gate and up by output, down by input",
         by_output=("gate_proj", "up_proj"),
@@ -27,10 +30,23 @@ class SwiGLUKind(BlockKind):
         widths=("hidden",),
     )
 
+    def sharding_of(self, block: SwiGLU) -> Sharding:
+        if not block.fused:
+            return self.sharding
+        return dataclasses.replace(
+            self.sharding,
+            doc="hidden width split over the ranks: each half of the fused gate|up by output, "
+            "the output linear by input",
+            by_output=(),
+            fused_halves=("input_linear",),
+            by_input=("output_linear",),
+        )
+
     def ctor(self, b: SwiGLU, gen) -> str:
         dim, hidden, bias = gen.py(gen.spec.text.embed.dim), gen.py(b.hidden), gen.py(b.bias)
         act = "" if b.act == "silu" else f", act={pyrepr(b.act)}"
-        return f"layers.SwiGLU({dim}, {hidden}, bias={bias}{act})"
+        cls = "FusedSwiGLU" if b.fused else "SwiGLU"
+        return f"layers.{cls}({dim}, {hidden}, bias={bias}{act})"
 
     def runtime_imports(self, b) -> dict[str, set[str]]:
         return {"mlxc.runtime.model": {"layers"}}

@@ -10,7 +10,19 @@ from mlx import nn
 from mlxc.runtime.model import masks
 from mlxc.runtime.model.cache import QuantizedKV
 
-ACTIVATIONS = {"silu": nn.silu, "gelu": nn.gelu, "gelu_approx": nn.gelu_approx, "relu": nn.relu}
+
+def relu2(x: mx.array) -> mx.array:
+    """Squared ReLU (nemotron_h's MLP)."""
+    return mx.square(nn.relu(x))
+
+
+ACTIVATIONS = {
+    "silu": nn.silu,
+    "gelu": nn.gelu,
+    "gelu_approx": nn.gelu_approx,
+    "relu": nn.relu,
+    "relu2": relu2,
+}
 
 
 @dataclass
@@ -149,6 +161,34 @@ class SwiGLU(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FusedSwiGLU(nn.Module):
+    """``output_linear(act(gate) * up)``, gate and up the two halves of ``input_linear``'s
+    outputs (granite's shared MLP, named as transformers names it)."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool = False, act: str = "silu") -> None:
+        super().__init__()
+        self.input_linear = nn.Linear(dim, 2 * hidden, bias=bias)
+        self.output_linear = nn.Linear(hidden, dim, bias=bias)
+        self.act = ACTIVATIONS[act]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        gate, up = mx.split(self.input_linear(x), 2, axis=-1)
+        return self.output_linear(self.act(gate) * up)
+
+
+class MLP(nn.Module):
+    """Non-gated ``down(act(up(x)))`` with Hugging Face parameter names."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool = False, act: str = "relu2") -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        self.act = ACTIVATIONS[act]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(self.act(self.up_proj(x)))
 
 
 class LinearAttention(nn.Module):

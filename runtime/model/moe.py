@@ -14,11 +14,14 @@ Internal parameter layout (what the model's ``sanitize`` must produce), under th
     gate.bias                        [E]        softmax router with ``router_bias`` (gpt_oss)
     gate.e_score_correction_bias     [E]        sigmoid router only (kept float, as mlx-lm)
     experts.gate_proj.weight         [E, I, H]  (out, in) per expert, as nn.Linear stores it
+                                                (none with ``gated=False``: nemotron_h)
     experts.up_proj.weight           [E, I, H]
     experts.down_proj.weight         [E, H, I]
     experts.{gate,up}_proj.bias      [E, I]     with ``expert_bias`` (gpt_oss)
     experts.down_proj.bias           [E, H]
-    shared_experts.{gate,up,down}_proj.weight   SwiGLU of width ``shared_hidden``
+    shared_experts.{gate,up,down}_proj.weight   SwiGLU of width ``shared_hidden`` (ungated: up, down;
+                                                ``shared_fused``: input_linear, output_linear)
+    fc1_latent_proj.weight [L, H], fc2_latent_proj.weight [H, L]   with ``latent`` (nemotron_h)
     shared_expert.{gate,up,down}_proj.weight    qwen2_moe style instead (``shared_gate=True``)
     shared_expert_gate.weight        [1, H]     qwen2_moe style
 
@@ -36,6 +39,8 @@ tf5 = what transformers 5 ``save_pretrained`` writes):
   | fused      | P.gate_up_proj, P.down_proj         | [E,H,2I] [E,I,H]  | qwen3_vl_moe hub;       |
   | in-major   | (+ P.gate_up_proj_bias [E,2I],      |                   | gpt_oss bf16 hub + tf5  |
   |            | P.down_proj_bias [E,H]: gpt_oss)    |                   |                         |
+  | fused,     | P.up_proj, P.down_proj              | [E,I,H] [E,H,I]   | nemotron_h tf5 (its hub |
+  | ungated    | (no ``.weight`` suffix; no gate)    |                   | is per-expert up/down)  |
   | MXFP4      | P.{gate_up,down}_proj_blocks        | [E,2I,H/32,16]    | gpt_oss hub             |
   |            | P.{gate_up,down}_proj_scales        | [E,2I,H/32] and   | (quant_method: mxfp4)   |
   |            | (+ the _bias tensors above)         | [E,H,I/32,16] ... |                         |
@@ -71,7 +76,7 @@ from functools import partial
 import mlx.core as mx
 from mlx import nn
 
-from mlxc.runtime.model.layers import ACTIVATIONS, SwiGLU
+from mlxc.runtime.model.layers import ACTIVATIONS, MLP, FusedSwiGLU, SwiGLU
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -164,7 +169,8 @@ class Experts(nn.Module):
 
     ``act``: a name of ``layers.ACTIVATIONS`` (``glu = act(gate) * up``: SwiGLU for silu) or
     ``clamped_swiglu`` (gpt_oss, with ``swiglu_alpha`` and ``swiglu_limit``). ``bias``: every
-    expert linear has a bias.
+    expert linear has a bias. ``gated=False``: no gate, ``down(act(up(x)))`` (nemotron_h's
+    relu2 experts).
     """
 
     def __init__(
@@ -178,12 +184,18 @@ class Experts(nn.Module):
         bias: bool = False,
         swiglu_alpha: float = 1.702,
         swiglu_limit: float = 7.0,
+        gated: bool = True,
     ) -> None:
         super().__init__()
-        self.gate_proj = ExpertLinear(hidden, intermediate, num_experts, bias)
+        if gated:
+            self.gate_proj = ExpertLinear(hidden, intermediate, num_experts, bias)
         self.up_proj = ExpertLinear(hidden, intermediate, num_experts, bias)
         self.down_proj = ExpertLinear(intermediate, hidden, num_experts, bias)
-        if act == "clamped_swiglu":
+        if not gated and act not in ACTIVATIONS:
+            raise ValueError(f"ungated expert act must be one of {', '.join(ACTIVATIONS)}")
+        if not gated:
+            self.act = ACTIVATIONS[act]
+        elif act == "clamped_swiglu":
             self.glu = partial(clamped_swiglu, alpha=swiglu_alpha, limit=swiglu_limit)
         elif act in ACTIVATIONS:
             self.glu = _gated(ACTIVATIONS[act])
@@ -209,7 +221,10 @@ class Experts(nn.Module):
         else:
             x = x[:, None, None, :]  # [N, 1, 1, H] broadcasts against indices [N, k]
             idx = indices
-        h = self.glu(self.gate_proj(x, idx, do_sort), self.up_proj(x, idx, do_sort))
+        if "gate_proj" in self:
+            h = self.glu(self.gate_proj(x, idx, do_sort), self.up_proj(x, idx, do_sort))
+        else:
+            h = self.act(self.up_proj(x, idx, do_sort))
         y = self.down_proj(h, idx, do_sort)
         if do_sort:
             return y[inverse].reshape(N, k, -1)
@@ -305,6 +320,15 @@ class MoE(nn.Module):
       gpt_oss:      softmax, norm_topk_prob=True (transformers' softmax over the top-k logits is
                     the renormalised top-k of the softmax), router_bias=True, expert_bias=True,
                     act="clamped_swiglu", [swiglu_alpha] (1.702), [swiglu_limit].
+      nemotron_h:   scoring="sigmoid", group_score="top2", [n_group, topk_group],
+                    [norm_topk_prob], [routed_scaling_factor], act="relu2", gated=False (experts
+                    and the shared expert are down(relu2(up(x)))),
+                    shared_hidden=[moe_shared_expert_intermediate_size], latent=[moe_latent_size]
+                    (the routed experts run in a latent width between fc1_latent_proj and
+                    fc2_latent_proj; the shared expert on the input).
+      granitemoehybrid: softmax, norm_topk_prob=True (the softmax of the top-k logits),
+                    shared_hidden=[shared_intermediate_size], shared_fused=True (its shared
+                    MLP's gate and up are one input_linear).
     """
 
     def __init__(
@@ -328,6 +352,9 @@ class MoE(nn.Module):
         expert_bias: bool = False,
         swiglu_alpha: float = 1.702,
         swiglu_limit: float = 7.0,
+        gated: bool = True,
+        latent: int | None = None,
+        shared_fused: bool = False,
     ) -> None:
         super().__init__()
         if scoring not in ("softmax", "sigmoid"):
@@ -350,8 +377,11 @@ class MoE(nn.Module):
             self.gate = SigmoidRouter(hidden, num_experts)
         else:
             self.gate = nn.Linear(hidden, num_experts, bias=router_bias)
+        if latent is not None:
+            self.fc1_latent_proj = nn.Linear(hidden, latent, bias=False)
+            self.fc2_latent_proj = nn.Linear(latent, hidden, bias=False)
         self.experts = Experts(
-            hidden,
+            hidden if latent is None else latent,
             intermediate,
             num_experts,
             act,
@@ -359,12 +389,14 @@ class MoE(nn.Module):
             bias=expert_bias,
             swiglu_alpha=swiglu_alpha,
             swiglu_limit=swiglu_limit,
+            gated=gated,
         )
+        shared = (FusedSwiGLU if shared_fused else SwiGLU) if gated else MLP
         if shared_hidden and shared_gate:
-            self.shared_expert = SwiGLU(hidden, shared_hidden, act=act)
+            self.shared_expert = shared(hidden, shared_hidden, act=act)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         elif shared_hidden:
-            self.shared_experts = SwiGLU(hidden, shared_hidden, act=act)
+            self.shared_experts = shared(hidden, shared_hidden, act=act)
         # Tensor parallelism (runtime.model.parallel): each rank holds a slice of every
         # expert's width, and the block's output is the sum over this group's ranks.
         self.sharding_group: mx.distributed.Group | None = None
@@ -384,8 +416,11 @@ class MoE(nn.Module):
             norm_topk_prob=self.norm_topk_prob,
             routed_scaling_factor=self.routed_scaling_factor,
         )
-        y = self.experts(x, inds)  # [N, k, H]
+        routed = self.fc1_latent_proj(x) if "fc1_latent_proj" in self else x
+        y = self.experts(routed, inds)  # [N, k, H] (or the latent width)
         y = (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+        if "fc2_latent_proj" in self:
+            y = self.fc2_latent_proj(y)
         if "shared_experts" in self:
             y = y + self.shared_experts(x)
         elif "shared_expert" in self:
@@ -400,7 +435,9 @@ class MoE(nn.Module):
 _PER_EXPERT = re.compile(
     r"^((?:.*\.)?experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases|bias)$"
 )
-_FUSED = re.compile(r"^((?:.*\.)?experts)\.(gate_up_proj|down_proj)(|_bias|_blocks|_scales)$")
+_FUSED = re.compile(
+    r"^((?:.*\.)?experts)\.(gate_up_proj|up_proj|down_proj)(|_bias|_blocks|_scales)$"
+)  # up_proj: ungated experts (nemotron_h), fused by transformers 5
 _SWITCH = re.compile(
     r"^((?:.*\.)?)switch_mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases|bias)$"
 )
@@ -437,7 +474,7 @@ def convert_expert_weights(
             out[f"{m[1]}experts.{m[2]}.{m[3]}"] = w
         elif m := _FUSED.match(name):
             prefix, proj, part = m.groups()
-            outs, ins = (2 * I, H) if proj == "gate_up_proj" else (H, I)
+            outs, ins = {"gate_up_proj": (2 * I, H), "up_proj": (I, H), "down_proj": (H, I)}[proj]
             if part == "":
                 w = _as_out_in(name, w, (E, outs, ins), fused == "in_out")
             elif part == "_bias":
@@ -454,7 +491,7 @@ def convert_expert_weights(
                 out[f"{prefix}.gate_proj.{kind}"] = gate
                 out[f"{prefix}.up_proj.{kind}"] = up
             else:
-                out[f"{prefix}.down_proj.{kind}"] = w
+                out[f"{prefix}.{proj}.{kind}"] = w
         else:
             out[name] = w
     for (prefix, proj, kind), by_expert in per_expert.items():

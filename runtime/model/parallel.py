@@ -85,6 +85,7 @@ def shard(
     *,
     by_output: tuple[str, ...] = (),
     by_input: tuple[str, ...] = (),
+    fused_halves: tuple[str, ...] = (),
     kv: tuple[str, ...] = (),
     per_head: tuple[str, ...] = (),
     heads: dict[str, tuple[str, ...]] | None = None,
@@ -95,7 +96,9 @@ def shard(
     """Split ``module`` over the ranks of ``group``, in place.
 
     ``by_output`` / ``by_input``: linears split by output (``all-to-sharded``) or by input
-    (``sharded-to-all``, which all-reduces its output), quantised ones included. ``heads``:
+    (``sharded-to-all``, which all-reduces its output), quantised ones included;
+    ``fused_halves``: linears whose outputs are two halves (a fused gate and up), each half split
+    by output, so every rank holds the matching slices of both. ``heads``:
     module attributes counting heads -> the config.json entries they come from (named in
     errors); each is divided by the ranks. ``kv_heads`` (one attribute): the key/value heads, split as
     the heads when they divide, and otherwise, when fewer than the ranks, replicated: each rank
@@ -124,18 +127,19 @@ def shard(
                 f"ranks nor divide {n} (to be replicated)"
             )
         kv_split = count % n == 0
-    for path in (*by_output, *by_input):
+    for path in (*by_output, *fused_halves, *by_input):
         if (layer := _get(module, path)) is None:
             continue
-        output = path in by_output
-        _check_width(layer, path, output, n, _named("its width", widths))
+        output = path not in by_input
+        segments = 2 if path in fused_halves else 1
+        _check_width(layer, path, output, n * segments, _named("its width", widths))
         sharding = "all-to-sharded" if output else "sharded-to-all"
         if reduces:
-            shard_inplace(layer, sharding, group=group)
+            shard_inplace(layer, sharding, segments=segments, group=group)
             if not output and "bias" in layer and rank != 0:
                 layer.bias = mx.zeros_like(layer.bias)
         else:
-            _set(module, path, shard_linear(layer, sharding, group=group))
+            _set(module, path, shard_linear(layer, sharding, segments=segments, group=group))
     for path in kv:
         if (layer := _get(module, path)) is None:
             continue

@@ -1,11 +1,13 @@
-"""Recurrent state (the cache kind of a state-space layer) and the Mamba2 mixer that uses it.
+"""Recurrent state (the cache kind of a state-space layer) and the Mamba2 and Mamba (v1) mixers
+that use it.
 
 A Mamba2 layer caches no keys: its memory of everything before is a fixed-size state, the last
 ``conv_kernel - 1`` inputs of its depthwise causal convolution and the SSM state
 ``[B, heads, head_dim, state_size]``. Every prefill chunk and decode step advances it; nothing
 ever trims it, since a token cannot be taken back out of a recurrence. A hybrid model
 (nemotron_h) mixes these layers with attention layers whose ordinary KV caches ``--max-kv-size``
-does trim; in the cache list each layer carries its own kind.
+does trim; in the cache list each layer carries its own kind. A Mamba (v1) layer (jamba) holds
+the same two arrays, its SSM state ``[B, channels, state_size]``.
 
 How the state stays out of what is built for attention keys (the ``LayerCache`` protocol):
 
@@ -37,7 +39,8 @@ class _RecurrentState:
     """What the two recurrent kinds share: the state arrays, and no keys (module docstring).
 
     ``conv``: ``[B, conv_kernel - 1, conv_dim]``, the convolution's last inputs (the input
-    dtype); ``ssm``: ``[B, heads, head_dim, state_size]`` float32. Both None before the first
+    dtype); ``ssm``: ``[B, heads, head_dim, state_size]`` float32 (Mamba: ``[B, channels,
+    state_size]``). Both None before the first
     chunk (the mixer starts from zeros, as a causal convolution and a fresh scan do).
     """
 
@@ -164,6 +167,22 @@ def convert_conv_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 # --- the mixer ----------------------------------------------------------------------------------
 
 
+def time_step_limit(limit: list | tuple | None) -> tuple[float, float]:
+    """A config's ``time_step_limit`` as the clamp's (min, max); None: (0, inf), no clamp.
+
+    transformers 5 writes an infinite bound to config.json as ``{"__float__": "Infinity"}``.
+    """
+
+    def bound(value) -> float:
+        return float(value["__float__"] if isinstance(value, dict) else value)
+
+    if limit is None:
+        return (0.0, math.inf)
+    if len(limit) != 2:
+        raise ValueError(f"time_step_limit must be [min, max], got {limit!r}")
+    return (bound(limit[0]), bound(limit[1]))
+
+
 class GatedRMSNorm(nn.Module):
     """``rms_norm(x * silu(gate))`` over each of ``n_groups`` equal channel groups, times
     ``weight`` (transformers' ``NemotronHRMSNormGated``: the gate before the norm), in float32."""
@@ -244,12 +263,7 @@ class Mamba2Mixer(nn.Module):
         z, xBC, dt = mx.split(
             self.in_proj(x), [self.intermediate, self.intermediate + self.conv_dim], axis=-1
         )
-        conv_state = None if cache is None else cache.conv
-        if conv_state is None:  # a causal convolution's zero padding
-            conv_state = mx.zeros((B, self.conv_kernel - 1, self.conv_dim), xBC.dtype)
-        window = mx.concatenate([conv_state, xBC], axis=1)  # [B, K - 1 + L, conv_dim]
-        xBC = nn.silu(self.conv1d(window))  # valid convolution: L outputs
-        new_conv = window[:, window.shape[1] - (self.conv_kernel - 1) :]
+        xBC, new_conv = causal_conv(self.conv1d, xBC, cache)
 
         groups = self.n_groups * self.state_size
         xs, Bm, Cm = mx.split(xBC, [self.intermediate, self.intermediate + groups], axis=-1)
@@ -273,12 +287,25 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(y.astype(x.dtype))
 
 
+def causal_conv(conv1d: nn.Conv1d, x: mx.array, cache) -> tuple[mx.array, mx.array]:
+    """SiLU of the depthwise causal convolution of ``x`` ``[B, L, C]``, continuing from the
+    cache's last ``K - 1`` inputs (zeros for a fresh sequence: the convolution's causal padding);
+    returns the output and the last ``K - 1`` inputs, the cache's next conv state."""
+    K = conv1d.weight.shape[1]
+    state = None if cache is None else cache.conv
+    if state is None:
+        state = mx.zeros((x.shape[0], K - 1, x.shape[-1]), x.dtype)
+    window = mx.concatenate([state, x], axis=1)  # [B, K - 1 + L, C]
+    return nn.silu(conv1d(window)), window[:, window.shape[1] - (K - 1) :]  # valid: L outputs
+
+
 def _per_head(m: mx.array, num_heads: int, axis: int = -2) -> mx.array:
     """Grouped (``groups`` on ``axis``) -> per head: head ``h`` reads group
     ``h // (heads / groups)`` (consecutive heads share a group)."""
     return mx.repeat(m, num_heads // m.shape[axis], axis=axis)
 
 
+@mx.compile  # one fused kernel per decode step where the backend fuses (GPU)
 def ssm_step(x, dt, A, B, C, state):
     """One token of the recurrence (decode). ``x`` ``[b, 1, h, p]``, ``dt`` ``[b, 1, h]``, ``B``
     and ``C`` ``[b, 1, g, n]``, ``state`` ``[b, h, p, n]``; returns ``y`` without the ``D``
@@ -346,3 +373,126 @@ def ssd_scan(x, dt, A, B, C, state, chunk_size: int):
     from_state = (C @ entering[:, :, :-1].swapaxes(-1, -2)) * mx.exp(cum)[..., None]
     y = mx.moveaxis(y + from_state, 1, 3).reshape(b, c * Q, h, p)  # [b, L + pad, h, p]
     return y[:, :L], entering[:, :, -1]
+
+
+# --- Mamba (v1) ---------------------------------------------------------------------------------
+
+
+class MambaMixer(nn.Module):
+    """The Mamba (selective scan) token mixer of a hybrid layer, named as transformers'
+    ``JambaMambaMixer`` (``in_proj``, ``conv1d``, ``x_proj``, ``dt_proj``, ``A_log``, ``D``,
+    ``out_proj``; with ``bc_norm_eps``, Jamba's ``dt_layernorm``, ``b_layernorm`` and
+    ``c_layernorm``).
+
+    ``in_proj`` gives the channels ``x`` and the gate ``z``; ``x`` goes through the depthwise
+    causal convolution (then SiLU); ``x_proj(x)`` gives the time step's low-rank input (``dt_rank``)
+    and ``B``, ``C`` (``state_size`` each, shared by every channel). Per channel ``i`` and state
+    element ``n``, with ``dt = softplus(dt_proj(dt))`` and ``A = -exp(A_log)`` ``[channels, n]``:
+
+        state_t = exp(dt_t A) state_{t-1} + dt_t x_t B_t      y_t = state_t C_t + D x_t
+
+    then ``y * silu(z)`` and ``out_proj``. A prefill chunk runs the recurrence as a parallel
+    scan (``selective_scan``), a decode step as one step; both continue from the cache's state
+    (float32, ``[B, channels, state_size]``) and leave theirs in it.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        state_size: int,
+        conv_kernel: int,
+        dt_rank: int,
+        bias: bool = False,
+        conv_bias: bool = True,
+        bc_norm_eps: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.intermediate, self.state_size, self.dt_rank = intermediate_size, state_size, dt_rank
+        I = intermediate_size
+        self.in_proj = nn.Linear(hidden_size, 2 * I, bias)
+        self.conv1d = nn.Conv1d(I, I, conv_kernel, groups=I, bias=conv_bias)
+        self.x_proj = nn.Linear(I, dt_rank + 2 * state_size, bias=False)
+        self.dt_proj = nn.Linear(dt_rank, I, bias=True)
+        self.A_log = mx.log(
+            mx.broadcast_to(mx.arange(1, state_size + 1, dtype=mx.float32), (I, state_size))
+        )
+        self.D = mx.ones((I,))
+        self.out_proj = nn.Linear(I, hidden_size, bias)
+        if bc_norm_eps is not None:
+            self.dt_layernorm = nn.RMSNorm(dt_rank, eps=bc_norm_eps)
+            self.b_layernorm = nn.RMSNorm(state_size, eps=bc_norm_eps)
+            self.c_layernorm = nn.RMSNorm(state_size, eps=bc_norm_eps)
+
+    def new_cache(self) -> RecurrentCache:
+        return RecurrentCache()
+
+    def __call__(
+        self, x: mx.array, cache: RecurrentCache | BatchRecurrentCache | None = None
+    ) -> mx.array:
+        """``x`` ``[B, L, hidden]`` -> ``[B, L, hidden]``, advancing ``cache`` by ``L`` tokens
+        (None: a whole sequence from zero state, nothing kept)."""
+        B, L, _ = x.shape
+        xs, z = mx.split(self.in_proj(x), 2, axis=-1)
+        xs, new_conv = causal_conv(self.conv1d, xs, cache)
+        dt, Bm, Cm = mx.split(self.x_proj(xs), [self.dt_rank, self.dt_rank + self.state_size], -1)
+        if "dt_layernorm" in self:
+            dt, Bm, Cm = self.dt_layernorm(dt), self.b_layernorm(Bm), self.c_layernorm(Cm)
+        dt = nn.softplus(self.dt_proj(dt).astype(mx.float32))  # [B, L, channels]
+        A = -mx.exp(self.A_log.astype(mx.float32))
+        state = None if cache is None else cache.ssm
+        if state is None:
+            state = mx.zeros((B, self.intermediate, self.state_size), mx.float32)
+        xf, Bm, Cm = xs.astype(mx.float32), Bm.astype(mx.float32), Cm.astype(mx.float32)
+        if L == 1:
+            y, state = _selective_step(xf, dt, A, Bm, Cm, state)
+        else:
+            y, state = selective_scan(xf, dt, A, Bm, Cm, state)
+        if cache is not None:
+            cache.update(new_conv, state, L)
+        y = (y + xf * self.D.astype(mx.float32)) * nn.silu(z.astype(mx.float32))
+        return self.out_proj(y.astype(x.dtype))
+
+
+@mx.compile  # one fused kernel per decode step where the backend fuses (GPU)
+def _selective_step(x, dt, A, B, C, state):
+    """One token (decode), one fused kernel: ``x``, ``dt`` ``[b, 1, I]``, ``B``, ``C``
+    ``[b, 1, n]``, ``state`` ``[b, I, n]``; ``y`` (no ``D`` term) ``[b, 1, I]``, the new state."""
+    state = mx.exp(dt[:, 0, :, None] * A) * state + (dt * x)[:, 0, :, None] * B[:, 0, None, :]
+    y = (state @ C[:, 0, :, None])[..., 0]
+    return y[:, None], state
+
+
+SCAN_CHUNK = 128  # tokens per parallel scan: bounds its [b, tokens, channels, state] arrays
+
+
+def selective_scan(x, dt, A, B, C, state, chunk: int = SCAN_CHUNK):
+    """The recurrence over ``L`` tokens from ``state``, as a parallel prefix scan: each token's
+    step is the affine map ``h -> a_t h + u_t`` (``a_t = exp(dt_t A)``, ``u_t = dt_t x_t B_t``),
+    and log2(Q) rounds of composing each map with the one ``d`` tokens before it (d = 1, 2,
+    4, ...) leave every token's map from the start of its chunk of ``Q = chunk`` tokens, all
+    tokens at once; chunks follow each other from the state the last one left. The factors are
+    decays in (0, 1], so no round overflows. Shapes as in ``_selective_step`` with ``L`` tokens;
+    returns ``y`` (no ``D`` term) ``[b, L, I]`` and the state after the last token."""
+    ys = []
+    for start in range(0, x.shape[1], chunk):
+        part = slice(start, start + chunk)
+        y, state = _scan_chunk(x[:, part], dt[:, part], A, B[:, part], C[:, part], state)
+        ys.append(y)
+    return mx.concatenate(ys, axis=1), state
+
+
+def _scan_chunk(x, dt, A, B, C, state):
+    L = x.shape[1]
+    a = mx.exp(dt[..., None] * A)  # [b, L, I, n]
+    u = (dt * x)[..., None] * B[:, :, None, :]  # [b, L, I, n]
+    d = 1
+    while d < L:
+        # token t composes with token t - d (tokens before the chunk: the identity map)
+        a_before = mx.concatenate([mx.ones_like(a[:, :d]), a[:, :-d]], axis=1)
+        u_before = mx.concatenate([mx.zeros_like(u[:, :d]), u[:, :-d]], axis=1)
+        a, u = a * a_before, a * u_before + u
+        d *= 2
+    h = a * state[:, None] + u  # [b, L, I, n]: the state after each token
+    y = (h @ C[..., None])[..., 0]  # [b, L, I]
+    return y, h[:, -1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -18,11 +19,17 @@ class WeightRules:
     drop: tuple[str, ...] = ()  # regexes of tensors the model does not use
 
     def apply(
-        self, weights: dict[str, mx.array], tied_lm_head: bool, drop_layers_from: int | None = None
+        self,
+        weights: dict[str, mx.array],
+        tied_lm_head: bool,
+        drop_layers_from: int | None = None,
+        layer_rules: tuple[str, Callable[[int], list[tuple[str, str]]]] | None = None,
     ) -> dict[str, mx.array]:
         """``weights`` renamed, without the dropped tensors. ``drop_layers_from``: decoder layers
         ``model.layers.{i}.*`` with ``i`` at or past it are not the model's (DeepSeek-style
-        multi-token-prediction layers stored after the stack): dropped, with one log line."""
+        multi-token-prediction layers stored after the stack): dropped, with one log line.
+        ``layer_rules``: (the decoder layers' name prefix, e.g. ``model.layers.``, and the
+        renames that hold for layer ``i``), applied after the others to the names under it."""
         if drop_layers_from is not None:
             weights = _drop_layers(weights, drop_layers_from)
         drops = [re.compile(p) for p in self.drop]
@@ -35,8 +42,19 @@ class WeightRules:
                 continue
             for pattern, to in renames:
                 name = pattern.sub(to, name)
+            if layer_rules is not None:
+                name = _layer_renamed(name, *layer_rules)
             out[name] = tensor
         return out
+
+
+def _layer_renamed(name: str, prefix: str, rules: Callable[[int], list[tuple[str, str]]]) -> str:
+    match = re.match(re.escape(prefix) + r"(\d+)\.", name)
+    if match is None:
+        return name
+    for pattern, to in rules(int(match.group(1))):
+        name = re.sub(pattern, to, name)
+    return name
 
 
 def _drop_layers(weights: dict[str, mx.array], first: int) -> dict[str, mx.array]:
