@@ -4,13 +4,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
+sys.path.insert(0, str(Path(__file__).parent))  # the toy model lives beside the tests
+import _toy_model as toy
+from checkpoints import write_tokenizer
+
+from mlxc.cli import main
 from mlxc.compiler import build, lint
+from mlxc.runtime.checkpoint import loading
 from mlxc.runtime.checkpoint.user_specs import load_source
 from mlxc.runtime.model.batch import BatchKVCache
 from mlxc.runtime.model.cache import (
@@ -167,15 +177,9 @@ def test_trimmed_verification_needs_the_decode_bound(monkeypatch):
     prompt = repeating_prompt(model)
     kw = {"max_kv_size": 20, "kv_sink": 4, "prefill_chunk_size": 8}
     plain = list(generate_tokens(model, prompt, max_tokens=40, **kw))
-    monkeypatch.setattr(speculative, "_decode_bound", lambda *a: _nothing())
+    monkeypatch.setattr(speculative, "_decode_bound", lambda *a: contextlib.nullcontext())
     got = list(speculative_tokens(model, prompt, PromptLookup(3), max_tokens=40, **kw))
     assert got != plain
-
-
-def _nothing():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def test_windowed_model_without_reserve_cannot_rewind(monkeypatch):
@@ -244,3 +248,45 @@ def test_accept_rule_samples_the_target_distribution(deterministic_drafts):
     # Sampling error of N draws over 5 outcomes: TV ~ 0.01; a wrong rule is off by > 0.1.
     assert _tv(first, p[0]) < 0.02
     assert second.sum() > 3000 and _tv(second, p[1]) < 0.04
+
+
+# --- mlxc generate --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def toy_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setattr(loading, "model_types", lambda: {"toy": toy.__name__})
+    path = toy.write_checkpoint(tmp_path / "ckpt")
+    toy.write_tokenizer(path)
+    return path
+
+
+def generate_cli(*args):
+    return CliRunner().invoke(main, ["generate", *map(str, args)])
+
+
+PROMPT = "abc abd abc abd abc abd abc"
+
+
+@pytest.mark.parametrize("flags", [["--prompt-lookup", "--ngram-size", 2], ["--draft-model", None]])
+def test_cli_speculative_greedy_prints_the_plain_text(toy_checkpoint, flags):
+    flags = [toy_checkpoint if f is None else f for f in flags]
+    common = ["--model", toy_checkpoint, "--prompt", PROMPT, "--max-tokens", 12]
+    common += ["--max-kv-size", 24]
+    plain = generate_cli(*common)
+    spec = generate_cli(*common, *flags, "--num-draft-tokens", 3)
+    assert plain.exit_code == 0 and spec.exit_code == 0, spec.output
+    assert spec.stdout == plain.stdout
+    assert "drafts accepted" in spec.stderr
+
+
+def test_cli_refuses_what_speculation_cannot_do(toy_checkpoint, tmp_path):
+    base = ["--model", toy_checkpoint, "--prompt", PROMPT, "--max-tokens", 4]
+    both = generate_cli(*base, "--prompt-lookup", "--draft-model", toy_checkpoint)
+    assert both.exit_code != 0 and "not both" in both.output
+    top_p = generate_cli(*base, "--prompt-lookup", "--temp", 1, "--top-p", 0.5)
+    assert top_p.exit_code != 0 and "--top-p" in top_p.output
+    other = toy.write_checkpoint(tmp_path / "other")
+    write_tokenizer(other)
+    mismatch = generate_cli(*base, "--draft-model", other)
+    assert mismatch.exit_code == 1 and "another tokenizer vocabulary" in mismatch.output
