@@ -170,14 +170,14 @@ def test_prompt_lookup_greedy_equals_plain(arch, max_kv, sink, quant):
     assert stats.accepted > 0
 
 
-def test_trimmed_verification_needs_the_decode_bound(monkeypatch):
+def test_trimmed_verification_needs_thedecode_bound(monkeypatch):
     """Without the per-query mask, a K+1 forward under --max-kv-size sees keys that one-token
     steps had trimmed: the output drifts from the plain run (what the bound prevents)."""
     model = tiny("llama")
     prompt = repeating_prompt(model)
     kw = {"max_kv_size": 20, "kv_sink": 4, "prefill_chunk_size": 8}
     plain = list(generate_tokens(model, prompt, max_tokens=40, **kw))
-    monkeypatch.setattr(speculative, "_decode_bound", lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(speculative, "decode_bound", lambda *a: contextlib.nullcontext())
     got = list(speculative_tokens(model, prompt, PromptLookup(3), max_tokens=40, **kw))
     assert got != plain
 
@@ -290,3 +290,14 @@ def test_cli_refuses_what_speculation_cannot_do(toy_checkpoint, tmp_path):
     write_tokenizer(other)
     mismatch = generate_cli(*base, "--draft-model", other)
     assert mismatch.exit_code == 1 and "another tokenizer vocabulary" in mismatch.output
+
+
+def test_verify_catches_a_verification_forward_that_ignores_trims(monkeypatch):
+    from mlxc import verify
+
+    path = "specs/llama.yaml"
+    module = load_source("llama", build.render([path]).files["llama.py"])
+    config = lint.check_all([path])[0].spec.tiny_config
+    monkeypatch.setattr(verify, "decode_bound", lambda *a: contextlib.nullcontext())
+    with pytest.raises(verify.VerifyError, match="speculation across trims"):
+        verify.verify_module("llama", module, config)

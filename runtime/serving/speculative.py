@@ -183,7 +183,7 @@ class DraftModel:
         ids, drafts, qs = history[self.seen :], [], []
         for _ in range(k):
             # Untrimmed until acceptance, yet seeing what trimmed decode steps would see.
-            with _decode_bound(self.trimmable, self.max_kv_size, self.kv_sink):
+            with decode_bound(self.trimmable, self.max_kv_size, self.kv_sink):
                 logits = self.model(mx.array([ids], dtype=mx.int32), cache=self.cache)
             logits = logits[0, -1:]
             if temp == 0:
@@ -213,7 +213,7 @@ class DraftModel:
 
 
 @contextlib.contextmanager
-def _decode_bound(caches: list, max_kv_size: int | None, keep: int):
+def decode_bound(caches: list, max_kv_size: int | None, keep: int):
     """Within it, the trimmable caches mask a multi-token forward as one-token steps."""
     bound = None if max_kv_size is None else (max_kv_size, keep)
     for c in caches:
@@ -329,7 +329,7 @@ def _speculate(
         # The last token is not in the caches yet: it leads the verification forward.
         k = min(num_draft_tokens, max_tokens - emitted - 1)
         drafts, q = drafter.propose(history, k, temp, rng)
-        with _decode_bound(trimmable, max_kv_size, kv_sink):
+        with decode_bound(trimmable, max_kv_size, kv_sink):
             logits = forward([history[-1], *drafts])[0]
         if temp == 0:
             new = greedy_accept(mx.argmax(logits, -1).tolist(), drafts)
