@@ -210,6 +210,26 @@ def test_draft_model_greedy_equals_plain(arch, max_kv, draft_seed):
         assert stats.accepted < stats.proposed  # rejections (and rewinds) happened
 
 
+@pytest.mark.parametrize("draft", ["lookup", "model"])
+def test_sampling_near_zero_temperature_is_greedy(draft):
+    """The sampling path (accept/reject against p and q, residual draws) lined up position by
+    position: at temperature 1e-4 p is one-hot on the argmax, so the output is plain greedy."""
+    model = tiny("llama")
+    prompt = repeating_prompt(model)
+    plain = list(generate_tokens(model, prompt, max_tokens=30))
+    # The model drafting for itself: q = p, so every draft is kept.
+    drafter = PromptLookup(3) if draft == "lookup" else DraftModel(model, 3)
+    stats = SpecStats()
+    got = list(
+        speculative_tokens(model, prompt, drafter, max_tokens=30, temp=1e-4, seed=0, stats=stats)
+    )
+    assert got == plain
+    if draft == "lookup":
+        assert 0 < stats.accepted < stats.proposed
+    else:
+        assert stats.accepted == stats.proposed > 0
+
+
 def test_sampling_runs_are_seeded():
     model, draft = tiny("llama"), tiny("llama", 1)
     prompt = repeating_prompt(model)
