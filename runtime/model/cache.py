@@ -28,6 +28,13 @@ class LayerCache(Protocol):
     ``holds_keys`` whether masks are built for it (``SequenceCache.windows``; recurrent state
     holds none), ``batch_layer`` whether and how its rows join a decode batch. The README's
     cache contract lists these members (tests/test_cache.py checks it).
+
+    Optional, for the server's prefix cache (``runtime.serving.prefix_cache``), which snapshots a
+    sequence at its prefill chunk boundaries: ``prefix_block(start)``, copies of what resuming at
+    ``offset`` needs beyond the blocks taken at the earlier boundaries (``start`` the previous
+    one), or None when this cache no longer holds its prefix (a trim dropped tokens); and
+    ``resume(blocks, offset)``, which makes a fresh cache of the kind what it was at ``offset``
+    from its path's blocks, oldest first. A model with a cache lacking them is not cached.
     """
 
     trimmable: ClassVar[bool]
@@ -167,6 +174,19 @@ class KVCache:
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.keys, self.values) if a is not None]
 
+    def prefix_block(self, start: int) -> list[mx.array] | None:
+        """Copies of the keys (and values) of tokens ``[start, offset)``; None once a trim has
+        dropped any token: a prefix is reusable only while held whole from its start."""
+        if self.keys is None or self.live_start:
+            return None
+        return _copies(self.arrays(), start, self.offset)
+
+    def resume(self, blocks: list[list[mx.array]], offset: int) -> None:
+        """Hold tokens ``[0, offset)`` from ``blocks`` (each a ``prefix_block``, oldest first)."""
+        parts = [mx.concatenate(p, axis=2) for p in zip(*blocks)]
+        self.keys, self.values = parts[0], parts[1] if len(parts) > 1 else None
+        self.offset, self.live_start, self.sink = offset, offset - parts[0].shape[2], 0
+
     def live(self) -> tuple[mx.array, mx.array | None]:
         """The live keys and values ``[B, H, live_len, D]`` (what a decode batch's row takes)."""
         start = self.held - self.live_len
@@ -222,10 +242,36 @@ class WindowedKVCache(KVCache):
             self.trim_front(unseen)
         return live_keys, live_values
 
+    def prefix_block(self, start: int) -> list[mx.array]:
+        """Copies of the last keys of ``[start, offset)`` that a later query can see (at most
+        ``window - 1``: what resuming at ``offset`` needs; the buffer holds at least those)."""
+        n = min(self.offset - start, self.window - 1)
+        return _copies(self.arrays(), self.held - n, self.held)
+
+    def resume(self, blocks: list[list[mx.array]], offset: int) -> None:
+        """Hold the last ``window - 1`` tokens before ``offset``, from the newest ``blocks``."""
+        need, newest = min(offset, self.window - 1), []
+        for block in reversed(blocks):
+            newest.insert(0, block)
+            if sum(b[0].shape[2] for b in newest) >= need:
+                break
+        super().resume(newest, offset)
+        for name in ("keys", "values"):
+            buffer = getattr(self, name)
+            if buffer is not None:
+                setattr(self, name, buffer[..., buffer.shape[2] - need :, :])
+        self.live_start = offset - need
+
     def batch_layer(self) -> LayerCache:
         from mlxc.runtime.model.batch import BatchWindowedKVCache  # batch builds on this module
 
         return BatchWindowedKVCache(self.window)
+
+
+def _copies(buffers: list[mx.array], start: int, end: int) -> list[mx.array]:
+    """Tokens ``[start, end)`` of each buffer in buffers of their own: a slice alone would keep
+    the whole buffer alive (and a cache's buffers are rewritten by slice assignment)."""
+    return [mx.contiguous(b[..., start:end, :]) for b in buffers]
 
 
 def attention_cache(window: int | None) -> KVCache:

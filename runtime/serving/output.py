@@ -69,6 +69,7 @@ class SequenceOutput:
         self.prompt_tokens = prompt_tokens
         self.eos_token_ids = eos_token_ids
         self.generated = 0
+        self.cached_tokens = 0  # prompt tokens resumed from the prefix cache (not prefilled)
         self.detok = StreamingDetokenizer(tokenizer)
         self.stops = StopMatcher(params.stop)
 
@@ -98,4 +99,4 @@ class SequenceOutput:
                 reason = "stop"
             else:
                 final_text += self.stops.flush()
-        return Finished(reason, final_text, self.prompt_tokens, self.generated)
+        return Finished(reason, final_text, self.prompt_tokens, self.generated, self.cached_tokens)

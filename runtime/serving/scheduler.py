@@ -72,7 +72,14 @@ from mlxc.runtime.serving.generate import (
     prefill_spans,
 )
 from mlxc.runtime.serving.output import SequenceOutput, StopMatcher
+from mlxc.runtime.serving.prefix_cache import (
+    PrefixCache,
+    cacheable,
+    chunk_key,
+    image_digest,
+)
 from mlxc.runtime.serving.sample import greedy, make_sampler
+from mlxc.runtime.serving.serve_defaults import DEFAULT_PREFIX_CACHE_BYTES
 
 __all__ = [
     "CachePool",
@@ -205,6 +212,15 @@ class _Sequence:
         self.caches = caches
         self.sampler = make_sampler(temp=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
         self.prefilled = 0  # prompt tokens already forwarded
+        self.chunks: list[tuple[int, int]] = []  # its prefill chunks (set at admission)
+        self.first_inputs = request.model_inputs  # for its first forward (vision inputs)
+        # Prefix cache: the trie node at `prefilled` (None: it adds no more nodes), the digest
+        # of its images, whether the prefix it resumed from held every image token, and the
+        # node its last chunk makes, added once that chunk is evaluated.
+        self.prefix_node = None
+        self.image_digest: bytes | None = None
+        self.images_done = False
+        self.pending_node: tuple | None = None
         self.batched = False  # its caches are a row of the pool's decode batch
         self.last_token: int | None = None  # input of the next decode step
         # Its text and events: detokenizer, stop strings, completion tokens.
@@ -230,6 +246,7 @@ class Scheduler:
         prefill_chunk_size: int = 512,
         max_concurrency: int = 8,
         max_queue: int = 64,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     ) -> None:
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
@@ -248,6 +265,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.prefill_chunk_size = prefill_chunk_size
         self.pool = CachePool(model, max_kv_size, kv_sink)
+        # Snapshots of prompts at their chunk boundaries (runtime.serving.prefix_cache).
+        self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
 
         # Waiting requests, slots, counters, the stats snapshot: shared with other threads.
         self._queue = AdmissionQueue(max_concurrency, max_queue)
@@ -354,6 +373,7 @@ class Scheduler:
                 "kv_sink": self.pool.kv_sink,
                 "trims": self.pool.trims,
             },
+            "prefix_cache": snapshot.get("prefix_cache"),
             "requests": counts,
         }
 
@@ -383,6 +403,11 @@ class Scheduler:
         try:
             caches = self.pool.allocate(request.id)
             seq = _Sequence(request, caches, self.tokenizer, self.eos_token_ids)
+            prompt = request.prompt_ids
+            seq.chunks = prefill_chunks(
+                len(prompt), self.prefill_chunk_size, prefill_spans(self.model, prompt)
+            )
+            self._resume(seq)
         except Exception as e:  # noqa: BLE001 - a bad request must not stop the loop
             self.pool.release(request.id)
             request.send(Failed(f"cannot start generation: {e}"))
@@ -391,6 +416,73 @@ class Scheduler:
             return
         self._running.append(seq)
         self._prefill_queue.append(seq)
+
+    def _resume(self, seq: _Sequence) -> None:
+        """Start ``seq`` from the longest cached prefix of its prompt, if any."""
+        if (
+            self.prefix is None
+            or cache_policy(self.model) == "model-owned"
+            or not cacheable(seq.caches)
+        ):
+            return
+        if seq.request.model_inputs:
+            seq.image_digest = image_digest(seq.request.model_inputs)
+        seq.prefix_node = self.prefix.root
+        hit = self.prefix.lookup(seq.request.prompt_ids, seq.chunks, seq.image_digest)
+        if hit is None:
+            return
+        self.prefix.restore(hit, seq.caches)
+        seq.prefilled = seq.output.cached_tokens = hit.tokens
+        seq.prefix_node = hit.node
+        if hit.images_done:  # every image token is in the prefix: no vision inputs to run
+            seq.first_inputs, seq.images_done = None, True
+
+    def _snapshot(self, seq: _Sequence, start: int, end: int) -> list[mx.array]:
+        """Copies of what ``seq``'s caches need to resume at ``end``, the chunk ``[start, end)``
+        just built (lazy: evaluated with it, added to the trie by ``_store``)."""
+        node = seq.prefix_node
+        if node is None:
+            return []
+        phase = self._image_phase(seq)
+        if node.evicted or node.end != start or phase is None:
+            seq.prefix_node = None
+            return []
+        digest = None if phase == "text" else seq.image_digest
+        key = chunk_key(seq.request.prompt_ids, start, end, digest)
+        state = getattr(seq.caches, "rope_state", None) if phase == "done" else None
+        if self.prefix.child(node, key) is not None:  # another request stored it already
+            seq.pending_node = (node, key, end, [], phase != "mid", state)
+            return []
+        blocks = [c.prefix_block(start) for c in seq.caches]
+        if any(b is None for b in blocks):  # a trimmed cache: its prefix is no longer whole
+            seq.prefix_node = None
+            return []
+        seq.pending_node = (node, key, end, blocks, phase != "mid", state)
+        return [a for b in blocks for a in b]
+
+    def _image_phase(self, seq: _Sequence) -> str | None:
+        """Where the prefix stands against the request's image tokens: "text" (none seen: the
+        caches depend on the tokens alone), "mid" (some), "done" (all); None: unknown."""
+        if seq.image_digest is None:
+            return "text"
+        if seq.images_done:
+            return "done"
+        images = getattr(seq.caches, "images", None)
+        if images is None:  # a model that keeps its image features elsewhere: do not guess
+            return None
+        if images.consumed == 0:
+            return "text"
+        return "mid" if images.consumed < images.embeds.shape[0] else "done"
+
+    def _store(self, seq: _Sequence) -> None:
+        """Add the node of ``seq``'s evaluated chunk to the trie (see ``_snapshot``)."""
+        if seq.pending_node is None:
+            return
+        parent, key, end, blocks, resumable, state = seq.pending_node
+        seq.pending_node = None
+        seq.prefix_node = self.prefix.insert(
+            parent, key, end, blocks, resumable=resumable, prompt_state=state
+        )
 
     def _tick(self) -> None:
         for seq in [s for s in self._running if s.request.cancelled]:
@@ -454,6 +546,8 @@ class Scheduler:
         for seq, _, token in built:
             if token is not None:
                 self._read_tokens([seq], token)
+            else:
+                self._store(seq)
 
     def _decode_batch(
         self, rows: list[_Sequence], previous: tuple[list[_Sequence], mx.array] | None
@@ -497,8 +591,9 @@ class Scheduler:
 
     def _forward(self, seq: _Sequence, ids: list[int], **kwargs) -> mx.array:
         inputs = dict(kwargs)
-        if seq.prefilled == 0:  # numpy inputs become MLX arrays here, on the owning thread
-            inputs |= as_model_inputs(seq.request.model_inputs)
+        if seq.first_inputs is not None:  # numpy inputs become MLX arrays here, on this thread
+            inputs |= as_model_inputs(seq.first_inputs)
+            seq.first_inputs = None
         logits = self.model(mx.array([ids], dtype=mx.int32), cache=seq.caches, **inputs)
         self.pool.enforce(seq.caches)  # after every prefill chunk and every decode step
         return logits
@@ -512,13 +607,11 @@ class Scheduler:
         """
         if seq.prefilling:
             prompt = seq.request.prompt_ids
-            spans = prefill_spans(self.model, prompt)
-            chunks = prefill_chunks(len(prompt), self.prefill_chunk_size, spans)
-            start, end = next((a, b) for a, b in chunks if a == seq.prefilled)
+            start, end = next((a, b) for a, b in seq.chunks if a == seq.prefilled)
             if end < len(prompt):
                 self._forward(seq, prompt[start:end])
                 seq.prefilled = end
-                return cache_arrays(seq.caches), None
+                return cache_arrays(seq.caches) + self._snapshot(seq, start, end), None
             logits = self._forward(seq, prompt[start:end], last_only=True)
             seq.prefilled = end
         else:
@@ -554,6 +647,7 @@ class Scheduler:
             "pool_sequences": len(self.pool),
             "pool_batched": len(self.pool.batch_keys),
             "pool_bytes": self.pool.nbytes(),
+            "prefix_cache": None if self.prefix is None else self.prefix.stats(),
         }
         self._queue.publish(snapshot)
 
