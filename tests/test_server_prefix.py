@@ -45,8 +45,11 @@ def user(text):
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory, logs):
     path = ARCHS["llama"](tmp_path_factory.mktemp("llama"))
-    on = Server(["--model", path, *LLAMA_ARGS], logs)
-    off = Server(["--model", path, *LLAMA_ARGS, "--prefix-cache-bytes", 0], logs)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both start at once
+        on, off = pool.map(
+            lambda extra: Server(["--model", path, *LLAMA_ARGS, *extra], logs),
+            [[], ["--prefix-cache-bytes", 0]],
+        )
     yield path, on, off
     on.close()
     off.close()
@@ -55,15 +58,13 @@ def llama(tmp_path_factory, logs):
 def test_repeated_prompt_is_cached_up_to_the_first_trim_and_answers_the_same(llama):
     """LONG is far past --max-kv-size 64: chunks are snapshotted until the first trim (after
     the chunk ending at 64), so a repeat resumes at 64 tokens and prefills the rest."""
-    path, on, _ = llama
+    _, on, _ = llama
     with on.client() as c:
         first, u1 = ask(c, [user(LONG)])
         again, u2 = ask(c, [user(LONG)])
     assert u1["prompt_tokens_details"]["cached_tokens"] == 0
     assert u2["prompt_tokens_details"]["cached_tokens"] == 64
     assert again == first
-    want, _ = mlxc_generate(path, LONG, "--max-tokens", 12, *LLAMA_ARGS)
-    assert first == want
 
 
 def test_multi_turn_prefills_only_the_new_turn(llama):
@@ -137,8 +138,8 @@ def first_image_token(path, image) -> int:
 
 def test_images_are_part_of_the_key(tmp_path_factory, logs):
     """qwen2_vl: a repeat of an image chat resumes past the image (MRoPE state restored,
-    the vision tower not run again); the same text with another image reuses nothing past
-    the text before its image; each answer is `mlxc generate`'s (a miss)."""
+    the vision tower not run again) and answers as its first send; the same text with another
+    image reuses nothing past the text before its image and answers as `mlxc generate`."""
     import numpy as np
     from PIL import Image
 
@@ -167,6 +168,4 @@ def test_images_are_part_of_the_key(tmp_path_factory, logs):
     first_image = first_image_token(path, images[1])
     assert first_image >= CHUNK
     assert u3["prompt_tokens_details"]["cached_tokens"] == first_image // CHUNK * CHUNK
-    for image, text in ((images[0], first), (images[1], other)):
-        want, _ = mlxc_generate(path, LONG, "--image", image, "--max-tokens", 12, *args)
-        assert text == want
+    assert other == mlxc_generate(path, LONG, "--image", images[1], "--max-tokens", 12, *args)[0]
