@@ -1,6 +1,8 @@
 """Server throughput, mlxc against mlx-lm, in one run: ``mlxc serve`` and ``mlx_lm.server`` on
 the same checkpoint, one after the other on this machine, each loaded by ``bench.serve_load``
-at the same concurrency levels; one table with both and the ratios::
+at the same concurrency levels, and the device's ceiling at each level's batch size
+(``bench.ceiling``: one batched decode forward per step of the same checkpoint, no HTTP, no
+scheduler); one table with all three and the ratios::
 
     python -m bench.serve_compare --arch llama --size small --out bench/results/serve-cpu-small
 
@@ -85,6 +87,17 @@ def measure(name: str, command: list[str], port: int, args, log_dir: Path, cwd: 
             proc.kill()
 
 
+def measure_ceiling(model: str, args) -> dict[str, dict[int, float]]:
+    """``bench.ceiling`` in its own process (the servers have exited), at every level."""
+    command = [sys.executable, "-m", "bench.ceiling", "--model", model]
+    command += ["--batch", ",".join(map(str, args.levels)), "--steps", str(args.max_tokens)]
+    command += ["--prompt-tokens", str(args.prompt_words), "--scheduler"]
+    print(f"[ceiling] {' '.join(command)}", file=sys.stderr, flush=True)
+    out = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    return {k: {int(b): x for b, x in v.items()} for k, v in result.items()}
+
+
 def markdown(report: dict) -> str:
     ours, peer = report["mlxc"], report["mlx-lm"]
     lines = [
@@ -93,19 +106,25 @@ def markdown(report: dict) -> str:
         (
             f"`{report['command']}`. Checkpoint: {report['checkpoint']}; completions, streaming, "
             f"{report['max_tokens']} tokens per request, ~{report['prompt_words']}-word prompts, "
-            "every prompt different. Aggregate = completion tokens / wall time of the level."
+            "every prompt different. Aggregate = completion tokens / wall time of the level. "
+            "Ceiling = `bench.ceiling`: one batched decode forward per step at the level's batch "
+            "size (mlx-lm's model, plain KV caches, async_eval), no HTTP, no scheduler. "
+            "Scheduler = mlxc's Scheduler in-process on the same checkpoint, no HTTP."
         ),
         "",
         (
-            "| streams | mlxc tok/s | mlx-lm tok/s | ratio | mlxc TTFT p50 s | mlx-lm TTFT p50 s "
+            "| streams | mlxc tok/s | scheduler tok/s | ceiling tok/s | mlxc / ceiling | "
+            "mlx-lm tok/s | mlxc / mlx-lm | mlxc TTFT p50 s | mlx-lm TTFT p50 s "
             "| errors mlxc / mlx-lm |"
         ),
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for a, b in zip(ours["levels"], peer["levels"]):
         ratio = a["aggregate_tps"] / b["aggregate_tps"] if b["aggregate_tps"] else float("nan")
         lines.append(
-            f"| {a['concurrency']} | {a['aggregate_tps']:.1f} | {b['aggregate_tps']:.1f} | "
+            f"| {a['concurrency']} | {a['aggregate_tps']:.1f} | {a['scheduler_tps']:.1f} | "
+            f"{a['ceiling_tps']:.1f} | "
+            f"**{a['ceiling_ratio']:.2f}** | {b['aggregate_tps']:.1f} | "
             f"**{ratio:.2f}x** | {_num(a['ttft_p50_s'])} | {_num(b['ttft_p50_s'])} | "
             f"{a['errors']} / {b['errors']} |"
         )
@@ -135,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="checkpoint directory (default: write one with bench.models)")
     p.add_argument("--arch", default="llama")
     p.add_argument("--size", default="small", choices=["small", "medium"])
-    p.add_argument("--levels", default="1,4,16", help="concurrent streams, comma-separated")
+    p.add_argument("--levels", default="1,4,16,64", help="concurrent streams, comma-separated")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-words", type=int, default=64)
     p.add_argument("--duration", type=float, default=120.0, help="seconds per level, at most")
@@ -175,6 +194,12 @@ def main(argv: list[str] | None = None) -> int:
             log_dir,
             tmp,
         )
+        ceiling = measure_ceiling(model, args)
+    for level in ours["levels"]:
+        level["ceiling_tps"] = ceiling["ceiling"][level["concurrency"]]
+        level["scheduler_tps"] = ceiling["scheduler"][level["concurrency"]]
+        level["scheduler_ms_per_tick"] = ceiling["scheduler_ms_per_tick"][level["concurrency"]]
+        level["ceiling_ratio"] = level["aggregate_tps"] / level["ceiling_tps"]
     report = {
         "command": "python -m bench.serve_compare " + " ".join(argv or sys.argv[1:]),
         "machine": run.machine("gpu" if args.gpu else "cpu"),

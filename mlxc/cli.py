@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import click
@@ -172,16 +173,28 @@ class _GenerateCommand(click.Command):
 
 
 def _model_option(command):
-    """``--model``, as generate and serve take it."""
+    """``--model``, as generate and serve take it (resolved by :func:`_resolve_model`)."""
     return click.option(
         "--model",
         "model_dir",
         default=None,
-        type=click.Path(exists=True, file_okay=False),
-        help="HF checkpoint directory. Default: the built-in demo checkpoint (a small llama "
-        "with RANDOM weights, written to $MLXC_HOME or ~/.cache/mlxc on first use; no "
-        "download).",
+        metavar="DIR|ORG/NAME",
+        help="HF checkpoint directory, or a Hugging Face hub model id (org/name: its snapshot "
+        "in the hub cache, downloaded when missing; the cache only under HF_HUB_OFFLINE=1). "
+        "Default: the built-in demo checkpoint (a small llama with RANDOM weights, written to "
+        "$MLXC_HOME or ~/.cache/mlxc on first use; no download).",
     )(command)
+
+
+def _resolve_model(model_dir: str) -> tuple[str, str | None]:
+    """``--model``'s checkpoint directory, and the hub id it names (None for a directory)."""
+    from mlxc.runtime.checkpoint.hub import ModelNotFound, resolve_model
+
+    try:
+        path, hub_id = resolve_model(model_dir)
+    except ModelNotFound as e:
+        raise click.BadParameter(str(e), param_hint="'--model'") from None
+    return str(path), hub_id
 
 
 def _cache_options(prefill_chunk_size: int):
@@ -318,6 +331,8 @@ def generate(
         except (OSError, RuntimeError) as e:
             raise _OneLineError(f"cannot write the demo checkpoint: {e}") from e
         click.echo(f"warning: {demo.no_model_warning('generating with', model_dir)}", err=True)
+    else:
+        model_dir, _ = _resolve_model(model_dir)
     pil_images = []
 
     def refuse_images(config, module) -> None:  # before the tokenizer and the weights load
@@ -495,7 +510,25 @@ def generate(
     type=click.Path(exists=True, dir_okay=False),
     help="Jinja chat template file used instead of the tokenizer's.",
 )
-@click.option("--model-id", default=None, help="Model name in the API (default: directory name).")
+@click.option(
+    "--chat-template-args",
+    default=None,
+    metavar="JSON",
+    help="Extra variables of the chat template for every request, as a JSON object (e.g. "
+    "'{\"enable_thinking\": false}'); a request's chat_template_kwargs override them.",
+)
+@click.option(
+    "--reasoning-parser",
+    default=None,
+    type=click.Choice(["deepseek_r1", "qwen3"]),
+    help="Split the model's <think>...</think> text into message.reasoning_content (streamed "
+    "as delta.reasoning_content).",
+)
+@click.option(
+    "--model-id",
+    default=None,
+    help="Model name in the API (default: the hub id, or the directory name).",
+)
 @click.option(
     "--max-body-bytes",
     default=serve_defaults.DEFAULT_MAX_BODY_BYTES,
@@ -528,6 +561,8 @@ def serve(
     allowed_origins,
     api_key,
     chat_template,
+    chat_template_args,
+    reasoning_parser,
     model_id,
     max_body_bytes,
     log_level,
@@ -560,6 +595,7 @@ def serve(
             template = Path(chat_template).read_text()
         except (OSError, UnicodeDecodeError) as e:
             raise _OneLineError(f"cannot read --chat-template {chat_template}: {e}") from e
+    template_args = _json_object(chat_template_args, "--chat-template-args")
 
     # Bind first: a port in use is reported now, not after the model has loaded.
     try:
@@ -579,6 +615,13 @@ def serve(
         model_id = model_id or demo.DEMO_MODEL_ID
         description = demo.DEMO_DESCRIPTION
         log.warning("%s", demo.no_model_warning("serving", model_dir))
+    else:
+        try:
+            model_dir, hub_id = _resolve_model(model_dir)
+        except click.BadParameter:
+            sock.close()
+            raise
+        model_id = model_id or hub_id  # the API names a hub model by its id
     try:
         engine = Engine.from_path(
             model_dir,
@@ -611,6 +654,8 @@ def serve(
         bind_host=host,
         allowed_hosts=_comma_list(allowed_hosts),
         allowed_origins=_comma_list(allowed_origins),
+        chat_template_args=template_args,
+        reasoning_parser=reasoning_parser,
     )
     window = f"max-kv-size {max_kv_size}, kv-sink {kv_sink}" if max_kv_size else "unbounded KV"
     bound_host, bound_port = sock.getsockname()[:2]
@@ -627,6 +672,18 @@ def serve(
         bound_port,
     )
     run(app, sock, log_level=log_level)
+
+
+def _json_object(value: str | None, flag: str) -> dict:
+    if value is None:
+        return {}
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise click.BadParameter(f"not valid JSON: {e}", param_hint=f"'{flag}'") from e
+    if not isinstance(parsed, dict):
+        raise click.BadParameter("must be a JSON object", param_hint=f"'{flag}'")
+    return parsed
 
 
 def _comma_list(value: str) -> tuple[str, ...]:

@@ -10,6 +10,7 @@ server's miss)."""
 from __future__ import annotations
 
 import concurrent.futures
+import re
 
 import pytest
 from test_generate_images import IMAGE_SIZES, build
@@ -97,6 +98,16 @@ def test_hits_decode_in_the_batch_as_alone(llama):
     health = on.wait_idle()
     assert health["requests"]["failed"] == 0 and health["pool"]["peak_batched"] >= 2
     assert health["prefix_cache"]["hits"] >= 4 and health["prefix_cache"]["bytes"] > 0
+    with on.client() as c:
+        text = c.get("/metrics").text
+    counted = {
+        name: float(value)
+        for name, value in re.findall(
+            r"^(mlxc_prefix_cache_hit\w*_total) (\S+)$", text, re.MULTILINE
+        )
+    }
+    assert counted["mlxc_prefix_cache_hits_total"] == health["prefix_cache"]["hits"]
+    assert counted["mlxc_prefix_cache_hit_tokens_total"] == health["prefix_cache"]["hit_tokens"]
 
 
 # --- a sliding-window model ----------------------------------------------------------------------

@@ -263,24 +263,41 @@ class Processor:
 
     # -- text ----------------------------------------------------------------------------
 
-    def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: Sequence[dict],
+        *,
+        add_generation_prompt: bool = True,
+        template_kwargs: dict | None = None,
+    ) -> str:
         """The chat template's text for normalised ``messages`` (``ChatTemplateError``, a
-        ValueError naming the template, when it fails)."""
+        ValueError naming the template, when it fails); ``template_kwargs``: its extra
+        variables."""
         return render_chat_template(
             self.tokenizer,
             messages,
             chat_template=self.chat_template,
             source=self.template_source,
             add_generation_prompt=add_generation_prompt,
+            template_kwargs=template_kwargs,
         )
 
     def _prompt_text(
-        self, messages: list[dict], use_template: bool, add_generation_prompt: bool
+        self,
+        messages: list[dict],
+        use_template: bool,
+        add_generation_prompt: bool,
+        template_kwargs: dict | None = None,
     ) -> tuple[str, bool]:
         """The prompt's text and whether encoding it adds the tokenizer's special tokens."""
         if use_template:
             # The template writes BOS and the other special tokens itself.
-            return self.render(messages, add_generation_prompt=add_generation_prompt), False
+            text = self.render(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                template_kwargs=template_kwargs,
+            )
+            return text, False
         # No template: each message's image placeholders, then its text.
         pieces = []
         for m in messages:
@@ -301,9 +318,10 @@ class Processor:
         *,
         chat_template: bool | None = None,
         add_generation_prompt: bool = True,
+        template_kwargs: dict | None = None,
     ) -> Prompt:
         """Prompt ids and vision inputs for ``messages`` with ``images`` (PIL, in the order of
-        the messages' image parts).
+        the messages' image parts); ``template_kwargs``: the chat template's extra variables.
 
         ``chat_template``: None renders the chat template when there is one; False skips it
         (placeholders before each message's text, the tokenizer's usual BOS); True requires it.
@@ -319,7 +337,9 @@ class Processor:
         use_template = self.has_chat_template if chat_template is None else chat_template
         if use_template and not self.has_chat_template:
             raise ValueError("the tokenizer has no chat template; encode without it")
-        text, special = self._prompt_text(normalized, use_template, add_generation_prompt)
+        text, special = self._prompt_text(
+            normalized, use_template, add_generation_prompt, template_kwargs
+        )
         ids = self._encode(text, special)
         if not images:
             return Prompt(ids)

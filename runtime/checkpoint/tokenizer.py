@@ -110,8 +110,12 @@ def render_chat_template(
     chat_template: str | None = None,
     source: str | None = None,
     add_generation_prompt: bool = True,
+    template_kwargs: dict | None = None,
 ) -> str:
     """The text of ``messages`` through ``chat_template`` (None: the tokenizer's own).
+
+    ``template_kwargs``: extra variables of the template (``enable_thinking``, ...), as
+    ``apply_chat_template`` passes its keyword arguments.
 
     ``source`` names the template in errors (None: the tokenizer's file). Any rendering error
     becomes a :class:`ChatTemplateError`: it is the request's messages meeting the template,
@@ -123,6 +127,7 @@ def render_chat_template(
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            **(template_kwargs or {}),
         )
     except Exception as e:  # jinja TemplateError (raise_exception), TypeError, UndefinedError...
         source = source or tokenizer_template_source(tokenizer)

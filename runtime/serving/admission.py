@@ -45,15 +45,36 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks, tests)
+    # The rest of runtime.serving.sample.SamplingOptions (its defaults change nothing).
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 # A request receives any number of Delta events, then exactly one Finished or Failed.
 
 
 @dataclass
+class TokenLogprob:
+    """A token's log-probability, with the most likely alternatives (when asked)."""
+
+    token: int
+    text: str  # the token decoded alone (runtime.serving.output.token_piece)
+    bytes: list[int]  # its UTF-8 bytes
+    logprob: float
+    # (text, bytes, logprob) of the most likely tokens, most likely first
+    top: list[tuple[str, list[int], float]]
+
+
+@dataclass
 class Delta:
     text: str  # may be "" (a token that ends mid-character, or text held back by `stop`)
     token: int
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 @dataclass

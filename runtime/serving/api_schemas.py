@@ -5,6 +5,8 @@ per-request :class:`Limits` (the ``mlxc serve`` flags of the same names).
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -12,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from mlxc.runtime.serving.sample import MAX_TOP_LOGPROBS
 from mlxc.runtime.serving.scheduler import SamplingParams
 from mlxc.runtime.serving.serve_defaults import (
     DEFAULT_MAX_BODY_BYTES,
@@ -78,10 +81,62 @@ def validation_error(e: ValidationError | RequestValidationError) -> APIError:
 
 # --- request schemas ------------------------------------------------------------------------------
 
+# Request fields this server does not implement and that change what the model must produce:
+# set to anything but the value that means "off", they get 400 naming them (nothing is dropped
+# without a word). name -> (whether the value means "off", why it is refused). When a feature
+# lands, its fields leave this table and become schema fields.
+UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (lambda v: v in (None, 1), "this server returns one choice (n=1)"),
+    "best_of": (lambda v: v in (None, 1), "this server returns one choice (best_of=1)"),
+    "echo": (lambda v: v in (None, False), "the prompt is not echoed"),
+    "suffix": (lambda v: v in (None, ""), "no insertion (suffix) completions"),
+    "tools": (lambda v: not v, "no tool calls yet"),
+    "tool_choice": (lambda v: v in (None, "none", "auto"), "no tool calls yet"),
+    "functions": (lambda v: not v, "no function calls"),
+    "function_call": (lambda v: v in (None, "none", "auto"), "no function calls"),
+    "response_format": (
+        lambda v: v is None or v == {"type": "text"},
+        "no structured output (json_object, json_schema) yet",
+    ),
+    "audio": (lambda v: v is None, "no audio output"),
+    "modalities": (lambda v: v in (None, ["text"]), "text output only"),
+    "prediction": (lambda v: v is None, "no predicted outputs"),
+    "web_search_options": (lambda v: v is None, "no web search"),
+    "verbosity": (lambda v: v is None, "no verbosity control"),
+    # vLLM / llama.cpp extensions with the same effect
+    "min_tokens": (lambda v: v in (None, 0), "no min_tokens"),
+    "bad_words": (lambda v: not v, "no bad_words"),
+    "allowed_token_ids": (lambda v: v is None, "no allowed_token_ids"),
+    "guided_json": (lambda v: v is None, "no guided decoding"),
+    "guided_regex": (lambda v: v is None, "no guided decoding"),
+    "guided_choice": (lambda v: v is None, "no guided decoding"),
+    "guided_grammar": (lambda v: v is None, "no guided decoding"),
+    "structured_outputs": (lambda v: v is None, "no guided decoding"),
+    "grammar": (lambda v: not v, "no grammars"),
+    "json_schema": (lambda v: v is None, "no guided decoding"),
+    "use_beam_search": (lambda v: v in (None, False), "no beam search"),
+    "prompt_logprobs": (lambda v: v is None, "no prompt logprobs"),
+}
+# Fields that change nothing the model produces, accepted and ignored as OpenAI's server does.
+# Any other field this server does not know is refused (400), as OpenAI refuses it.
+IGNORED_FIELDS = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "parallel_tool_calls",  # meaningless without tools (and tools are refused above)
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+    }
+)
+
 
 class _Schema(BaseModel):
-    # Strict: "5" is not an int, 1.0 is not an int, "true" is not a bool. Unknown fields (the
-    # many OpenAI options this server does not use) are ignored.
+    # Strict: "5" is not an int, 1.0 is not an int, "true" is not a bool. Unknown fields of
+    # nested objects (messages, content parts) are ignored; a request's own unknown fields are
+    # checked by SamplingRequest.check_supported.
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
@@ -112,21 +167,36 @@ class StreamOptions(_Schema):
     include_usage: bool = False
 
 
+Penalty = Annotated[float, Field(ge=-2, le=2)]  # OpenAI's range
+
+
 class SamplingRequest(_Schema):
+    # Unknown fields are kept (model_extra) so that check_supported can name them.
+    model_config = ConfigDict(strict=True, extra="allow")
+
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)  # -1 (vLLM) or 0: no top-k filter
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     seed: int | None = Field(default=None, ge=INT64[0], le=INT64[1])
     stop: str | list[str] | None = None
-    n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extension: generate exactly max_tokens tokens
 
+    def logprob_request(self) -> tuple[bool, int]:
+        """(the sampled tokens' logprobs, how many alternatives): per endpoint."""
+        return False, 0
+
     def params(self, max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        logprobs, top_logprobs = self.logprob_request()
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=0.0 if self.temperature is None else self.temperature,
@@ -135,16 +205,44 @@ class SamplingRequest(_Schema):
             seed=self.seed,
             stop=tuple(stop),
             ignore_eos=self.ignore_eos,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
         )
 
-    def check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise APIError(
-                400, f"n={self.n} is not supported: this server returns one choice (n=1)", param="n"
-            )
+    def check_supported(self, vocab_size: int | None = None) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name in IGNORED_FIELDS:
+                continue
+            if name not in UNSUPPORTED_FIELDS:
+                raise APIError(
+                    400,
+                    f"unknown field {name!r}: this server does not support it (it ignores only "
+                    f"{', '.join(sorted(IGNORED_FIELDS))})",
+                    param=name,
+                )
+            off, why = UNSUPPORTED_FIELDS[name]
+            if not off(value):
+                shown = json.dumps(value)
+                shown = shown if len(shown) <= 40 else shown[:37] + "..."
+                raise APIError(400, f"{name}={shown} is not supported: {why}", param=name)
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
+        for key in self.logit_bias or {}:
+            if not (key.isascii() and key.isdigit()) or (
+                vocab_size is not None and int(key) >= vocab_size
+            ):
+                raise APIError(
+                    400,
+                    f"logit_bias key {key!r} is not a token id of this model"
+                    + (f" (0..{vocab_size - 1})" if vocab_size else ""),
+                    param="logit_bias",
+                )
 
     @property
     def include_usage(self) -> bool:
@@ -155,31 +253,39 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's name: extra variables of the chat template (enable_thinking, ...), over the
+    # server's --chat-template-args.
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # reaches the template as `reasoning_effort` (gpt-oss)
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def logprob_request(self) -> tuple[bool, int]:
+        return bool(self.logprobs), self.top_logprobs or 0
+
+    def check_supported(self, vocab_size: int | None = None) -> None:
+        super().check_supported(vocab_size)
         if not self.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(
+                400, "top_logprobs needs logprobs: true (as OpenAI requires)", param="top_logprobs"
+            )
+
+    def template_kwargs(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        """The chat template's extra variables: the server's defaults, then this request's."""
+        kwargs = {**defaults, **(self.chat_template_kwargs or {})}
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+        return kwargs
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool | None = False
-    best_of: int | None = None
+    # Legacy shape: the N most likely alternatives of each token, besides the token itself.
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.logprobs is not None:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
-        if self.echo:
-            raise APIError(400, "echo is not supported", param="echo")
-        if self.best_of not in (None, 1):
-            raise APIError(
-                400, "best_of is not supported (one choice per request)", param="best_of"
-            )
+    def logprob_request(self) -> tuple[bool, int]:
+        return self.logprobs is not None, self.logprobs or 0
 
 
 # --- what one request may ask ---------------------------------------------------------------------

@@ -135,16 +135,21 @@ class Engine:
 
     # Prompt building: called in the worker threads (never on the event loop).
 
-    def encode_chat_with_images(self, messages: list[dict], images: list) -> Prompt:
+    def encode_chat_with_images(
+        self, messages: list[dict], images: list, template_kwargs: dict | None = None
+    ) -> Prompt:
         """Through the processor: prompt ids with the image placeholders expanded, and the
-        vision inputs (numpy; None without images)."""
+        vision inputs (numpy; None without images). ``template_kwargs``: the chat template's
+        extra variables."""
         try:
             with self._prompt_lock:
-                return self.processor.encode(messages, images)
+                return self.processor.encode(messages, images, template_kwargs=template_kwargs)
         except ValueError as e:  # the template (named), or placeholder/image count problems
             raise PromptError(str(e)) from e
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, str]], template_kwargs: dict | None = None
+    ) -> list[int]:
         from mlxc.runtime.checkpoint.tokenizer import OVERRIDE_SOURCE, render_chat_template
 
         tok = self.prompt_tokenizer
@@ -157,13 +162,22 @@ class Engine:
         try:
             with self._prompt_lock:
                 rendered = render_chat_template(
-                    tok, messages, chat_template=self.chat_template, source=source
+                    tok,
+                    messages,
+                    chat_template=self.chat_template,
+                    source=source,
+                    template_kwargs=template_kwargs,
                 )
                 # The template writes BOS and the other special tokens itself (as `mlxc
                 # generate` does): do not add them twice.
                 return list(tok.encode(rendered, add_special_tokens=False))
         except ValueError as e:  # ChatTemplateError names the template
             raise PromptError(str(e)) from e
+
+    def prompt_tail(self, ids: list[int], tokens: int = 8) -> str:
+        """The text of the prompt's last ``tokens`` tokens (what the template left open)."""
+        with self._prompt_lock:
+            return self.prompt_tokenizer.decode(ids[-tokens:])
 
     def encode_text(self, text: str) -> list[int]:
         from mlxc.runtime.checkpoint.tokenizer import encode_prompt

@@ -10,11 +10,49 @@ scheduler thread only (the detokenizer uses the scheduler's tokenizer).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from mlxc.runtime.checkpoint.tokenizer import StreamingDetokenizer
-from mlxc.runtime.serving.admission import Delta, Event, Finished, SamplingParams
+from mlxc.runtime.serving.admission import Delta, Event, Finished, SamplingParams, TokenLogprob
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character that stands for each byte in a token's
+    piece (printable Latin-1 bytes stand for themselves, the others for 256 + n in order)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    kept += range(ord("®"), ord("ÿ") + 1)
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in kept:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+def token_piece(tokenizer: Any, token: int) -> tuple[str, list[int]]:
+    """A token's text and UTF-8 bytes alone (logprobs). A token that is part of a character
+    has no text of its own: its bytes come from its piece (byte-level BPE or SentencePiece byte
+    fallback) and its text is ``bytes:\\xNN...``, as OpenAI writes it."""
+    text = tokenizer.decode([token])
+    if "\ufffd" not in text:
+        return text, list(text.encode("utf-8"))
+    piece = tokenizer.convert_ids_to_tokens(token)
+    raw = None
+    if isinstance(piece, str) and (m := _BYTE_PIECE.fullmatch(piece)):
+        raw = [int(m.group(1), 16)]
+    elif isinstance(piece, str) and piece and all(c in _BYTE_LEVEL for c in piece):
+        raw = [_BYTE_LEVEL[c] for c in piece]
+    if raw is None:
+        return text, list(text.encode("utf-8"))
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
 
 
 class StopMatcher:
@@ -73,7 +111,9 @@ class SequenceOutput:
         self.detok = StreamingDetokenizer(tokenizer)
         self.stops = StopMatcher(params.stop)
 
-    def accept(self, token: int, send: Callable[[Event], None]) -> bool:
+    def accept(
+        self, token: int, send: Callable[[Event], None], logprob: TokenLogprob | None = None
+    ) -> bool:
         """Send this token's events; True when it ended the sequence (Finished was sent)."""
         if token in self.eos_token_ids and not self.params.ignore_eos:
             send(self._finished("stop"))
@@ -84,7 +124,7 @@ class SequenceOutput:
         if hit:
             send(self._finished("stop", final_text=text))
             return True
-        send(Delta(text, token))
+        send(Delta(text, token, logprob))
         if self.generated >= self.params.max_tokens:
             send(self._finished("length"))
             return True

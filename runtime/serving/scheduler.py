@@ -54,6 +54,7 @@ from mlxc.runtime.model.cache import (
     enforce_max_kv,
     trimmable,
 )
+from mlxc.runtime.serving import metrics
 from mlxc.runtime.serving.admission import (
     AdmissionQueue,
     Delta,
@@ -64,6 +65,7 @@ from mlxc.runtime.serving.admission import (
     Request,
     SamplingParams,
     SchedulerStopped,
+    TokenLogprob,
 )
 from mlxc.runtime.serving.generate import (
     DEFAULT_KV_SINK,
@@ -71,14 +73,14 @@ from mlxc.runtime.serving.generate import (
     prefill_chunks,
     prefill_spans,
 )
-from mlxc.runtime.serving.output import SequenceOutput, StopMatcher
+from mlxc.runtime.serving.output import SequenceOutput, StopMatcher, token_piece
 from mlxc.runtime.serving.prefix_cache import (
     PrefixCache,
     cacheable,
     chunk_key,
     image_digest,
 )
-from mlxc.runtime.serving.sample import greedy, make_sampler
+from mlxc.runtime.serving.sample import RowSampler, Sampled, sample_rows
 from mlxc.runtime.serving.serve_defaults import DEFAULT_PREFIX_CACHE_BYTES
 
 __all__ = [
@@ -93,6 +95,7 @@ __all__ = [
     "Scheduler",
     "SchedulerStopped",
     "StopMatcher",
+    "TokenLogprob",
 ]
 
 log = logging.getLogger("mlxc.serve")
@@ -201,6 +204,27 @@ class CachePool:
 # --- scheduler -------------------------------------------------------------------------------
 
 
+def _logprobs(
+    seqs: list[_Sequence], sampled: Sampled, piece: Callable[[int], tuple[str, list[int]]]
+) -> list[TokenLogprob | None]:
+    """Each row's TokenLogprob (None where its request did not ask): one host read."""
+    if sampled.logprobs is None:
+        return [None] * len(seqs)
+    tokens, chosen = sampled.tokens.tolist(), sampled.logprobs.tolist()
+    ids = values = None
+    if sampled.top_ids is not None:
+        ids, values = sampled.top_ids.tolist(), sampled.top_logprobs.tolist()
+    out: list[TokenLogprob | None] = []
+    for b, seq in enumerate(seqs):
+        if not seq.sampler.logprobs:
+            out.append(None)
+            continue
+        k = seq.sampler.top_logprobs
+        top = [(*piece(t), v) for t, v in zip(ids[b][:k], values[b][:k])] if k else []
+        out.append(TokenLogprob(tokens[b], *piece(tokens[b]), chosen[b], top))
+    return out
+
+
 class _Sequence:
     """A running request's generation state (scheduler thread only)."""
 
@@ -210,7 +234,8 @@ class _Sequence:
         p = request.params
         self.request = request
         self.caches = caches
-        self.sampler = make_sampler(temp=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
+        # Its sampling options, random key and penalty state (runtime.serving.sample).
+        self.sampler = RowSampler(p, request.prompt_ids)
         self.prefilled = 0  # prompt tokens already forwarded
         self.chunks: list[tuple[int, int]] = []  # its prefill chunks (set at admission)
         self.first_inputs = request.model_inputs  # for its first forward (vision inputs)
@@ -273,9 +298,11 @@ class Scheduler:
         self._running: list[_Sequence] = []  # scheduler thread only
         self._prefill_queue: deque[_Sequence] = deque()  # round-robin order of prefills
         # The batched decode step queued but not read yet: (its rows, their tokens [B]).
-        self._inflight: tuple[list[_Sequence], mx.array] | None = None
+        self._inflight: tuple[list[_Sequence], Sampled] | None = None
         self._thread: threading.Thread | None = None
         self._done = threading.Event()  # the loop (or the failed load) is over
+        # logprobs' token texts and bytes (scheduler thread)
+        self._token_pieces: dict[int, tuple[str, list[int]]] = {}
 
     # --- any thread ---------------------------------------------------------------------------
 
@@ -433,6 +460,8 @@ class Scheduler:
             return
         self.prefix.restore(hit, seq.caches)
         seq.prefilled = seq.output.cached_tokens = hit.tokens
+        metrics.PREFIX_CACHE_HITS.inc()
+        metrics.PREFIX_CACHE_HIT_TOKENS.inc(hit.tokens)
         seq.prefix_node = hit.node
         if hit.images_done:  # every image token is in the prefix: no vision inputs to run
             seq.first_inputs, seq.images_done = None, True
@@ -510,9 +539,9 @@ class Scheduler:
             by_key = {s.request.id: s for s in self._running}
             rows = [by_key[k] for k in self.pool.batch_keys]
             try:
-                tokens = self._decode_batch(rows, previous)
-                mx.async_eval(tokens)
-                self._inflight = (rows, tokens)
+                sampled = self._decode_batch(rows, previous)
+                mx.async_eval(sampled.arrays())
+                self._inflight = (rows, sampled)
             except Exception as e:  # noqa: BLE001 - ends the batched requests only
                 for seq in rows:
                     self._fail(seq, e)
@@ -520,7 +549,7 @@ class Scheduler:
             self._read_tokens(*previous)
 
         # (sequence, arrays to evaluate, its sampled token [1] or None)
-        built: list[tuple[_Sequence, list[mx.array], mx.array | None]] = []
+        built: list[tuple[_Sequence, list[mx.array], Sampled | None]] = []
         for seq in work:
             try:
                 arrays, token = self._advance(seq)
@@ -550,14 +579,14 @@ class Scheduler:
                 self._store(seq)
 
     def _decode_batch(
-        self, rows: list[_Sequence], previous: tuple[list[_Sequence], mx.array] | None
-    ) -> mx.array:
+        self, rows: list[_Sequence], previous: tuple[list[_Sequence], Sampled] | None
+    ) -> Sampled:
         """Build (lazily) one decode step of every batched sequence: their tokens ``[B]``.
 
         A row's input is its token in ``previous`` (the step in flight, not read yet) or, for a
         row that joined since, its first token, read when its prefill ended.
         """
-        carried, pending = ([], None) if previous is None else previous
+        carried, pending = ([], None) if previous is None else (previous[0], previous[1].tokens)
         where = {id(seq): i for i, seq in enumerate(carried)}  # row -> index into `inputs`
         joined = [seq for seq in rows if id(seq) not in where]
         where |= {id(seq): len(carried) + j for j, seq in enumerate(joined)}
@@ -567,27 +596,33 @@ class Scheduler:
         ids = inputs[mx.array([where[id(seq)] for seq in rows])][:, None]
         logits = self.model(ids, cache=self.pool.batch)
         self.pool.enforce(self.pool.batch)
-        last = logits[:, -1, :]
-        if all(seq.sampler is greedy for seq in rows):
-            return greedy(last)  # one argmax for the whole batch
-        return mx.concatenate([seq.sampler(last[b : b + 1]) for b, seq in enumerate(rows)])
+        # Every row's own sampling, in one batched call (one argmax when all are greedy).
+        return sample_rows(logits[:, -1, :], [seq.sampler for seq in rows])
 
-    def _read_tokens(self, seqs: list[_Sequence], tokens: mx.array) -> None:
+    def _read_tokens(self, seqs: list[_Sequence], sampled: Sampled) -> None:
         """Hand each sequence its sampled token (one host read); skips ones already ended."""
         try:
-            values = tokens.tolist()
+            values = sampled.tokens.tolist()
+            logprobs = _logprobs(seqs, sampled, self._token_piece)
         except Exception as e:  # noqa: BLE001 - the forward's graph failed: its requests end
             for seq in seqs:
                 if seq in self._running:
                     self._fail(seq, e)
             return
-        for seq, token in zip(seqs, values):
+        for seq, token, logprob in zip(seqs, values, logprobs):
             if seq not in self._running:
                 continue  # finished, cancelled or failed while this step was in flight
             try:
-                self._accept(seq, token)
+                self._accept(seq, token, logprob)
             except Exception as e:  # noqa: BLE001 - ends this request only
                 self._fail(seq, e)
+
+    def _token_piece(self, token: int) -> tuple[str, list[int]]:
+        """A token's text and bytes alone (logprobs), cached: the same few tokens recur."""
+        piece = self._token_pieces.get(token)
+        if piece is None:
+            piece = self._token_pieces[token] = token_piece(self.tokenizer, token)
+        return piece
 
     def _forward(self, seq: _Sequence, ids: list[int], **kwargs) -> mx.array:
         inputs = dict(kwargs)
@@ -598,7 +633,7 @@ class Scheduler:
         self.pool.enforce(seq.caches)  # after every prefill chunk and every decode step
         return logits
 
-    def _advance(self, seq: _Sequence) -> tuple[list[mx.array], mx.array | None]:
+    def _advance(self, seq: _Sequence) -> tuple[list[mx.array], Sampled | None]:
         """Build (lazily) one prefill chunk or one decode step: (arrays to evaluate, token).
 
         The chunking is ``generate_tokens``'s (``prefill_chunks``), the last chunk's last logits
@@ -616,11 +651,11 @@ class Scheduler:
             seq.prefilled = end
         else:
             logits = self._forward(seq, [seq.last_token])
-        token = seq.sampler(logits[:, -1, :])
-        return [token], token
+        sampled = sample_rows(logits[:, -1, :], [seq.sampler])
+        return sampled.arrays(), sampled
 
-    def _accept(self, seq: _Sequence, token: int) -> None:
-        if seq.output.accept(token, seq.request.send):
+    def _accept(self, seq: _Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
+        if seq.output.accept(token, seq.request.send, logprob):
             self._release(seq)  # it sent Finished
             self._queue.count("completed")
         else:

@@ -42,7 +42,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import uvicorn
@@ -52,6 +52,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mlxc.runtime.serving import metrics
 from mlxc.runtime.serving.api_schemas import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_IMAGES,
@@ -72,7 +73,15 @@ from mlxc.runtime.serving.api_schemas import (
     validation_error,
 )
 from mlxc.runtime.serving.engine import PROMPT_WORKERS, Engine, PromptError
-from mlxc.runtime.serving.scheduler import Failed, Finished, QueueFull, SchedulerStopped
+from mlxc.runtime.serving.reasoning import ReasoningSplitter, starts_in_reasoning
+from mlxc.runtime.serving.scheduler import (
+    Delta,
+    Failed,
+    Finished,
+    QueueFull,
+    SchedulerStopped,
+    TokenLogprob,
+)
 
 __all__ = [  # what mlxc.runtime.serving.server has always offered, wherever it now lives
     "DEFAULT_MAX_BODY_BYTES",
@@ -174,9 +183,11 @@ def _decode_images(urls: list[str], limits: Limits) -> list:
 
 
 def _chat_prompt(
-    engine: Engine, req: ChatCompletionRequest, limits: Limits
+    engine: Engine, req: ChatCompletionRequest, settings: _Settings
 ) -> tuple[list[int], dict | None]:
     """Prompt ids, and the vision inputs (numpy) of its images (None without images)."""
+    limits = settings.limits
+    template_kwargs = req.template_kwargs(settings.chat_template_args)
     messages, images = [], []
     for message in req.messages:
         content = message.content
@@ -200,13 +211,13 @@ def _chat_prompt(
                 code="image_input_not_supported",
             )
         try:
-            return engine.encode_chat(messages), None
+            return engine.encode_chat(messages, template_kwargs), None
         except PromptError as e:
             raise APIError(400, str(e), param="messages") from e
     # A VL model renders every chat, with images or without, through its processor's template.
     decoded = _decode_images(images, limits) if images else []
     try:
-        prompt = engine.encode_chat_with_images(messages, decoded)
+        prompt = engine.encode_chat_with_images(messages, decoded, template_kwargs)
     except PromptError as e:
         raise APIError(400, str(e), param="messages") from e
     return prompt.ids, prompt.vision
@@ -273,10 +284,13 @@ class _Job:
     prompt_ids: list[int]
     vision: dict | None
     max_tokens: int
+    # With --reasoning-parser (chat): whether the output starts inside the reasoning.
+    in_reasoning: bool | None = None
 
 
-def _prepare(engine: Engine, kind: str, body: bytes, limits: Limits) -> _Job:
+def _prepare(engine: Engine, kind: str, body: bytes, settings: _Settings) -> _Job:
     """Body -> a checked job (APIError otherwise). CPU-bound: runs in ``engine.workers``."""
+    limits = settings.limits
     data = _parse_body(body)
     schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
     try:
@@ -286,7 +300,7 @@ def _prepare(engine: Engine, kind: str, body: bytes, limits: Limits) -> _Job:
     except RecursionError:
         raise APIError(400, "the body is not valid here: its JSON is nested too deeply") from None
     _check_model(engine, req.model)
-    req.check_supported()
+    req.check_supported(engine.vocab_size)
     requested = getattr(req, "max_completion_tokens", None) or req.max_tokens
     if requested is not None and requested > limits.max_tokens_limit:
         raise APIError(
@@ -296,12 +310,16 @@ def _prepare(engine: Engine, kind: str, body: bytes, limits: Limits) -> _Job:
             param="max_tokens",
         )
     if kind == "chat":
-        prompt_ids, vision = _chat_prompt(engine, req, limits)
+        prompt_ids, vision = _chat_prompt(engine, req, settings)
     else:
         prompt_ids, vision = _completion_prompt(engine, req), None
     prompt_param = "messages" if kind == "chat" else "prompt"
     max_tokens = _max_tokens(engine, len(prompt_ids), requested, limits, prompt_param)
-    return _Job(kind, req, prompt_ids, vision, max_tokens)
+    job = _Job(kind, req, prompt_ids, vision, max_tokens)
+    if kind == "chat" and settings.reasoning_parser:
+        tail = engine.prompt_tail(prompt_ids)
+        job.in_reasoning = starts_in_reasoning(settings.reasoning_parser, tail)
+    return job
 
 
 # --- replies ---------------------------------------------------------------------------------------
@@ -372,11 +390,23 @@ def _usage(done: Finished) -> dict[str, Any]:
     }
 
 
-class _Reply:
-    """Response bodies of one completion: ``kind`` "chat" (chat.completion) or "text"."""
+def _chat_logprob(lp: TokenLogprob) -> dict[str, Any]:
+    """One token of ``choices[].logprobs.content`` (OpenAI's chat shape)."""
+    return {
+        "token": lp.text,
+        "logprob": lp.logprob,
+        "bytes": lp.bytes,
+        "top_logprobs": [{"token": t, "logprob": v, "bytes": b} for t, b, v in lp.top],
+    }
 
-    def __init__(self, engine: Engine, kind: str) -> None:
-        self.kind = kind
+
+class _Reply:
+    """Response bodies of one completion: ``kind`` "chat" (chat.completion) or "text"; with
+    its logprobs when asked, the reasoning split off (chat, --reasoning-parser), and its token
+    timing in the metrics."""
+
+    def __init__(self, engine: Engine, job: _Job, arrival: float) -> None:
+        self.kind = kind = job.kind
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         self.head = {
             "id": f"{prefix}-{uuid.uuid4().hex[:24]}",
@@ -384,6 +414,21 @@ class _Reply:
             "created": int(time.time()),
             "model": engine.model_id,
         }
+        self.want_logprobs = job.req.logprob_request()[0]
+        self.splitter = None if job.in_reasoning is None else ReasoningSplitter(job.in_reasoning)
+        self.clock = metrics.TokenClock(arrival)
+        self.offset = 0  # characters of completion text so far (legacy text_offset)
+
+    def event(self, event: Delta | Finished | Failed) -> None:
+        """Count ``event`` in the metrics (every event passes here once)."""
+        now = time.monotonic()
+        if isinstance(event, Delta):
+            self.clock.token(now)
+        elif isinstance(event, Finished):
+            self._log(event)
+            self.clock.finished(now, event.reason, event.prompt_tokens, event.completion_tokens)
+        else:
+            metrics.FINISHED.labels(reason="failed").inc()
 
     def _log(self, done: Finished) -> None:
         log.info(
@@ -394,14 +439,47 @@ class _Reply:
             done.reason,
         )
 
-    def whole(self, text: str, done: Finished) -> dict[str, Any]:
-        self._log(done)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": done.reason, "logprobs": None}
+    def _logprobs(self, deltas: list[Delta]) -> dict[str, Any] | None:
+        """``choices[].logprobs`` of these tokens (None when the request did not ask)."""
+        if not self.want_logprobs:
+            return None
+        entries, offsets = [], []
+        for d in deltas:
+            if d.logprob is not None:
+                entries.append(d.logprob)
+                offsets.append(self.offset)
+            self.offset += len(d.text)
+        if self.kind == "chat":
+            return {"content": [_chat_logprob(e) for e in entries], "refusal": None}
+        return {  # the legacy completions shape
+            "tokens": [e.text for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t: v for t, _, v in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def whole(self, deltas: list[Delta], done: Finished) -> dict[str, Any]:
+        text = "".join(d.text for d in deltas) + done.text
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": done.reason,
+            "logprobs": self._logprobs(deltas),
+        }
         if self.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
+            if self.splitter is not None:
+                reasoning, content = self.splitter.split(text)
+                choice["message"] |= {"content": content, "reasoning_content": reasoning or None}
         else:
             choice["text"] = text
         return {**self.head, "choices": [choice], "usage": _usage(done)}
+
+    def _pieces(self, text: str, final: bool = False) -> list[tuple[str, str]]:
+        """(field, text) of the chat deltas for this text: content, or reasoning_content."""
+        if self.splitter is None:
+            return [("content", text)] if text else []
+        pieces = self.splitter.feed(text) + (self.splitter.flush() if final else [])
+        return [("reasoning_content" if k == "reasoning" else k, t) for k, t in pieces]
 
     async def stream(self, events: asyncio.Queue, include_usage: bool) -> AsyncIterator[str]:
         head = dict(self.head)
@@ -410,27 +488,33 @@ class _Reply:
         if include_usage:
             head["usage"] = None  # every chunk carries the key; the last one has the numbers
 
-        def chunk(text: str | None, finish: str | None = None, role: bool = False) -> str:
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-            if self.kind == "chat":
-                delta = {"role": "assistant"} if role else {}
-                choice["delta"] = delta | ({"content": text} if text is not None else {})
-            else:
-                choice["text"] = text or ""
+        def chunk(delta: dict | str, finish: str | None = None, logprobs=None) -> str:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
+            choice["delta" if self.kind == "chat" else "text"] = delta
             return _sse({**head, "choices": [choice]})
 
         if self.kind == "chat":
-            yield chunk("", role=True)
+            yield chunk({"role": "assistant", "content": ""})
         while True:
             event = await events.get()
+            self.event(event)
             if isinstance(event, Failed):
                 yield _sse(_failure(event).body())
                 break
-            if event.text:
-                yield chunk(event.text)
-            if isinstance(event, Finished):
-                self._log(event)
-                yield chunk(None, finish=event.reason)
+            done = isinstance(event, Finished)
+            logprobs = None
+            if isinstance(event, Delta) and event.logprob is not None:
+                logprobs = self._logprobs([event])
+            if self.kind == "chat":
+                pieces = self._pieces(event.text, final=done)
+                if logprobs is not None and not pieces:
+                    pieces = [("content", "")]  # the token's text is held back: still report it
+                for i, (field, text) in enumerate(pieces):
+                    yield chunk({field: text}, logprobs=logprobs if i == 0 else None)
+            elif event.text or logprobs is not None:
+                yield chunk(event.text, logprobs=logprobs)
+            if done:
+                yield chunk({} if self.kind == "chat" else "", finish=event.reason)
                 if include_usage:
                     yield _sse({**head, "choices": [], "usage": _usage(event)})
                 break
@@ -446,6 +530,8 @@ class _Settings:
 
     api_key: str | None
     limits: Limits
+    chat_template_args: dict[str, Any] = field(default_factory=dict)  # --chat-template-args
+    reasoning_parser: str | None = None  # --reasoning-parser
 
 
 async def _engine(request: Request) -> Engine:
@@ -517,27 +603,29 @@ def _submit(engine: Engine, job: _Job):
     return handle, events
 
 
-async def _complete(engine: Engine, limits: Limits, kind: str, body: bytes) -> Response:
+async def _complete(engine: Engine, settings: _Settings, kind: str, body: bytes) -> Response:
     """Prepare the request in a worker, queue it; answer JSON, or SSE when it streams."""
+    arrival = time.monotonic()
     loop = asyncio.get_running_loop()
     engine.preparing += 1
     try:
-        job = await loop.run_in_executor(engine.workers, _prepare, engine, kind, body, limits)
+        job = await loop.run_in_executor(engine.workers, _prepare, engine, kind, body, settings)
     finally:
         engine.preparing -= 1
     handle, events = _submit(engine, job)
-    reply = _Reply(engine, kind)
+    reply = _Reply(engine, job, arrival)
     if job.req.stream:
         return _SSEResponse(reply.stream(events, job.req.include_usage), handle)
     try:
-        parts = []
+        deltas = []
         while True:
             event = await events.get()
+            reply.event(event)
             if isinstance(event, Failed):
                 raise _failure(event)
-            parts.append(event.text)
             if isinstance(event, Finished):
-                return JSONResponse(reply.whole("".join(parts), event))
+                return JSONResponse(reply.whole(deltas, event))
+            deltas.append(event)
     finally:
         handle.cancel()  # client gone or error: free the slot (a no-op once finished)
 
@@ -559,14 +647,24 @@ def _model_card(engine: Engine) -> dict[str, Any]:
 _v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_auth)])
 
 
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+
+async def _counted(request: Request, work: Coroutine) -> Response:
+    """``work``'s response, counted in the metrics (errors are counted by ``_api_error``)."""
+    response = await _unless_disconnected(request, work)
+    metrics.REQUESTS.labels(_ENDPOINTS[request.url.path], str(response.status_code)).inc()
+    return response
+
+
 @_v1.post("/chat/completions")
 async def chat_completions(request: Request, body: Body, engine: EngineDep, settings: SettingsDep):
-    return await _unless_disconnected(request, _complete(engine, settings.limits, "chat", body))
+    return await _counted(request, _complete(engine, settings, "chat", body))
 
 
 @_v1.post("/completions")
 async def completions(request: Request, body: Body, engine: EngineDep, settings: SettingsDep):
-    return await _unless_disconnected(request, _complete(engine, settings.limits, "text", body))
+    return await _counted(request, _complete(engine, settings, "text", body))
 
 
 @_v1.get("/models")
@@ -595,7 +693,16 @@ async def health(engine: EngineDep):
     return JSONResponse(body, status_code=200 if alive else 503)
 
 
+@_open.get("/metrics")
+async def prometheus_metrics(engine: EngineDep):
+    """Prometheus text format (``runtime.serving.metrics`` lists the names)."""
+    return Response(metrics.render(engine.scheduler.stats()), media_type=metrics.CONTENT_TYPE)
+
+
 async def _api_error(request: Request, e: APIError) -> JSONResponse:
+    endpoint = _ENDPOINTS.get(request.url.path)
+    if endpoint is not None:
+        metrics.REQUESTS.labels(endpoint, str(e.status)).inc()
     return e.response()
 
 
@@ -635,12 +742,21 @@ def create_app(
     bind_host: str = "127.0.0.1",
     allowed_hosts: tuple[str, ...] = (),
     allowed_origins: tuple[str, ...] = (),
+    chat_template_args: dict[str, Any] | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine``; its lifespan starts and stops the scheduler.
 
     ``bind_host``, ``allowed_hosts`` and ``allowed_origins`` configure the Host and Origin
-    checks (:class:`mlxc.runtime.serving.http_guard.HostOriginGuard`).
+    checks (:class:`mlxc.runtime.serving.http_guard.HostOriginGuard`). ``chat_template_args``:
+    the chat template's extra variables for every request (a request's
+    ``chat_template_kwargs`` override them); ``reasoning_parser``: one of
+    ``runtime.serving.reasoning.PARSERS`` (chat replies then split off ``reasoning_content``).
     """
+    from mlxc.runtime.serving.reasoning import PARSERS
+
+    if reasoning_parser is not None and reasoning_parser not in PARSERS:
+        raise ValueError(f"unknown reasoning parser {reasoning_parser!r}: one of {PARSERS}")
     from mlxc.runtime.serving.http_guard import HostOriginGuard
 
     limits = Limits(
@@ -652,7 +768,12 @@ def create_app(
     )
     app = FastAPI(title="mlxc", lifespan=_lifespan, docs_url=None, redoc_url=None)
     app.state.engine = engine
-    app.state.settings = _Settings(api_key=api_key, limits=limits)
+    app.state.settings = _Settings(
+        api_key=api_key,
+        limits=limits,
+        chat_template_args=dict(chat_template_args or {}),
+        reasoning_parser=reasoning_parser,
+    )
     app.add_middleware(
         HostOriginGuard,
         bind_host=bind_host,

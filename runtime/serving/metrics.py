@@ -1,0 +1,115 @@
+"""Prometheus metrics of ``mlxc serve`` (``GET /metrics``, text format, ``prometheus-client``).
+
+One registry per process (a process serves one model): any layer increments these names
+directly (``from mlxc.runtime.serving import metrics; metrics.PREFIX_CACHE_HITS.inc()``). The
+gauges (queue depth, running sequences, KV bytes) are read from the scheduler's published stats
+at each scrape (:func:`render`), so nothing on the scheduler thread writes them.
+
+Exposed names (counters get prometheus' ``_total`` suffix):
+
+- ``mlxc_requests_total{endpoint, status}``: completion requests answered, by HTTP status
+  (``endpoint`` is ``chat`` or ``completions``; a stream counts its status when it starts);
+- ``mlxc_request_finished_total{reason}``: generations that ended, by finish reason (``stop``,
+  ``length``) or ``failed``;
+- ``mlxc_prompt_tokens_total``, ``mlxc_generation_tokens_total``: tokens of finished requests;
+- ``mlxc_prefix_cache_hits_total``: requests whose prompt reused cached prefix tokens, and
+  ``mlxc_prefix_cache_hit_tokens_total``: the prompt tokens so reused (the prefix cache's);
+- ``mlxc_queue_depth``, ``mlxc_running_sequences``, ``mlxc_kv_cache_bytes``: gauges;
+- ``mlxc_time_to_first_token_seconds``: from the request's arrival to its first token;
+- ``mlxc_inter_token_latency_seconds``: between a request's successive tokens;
+- ``mlxc_request_latency_seconds``: from arrival to the end of the generation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+REGISTRY = CollectorRegistry()
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+REQUESTS = Counter(
+    "mlxc_requests",
+    "Completion requests answered, by endpoint and HTTP status.",
+    ["endpoint", "status"],
+    registry=REGISTRY,
+)
+FINISHED = Counter(
+    "mlxc_request_finished",
+    "Generations that ended, by finish reason (stop, length) or failed.",
+    ["reason"],
+    registry=REGISTRY,
+)
+PROMPT_TOKENS = Counter(
+    "mlxc_prompt_tokens", "Prompt tokens of finished requests.", registry=REGISTRY
+)
+GENERATION_TOKENS = Counter(
+    "mlxc_generation_tokens", "Generated tokens of finished requests.", registry=REGISTRY
+)
+PREFIX_CACHE_HITS = Counter(
+    "mlxc_prefix_cache_hits",
+    "Requests whose prompt reused cached prefix tokens (incremented by the prefix cache).",
+    registry=REGISTRY,
+)
+PREFIX_CACHE_HIT_TOKENS = Counter(
+    "mlxc_prefix_cache_hit_tokens",
+    "Prompt tokens served from the prefix cache instead of prefilled.",
+    registry=REGISTRY,
+)
+QUEUE_DEPTH = Gauge("mlxc_queue_depth", "Requests waiting for a slot.", registry=REGISTRY)
+RUNNING = Gauge(
+    "mlxc_running_sequences", "Sequences admitted (prefilling or decoding).", registry=REGISTRY
+)
+KV_BYTES = Gauge(
+    "mlxc_kv_cache_bytes", "Bytes held by the running sequences' caches.", registry=REGISTRY
+)
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TIME_TO_FIRST_TOKEN = Histogram(
+    "mlxc_time_to_first_token_seconds",
+    "From a request's arrival to its first generated token.",
+    buckets=_LATENCY,
+    registry=REGISTRY,
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "mlxc_inter_token_latency_seconds",
+    "Between successive generated tokens of a request.",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56),
+    registry=REGISTRY,
+)
+REQUEST_LATENCY = Histogram(
+    "mlxc_request_latency_seconds",
+    "From a request's arrival to the end of its generation.",
+    buckets=_LATENCY,
+    registry=REGISTRY,
+)
+
+
+def render(stats: dict[str, Any]) -> bytes:
+    """The exposition text, with the gauges set from ``Scheduler.stats()``."""
+    QUEUE_DEPTH.set(stats["waiting"])
+    RUNNING.set(stats["running"])
+    KV_BYTES.set(stats["pool"]["bytes"])
+    return generate_latest(REGISTRY)
+
+
+class TokenClock:
+    """One request's token timing: time to first token, then the gaps between tokens."""
+
+    def __init__(self, arrival: float) -> None:
+        self.arrival = arrival
+        self.last: float | None = None
+
+    def token(self, now: float) -> None:
+        if self.last is None:
+            TIME_TO_FIRST_TOKEN.observe(now - self.arrival)
+        else:
+            INTER_TOKEN_LATENCY.observe(now - self.last)
+        self.last = now
+
+    def finished(self, now: float, reason: str, prompt_tokens: int, completion_tokens: int):
+        FINISHED.labels(reason=reason).inc()
+        PROMPT_TOKENS.inc(prompt_tokens)
+        GENERATION_TOKENS.inc(completion_tokens)
+        REQUEST_LATENCY.observe(now - self.arrival)
