@@ -58,6 +58,24 @@ def test_full_kv_resumes_where_its_blocks_end_and_blocks_are_copies():
     assert np.array_equal(np.array(values), np.array(returned[3][1]))
 
 
+def test_a_block_holds_its_own_bytes_not_the_live_buffer():
+    """What the budget counts (``nbytes``) is what is held: once the live cache is gone, only
+    the block's bytes stay allocated (a slice would keep the whole 256-token buffer)."""
+    import gc
+
+    cache = KVCache()
+    cache.update_and_fetch(*kv(8, heads=1, dim=4096))  # a buffer of 256 tokens, 4 MiB each
+    mx.eval(cache.arrays())
+    before = mx.get_active_memory()
+    block = cache.prefix_block(4)
+    mx.eval(block)
+    held = sum(a.nbytes for a in block)
+    assert held == 2 * 4 * 4096 * 4
+    del cache
+    gc.collect()
+    assert mx.get_active_memory() - before <= held - 2 * 256 * 4096 * 4
+
+
 def test_a_trimmed_full_kv_cache_holds_no_prefix():
     cache = KVCache()
     cache.update_and_fetch(*kv(10))

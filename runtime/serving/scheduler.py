@@ -23,6 +23,12 @@ many streams cheaper than serving them one by one. Prefill runs per sequence in 
 (``runtime.model.batch``), which keeps each row's offset, trims and sinks apart. Caches that cannot
 join (model-owned state) decode one forward per sequence.
 
+With a prefix cache (``runtime.serving.prefix_cache``, ``prefix_cache_bytes`` > 0), an
+admitted sequence starts from the longest cached prefix of its prompt (its caches resumed, its
+``prefilled`` past it) and each of its prefill chunks but the last is snapshotted into the
+cache once evaluated; nothing else changes: a hit prefills the rest and joins the decode batch
+like any other sequence.
+
 After every prefill chunk and every decode step the pool calls ``enforce_max_kv`` on the caches
 that ran (never on ``model-owned`` ones); in the decode batch each row is trimmed on its own. A
 failure in one sequence's forward ends that request with a :class:`Failed` event and frees its
