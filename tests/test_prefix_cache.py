@@ -11,7 +11,13 @@ import pytest
 
 from mlxc.runtime.model.cache import KVCache, WindowedKVCache
 from mlxc.runtime.model.ssm import Mamba2Mixer, RecurrentCache
-from mlxc.runtime.serving.prefix_cache import PrefixCache, cacheable, chunk_key, image_digest
+from mlxc.runtime.serving.prefix_cache import (
+    TEXT,
+    PrefixCache,
+    cacheable,
+    chunk_key,
+    image_digest,
+)
 
 RNG = np.random.default_rng(0)
 
@@ -158,13 +164,13 @@ def prefill_chunks(n: int, size: int) -> list[tuple[int, int]]:
     return [(s, min(s + size, n)) for s in range(0, n, size)]
 
 
-def fill(tree: PrefixCache, prompt, chunks, digest=None, nbytes=64, resumable=lambda s: True):
+def fill(tree: PrefixCache, prompt, chunks, marker=None, nbytes=64, resumable=lambda s: True):
     """Insert a node per chunk but the last (as the scheduler does), each holding one block of
     ``nbytes`` bytes; the nodes."""
     node, nodes = tree.root, []
     for start, end in chunks[:-1]:
         block = [[mx.zeros((nbytes // 4,), mx.float32)]]
-        key = chunk_key(prompt, start, end, digest)
+        key = chunk_key(prompt, start, end, marker)
         node = tree.insert(node, key, end, block, resumable=resumable(start))
         nodes.append(node)
     return nodes
@@ -175,16 +181,16 @@ def test_lookup_is_chunk_aligned_and_never_enters_the_last_chunk():
     prompt = list(range(1, 40))
     chunks = prefill_chunks(len(prompt), 8)
     fill(tree, prompt, chunks)
-    assert tree.lookup(prompt, chunks, None).tokens == chunks[-1][0] == 32
+    assert tree.lookup(prompt, chunks).tokens == chunks[-1][0] == 32
     # Diverging inside the third chunk: the first two are reused (a partial hit).
     other = prompt[:20] + [99] * 20
-    assert tree.lookup(other, prefill_chunks(len(other), 8), None).tokens == 16
+    assert tree.lookup(other, prefill_chunks(len(other), 8)).tokens == 16
     # A longer prompt with the same start walks the same chunks, then past them: a miss there.
     longer = prompt + list(range(100, 150))
-    assert tree.lookup(longer, prefill_chunks(len(longer), 8), None).tokens == 32
+    assert tree.lookup(longer, prefill_chunks(len(longer), 8)).tokens == 32
     # Chunks of another size are other blocks: no hit (its forwards would differ).
-    assert tree.lookup(prompt, prefill_chunks(len(prompt), 16), None) is None
-    assert tree.lookup([7] + prompt, prefill_chunks(40, 8), None) is None
+    assert tree.lookup(prompt, prefill_chunks(len(prompt), 16)) is None
+    assert tree.lookup([7] + prompt, prefill_chunks(40, 8)) is None
     assert (tree.hits, tree.hit_tokens) == (3, 80)
 
 
@@ -193,9 +199,9 @@ def test_a_boundary_inside_the_images_is_passed_through_never_resumed_at():
     prompt = list(range(1, 40))
     chunks = prefill_chunks(len(prompt), 8)
     fill(tree, prompt, chunks, resumable=lambda start: start != 16)  # the node ending at 24
-    assert tree.lookup(prompt, chunks, None).tokens == 32
+    assert tree.lookup(prompt, chunks).tokens == 32
     short = prompt[:26] + [99] * 13  # its deepest shared node is the one ending at 24
-    assert tree.lookup(short, prefill_chunks(len(short), 8), None).tokens == 16
+    assert tree.lookup(short, prefill_chunks(len(short), 8)).tokens == 16
 
 
 def test_image_nodes_need_the_same_images():
@@ -209,9 +215,24 @@ def test_image_nodes_need_the_same_images():
     for i, (start, end) in enumerate(chunks[:-1]):  # tokens before the image, then image nodes
         key = chunk_key(prompt, start, end, None if i < 2 else a)
         node = tree.insert(node, key, end, [[mx.zeros(4)]], resumable=True)
-    assert tree.lookup(prompt, chunks, a).tokens == 32
-    assert tree.lookup(prompt, chunks, b).tokens == 16  # only the text before the image
-    assert tree.lookup(prompt, chunks, None).tokens == 16
+    assert tree.lookup(prompt, chunks, (None, a)).tokens == 32
+    assert tree.lookup(prompt, chunks, (None, b)).tokens == 16  # only the text before the image
+    assert tree.lookup(prompt, chunks).tokens == 16
+
+
+def test_requests_with_images_do_not_resume_from_text_only_requests_of_a_vl_model():
+    """A text-only prompt may hold image placeholder ids, embedded as text: its chunks (marked
+    TEXT) serve text requests only; an image request's chunks before its image serve both."""
+    tree = PrefixCache(1 << 20)
+    prompt = list(range(1, 40))
+    chunks = prefill_chunks(len(prompt), 8)
+    digest = image_digest({"pixel_values": np.ones(3, np.float32)})
+    fill(tree, prompt, chunks, marker=TEXT)
+    assert tree.lookup(prompt, chunks, (None, TEXT)).tokens == 32
+    assert tree.lookup(prompt, chunks, (None, digest)) is None
+    other = prompt[:20] + [99] * 20
+    fill(tree, other, chunks)  # an image request's chunks before its image (marker None)
+    assert tree.lookup(other, chunks, (None, TEXT)).tokens == 32
 
 
 def test_lru_eviction_keeps_the_budget_and_evicts_leaves_first():
@@ -223,13 +244,13 @@ def test_lru_eviction_keeps_the_budget_and_evicts_leaves_first():
     fill(tree, prompt_a, chunks)  # 4 nodes: 8, 16, 24, 32
     fill(tree, prompt_b, chunks)  # shares 8 and 16, adds 24', 32'
     assert tree.nodes == 6 and tree.nbytes == 6 * per_node
-    tree.lookup(prompt_a, chunks, None)  # A is now the most recently used
+    tree.lookup(prompt_a, chunks)  # A is now the most recently used
     prompt_c = list(range(1, 9)) + list(range(300, 332))
     fill(tree, prompt_c, chunks)  # adds 16'', 24'', 32'': 9 nodes, B's two leaves go
     assert tree.nodes == 7 and tree.nbytes == 7 * per_node
-    assert tree.lookup(prompt_a, chunks, None).tokens == 32
-    assert tree.lookup(prompt_c, chunks, None).tokens == 32
-    assert tree.lookup(prompt_b, chunks, None).tokens == 16  # its shared inner nodes stayed
+    assert tree.lookup(prompt_a, chunks).tokens == 32
+    assert tree.lookup(prompt_c, chunks).tokens == 32
+    assert tree.lookup(prompt_b, chunks).tokens == 16  # its shared inner nodes stayed
 
 
 def test_a_node_past_the_budget_is_not_kept_and_its_sequence_stops():

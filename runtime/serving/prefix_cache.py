@@ -25,7 +25,9 @@ When a node may be resumed at (``resumable``):
   (the next turn would then differ from a fresh prefill in how its tokens were computed).
 - Images: a node before the request's first image token is keyed by tokens alone (any request
   sharing them may resume there, text-only or with images, whose vision inputs then run with
-  the first chunk after the hit as they would have with the first chunk). Nodes after it are
+  the first chunk after the hit as they would have with the first chunk). A text-only request
+  to a model that takes images marks its nodes ``TEXT``: its text may hold image placeholder
+  ids, embedded as text, so a request with images never resumes there (text requests do). Nodes after it are
   keyed by the images' digest too; they may be resumed at only once every image token has been
   seen, with the prompt state (MRoPE positions) copied at that boundary; the request's vision
   inputs are then not run at all. A boundary inside the images stores its blocks (its
@@ -48,6 +50,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+TEXT = b"text"  # the key marker of a text-only request's chunks on a model that takes images
+
 
 def image_digest(model_inputs: Mapping[str, Any]) -> bytes:
     """A digest of a request's vision inputs (pixel data, grids, sizes): the image part of the
@@ -65,12 +69,14 @@ class Node:
 
     def __init__(self, parent: Node | None, key: tuple[bytes, bytes | None], end: int) -> None:
         self.parent = parent
-        self.key = key  # (the chunk's tokens as int32 bytes, the image digest or None)
+        # (the chunk's tokens as int32 bytes, its marker: None, TEXT or the image digest)
+        self.key = key
         self.end = end  # tokens of the prefix up to and including this chunk
         self.children: dict[tuple[bytes, bytes | None], Node] = {}
         self.blocks: list[list[mx.array]] = []  # per layer cache, its prefix_block
         self.prompt_state: Any = None  # the sequence's prompt state (MRoPE) when images are past
         self.resumable = False
+        self.images_done = False  # every image token of its prefix's request is in it
         self.nbytes = 0
         self.last_used = 0
         self.evicted = False
@@ -95,11 +101,11 @@ class Hit:
     @property
     def images_done(self) -> bool:
         """The prefix holds every image token: the request's vision inputs are not needed."""
-        return self.node.key[1] is not None
+        return self.node.images_done
 
 
-def chunk_key(prompt_ids: Sequence[int], start: int, end: int, digest: bytes | None):
-    return (np.asarray(prompt_ids[start:end], np.int32).tobytes(), digest)
+def chunk_key(prompt_ids: Sequence[int], start: int, end: int, marker: bytes | None):
+    return (np.asarray(prompt_ids[start:end], np.int32).tobytes(), marker)
 
 
 def cacheable(caches: list) -> bool:
@@ -125,16 +131,20 @@ class PrefixCache:
         self._clock = itertools.count(1)
 
     def lookup(
-        self, prompt_ids: Sequence[int], chunks: list[tuple[int, int]], digest: bytes | None
+        self,
+        prompt_ids: Sequence[int],
+        chunks: list[tuple[int, int]],
+        markers: Sequence[bytes | None] = (None,),
     ) -> Hit | None:
         """The deepest node this prompt may resume at: its own chunk schedule (``chunks``)
-        walked down the trie, never into its last chunk. Counts a hit and touches its path."""
+        walked down the trie, never into its last chunk, through nodes keyed by one of
+        ``markers`` (the request's). Counts a hit and touches its path."""
         node, best = self.root, None
         for start, end in chunks[:-1]:
             tokens, _ = chunk_key(prompt_ids, start, end, None)
-            child = node.children.get((tokens, None))
-            if child is None and digest is not None:
-                child = node.children.get((tokens, digest))
+            child = next(
+                (c for m in markers if (c := node.children.get((tokens, m))) is not None), None
+            )
             if child is None:
                 break
             node = child
@@ -166,6 +176,7 @@ class PrefixCache:
         blocks: list[list[mx.array]],
         *,
         resumable: bool,
+        images_done: bool = False,
         prompt_state: Any = None,
     ) -> Node | None:
         """Add a child of ``parent`` holding ``blocks`` (evaluated copies), then evict to the
@@ -177,7 +188,7 @@ class PrefixCache:
         if node is None:
             node = Node(parent, key, end)
             node.blocks = blocks
-            node.resumable = resumable
+            node.resumable, node.images_done = resumable, images_done
             node.prompt_state = copy.deepcopy(prompt_state)
             node.nbytes = len(key[0]) + sum(a.nbytes for layer in blocks for a in layer)
             parent.children[key] = node

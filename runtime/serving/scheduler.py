@@ -81,6 +81,7 @@ from mlxc.runtime.serving.generate import (
 )
 from mlxc.runtime.serving.output import SequenceOutput, StopMatcher, token_piece
 from mlxc.runtime.serving.prefix_cache import (
+    TEXT,
     PrefixCache,
     cacheable,
     chunk_key,
@@ -246,10 +247,12 @@ class _Sequence:
         self.chunks: list[tuple[int, int]] = []  # its prefill chunks (set at admission)
         self.first_inputs = request.model_inputs  # for its first forward (vision inputs)
         # Prefix cache: the trie node at `prefilled` (None: it adds no more nodes), the digest
-        # of its images, whether the prefix it resumed from held every image token, and the
-        # node its last chunk makes, added once that chunk is evaluated.
+        # of its images, the marker of its chunks before any image token, whether the prefix
+        # it resumed from held every image token, and the node its last chunk makes, added
+        # once that chunk is evaluated.
         self.prefix_node = None
         self.image_digest: bytes | None = None
+        self.text_marker: bytes | None = None
         self.images_done = False
         self.pending_node: tuple | None = None
         self.batched = False  # its caches are a row of the pool's decode batch
@@ -460,8 +463,14 @@ class Scheduler:
             return
         if seq.request.model_inputs:
             seq.image_digest = image_digest(seq.request.model_inputs)
+            markers = (None, seq.image_digest)
+        elif getattr(self.model, "vision_tower", None) is not None:
+            seq.text_marker = TEXT  # its text may hold image placeholder ids (prefix_cache)
+            markers = (None, TEXT)
+        else:
+            markers = (None,)
         seq.prefix_node = self.prefix.root
-        hit = self.prefix.lookup(seq.request.prompt_ids, seq.chunks, seq.image_digest)
+        hit = self.prefix.lookup(seq.request.prompt_ids, seq.chunks, markers)
         if hit is None:
             return
         self.prefix.restore(hit, seq.caches)
@@ -482,17 +491,17 @@ class Scheduler:
         if node.evicted or node.end != start or phase is None:
             seq.prefix_node = None
             return []
-        digest = None if phase == "text" else seq.image_digest
-        key = chunk_key(seq.request.prompt_ids, start, end, digest)
+        marker = seq.text_marker if phase == "text" else seq.image_digest
+        key = chunk_key(seq.request.prompt_ids, start, end, marker)
         state = getattr(seq.caches, "rope_state", None) if phase == "done" else None
         if self.prefix.child(node, key) is not None:  # another request stored it already
-            seq.pending_node = (node, key, end, [], phase != "mid", state)
+            seq.pending_node = (node, key, end, [], phase, state)
             return []
         blocks = [c.prefix_block(start) for c in seq.caches]
         if any(b is None for b in blocks):  # a trimmed cache: its prefix is no longer whole
             seq.prefix_node = None
             return []
-        seq.pending_node = (node, key, end, blocks, phase != "mid", state)
+        seq.pending_node = (node, key, end, blocks, phase, state)
         return [a for b in blocks for a in b]
 
     def _image_phase(self, seq: _Sequence) -> str | None:
@@ -513,10 +522,16 @@ class Scheduler:
         """Add the node of ``seq``'s evaluated chunk to the trie (see ``_snapshot``)."""
         if seq.pending_node is None:
             return
-        parent, key, end, blocks, resumable, state = seq.pending_node
+        parent, key, end, blocks, phase, state = seq.pending_node
         seq.pending_node = None
         seq.prefix_node = self.prefix.insert(
-            parent, key, end, blocks, resumable=resumable, prompt_state=state
+            parent,
+            key,
+            end,
+            blocks,
+            resumable=phase != "mid",
+            images_done=phase == "done",
+            prompt_state=state,
         )
 
     def _tick(self) -> None:
