@@ -137,6 +137,7 @@ def markdown(report: dict) -> str:
         "| turn | prompt tokens | cached tokens | TTFT off (s) | TTFT on (s) | off / on | same answers |",
         "|---|---|---|---|---|---|---|",
     ]
+    note = [""] + [report["note"]] if report.get("note") else []
     for r in report["turns"]:
         off, on = r["ttft_off"], r["ttft_on"]
         ratio = f"{off / on:.2f}x" if off and on else "-"
@@ -144,7 +145,7 @@ def markdown(report: dict) -> str:
             f"| {r['turn']} | {r['prompt_tokens']:.0f} | {r['cached_on']:.0f} | "
             f"{off:.3f} | {on:.3f} | {ratio} | {'yes' if r['same_answers'] else 'NO'} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + note) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--out", required=True, help="path stem: writes OUT.json and OUT.md")
+    p.add_argument("--note", default="", help="a line for the report (the machine's load, say)")
     args = p.parse_args(argv)
 
     out = Path(args.out)
@@ -183,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         "label": out.name,
         "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores".strip(),
         "serve_args": args.serve_args,
+        "note": args.note,
         **{k: getattr(args, k) for k in ("repeats", "system_words", "turn_words", "max_tokens")},
         "turns": summary(runs, args.turns),
         "runs": runs,
