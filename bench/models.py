@@ -7,7 +7,8 @@ checkpoint is the same on every machine and in every run. No transformers or tor
 
 Sizes:
   medium (GPU): hidden 2048, 16 layers, realistic head dims, vocab and expert counts
-                (gemma3_text: Gemma-3-1B's widths, 18 layers; qwen3_moe: experts 256 wide)
+                (gemma3_text: Gemma-3-1B's widths, 18 layers; qwen3_moe: experts 256 wide;
+                deepseek_v3, glm4_moe_lite: their attention widths, experts 512 wide)
   small  (CPU): hidden 1024, 8 layers, vocab 32k, so a CPU run takes minutes
 """
 
@@ -271,6 +272,120 @@ def _qwen3_moe(size: str) -> dict:
     }
 
 
+def _deepseek_v3(size: str) -> dict:
+    # DeepSeek-V3's attention (q LoRA 1536, latent 512, 128 + 64 qk dims, 128 v dims), router
+    # (sigmoid with e_score_correction_bias, 8 of 64 experts in 4 of 8 groups, scaling 2.5,
+    # one shared expert) and vocabulary at medium, hidden 2048 with 16 layers (one dense) of
+    # its 61 and experts 512 wide (of 2048), so the checkpoint is ~8 GB; small: hidden 1024,
+    # 8 layers, 16 experts of 256. Every key of its config.json but quantization_config (these
+    # weights are bf16).
+    small = size == "small"
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "auto_map": {
+            "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+            "AutoModel": "modeling_deepseek.DeepseekV3Model",
+            "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+        },
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "ep_size": 1,
+        "first_k_dense_replace": 1,
+        "hidden_act": "silu",
+        "hidden_size": 1024 if small else 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 3072 if small else 6144,
+        "kv_lora_rank": 256 if small else 512,
+        "max_position_embeddings": 163840,
+        "model_type": "deepseek_v3",
+        "moe_intermediate_size": 256 if small else 512,
+        "moe_layer_freq": 1,
+        "n_group": 4 if small else 8,
+        "n_routed_experts": 16 if small else 64,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_attention_heads": 16,
+        "num_experts_per_tok": 4 if small else 8,
+        "num_hidden_layers": 8 if small else 16,
+        "num_key_value_heads": 16,
+        "num_nextn_predict_layers": 1,
+        "q_lora_rank": 384 if small else 1536,
+        "qk_nope_head_dim": 64 if small else 128,
+        "qk_rope_head_dim": 32 if small else 64,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 40,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+        "rope_theta": 10000,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "tie_word_embeddings": False,
+        "topk_group": 2 if small else 4,
+        "topk_method": "noaux_tc",
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.46.3",
+        "use_cache": True,
+        "v_head_dim": 64 if small else 128,
+        "vocab_size": 32000 if small else 129280,
+    }
+
+
+def _glm4_moe_lite(size: str) -> dict:
+    # GLM-4.7-Flash's widths at medium (hidden 2048, 20 heads, q LoRA 768, latent 512, 192 + 64
+    # qk dims, 256 v dims, 4 of 64 experts plus a shared one, scaling 1.8, vocabulary), with 16
+    # of its 47 layers (one dense) and experts a third as wide (512 of 1536): ~8 GB; small:
+    # hidden 1024, 8 layers, 16 experts of 256. Every key of its config.json.
+    small = size == "small"
+    return {
+        "architectures": ["Glm4MoeLiteForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "dtype": "bfloat16",
+        "eos_token_id": [1, 2],
+        "first_k_dense_replace": 1,
+        "hidden_act": "silu",
+        "hidden_size": 1024 if small else 2048,
+        "intermediate_size": 3072 if small else 10240,
+        "kv_lora_rank": 256 if small else 512,
+        "max_position_embeddings": 202752,
+        "model_type": "glm4_moe_lite",
+        "moe_intermediate_size": 256 if small else 512,
+        "n_group": 1,
+        "n_routed_experts": 16 if small else 64,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_attention_heads": 16 if small else 20,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": 8 if small else 16,
+        "num_key_value_heads": 16 if small else 20,
+        "num_nextn_predict_layers": 1,
+        "pad_token_id": 0,
+        "partial_rotary_factor": 1.0,
+        "q_lora_rank": 384 if small else 768,
+        "qk_nope_head_dim": 64 if small else 192,
+        "qk_rope_head_dim": 32 if small else 64,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "routed_scaling_factor": 1.8,
+        "tie_word_embeddings": False,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "transformers_version": "5.0.0.dev0",
+        "use_cache": True,
+        "v_head_dim": 128 if small else 256,
+        "vocab_size": 32000 if small else 154880,
+    }
+
+
 CONFIGS = {
     "llama": _llama,
     "qwen3": _qwen3,
@@ -278,6 +393,8 @@ CONFIGS = {
     "mistral4": _mistral4,
     "gemma3_text": _gemma3_text,
     "qwen3_moe": _qwen3_moe,
+    "deepseek_v3": _deepseek_v3,
+    "glm4_moe_lite": _glm4_moe_lite,
 }
 ARCHS = tuple(CONFIGS)
 
@@ -330,8 +447,8 @@ def shapes(cfg: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
             if not blk["ffn"]["no_op"]:
                 yield p + "post_attention_layernorm.weight", (h,)
                 yield from _swiglu(p + "mlp.", h, _nemotron_ffn(blk["ffn"]["ffn_mult"], h))
-        elif mt == "mistral4":
-            yield from _mistral4_layer(p, cfg, i)
+        elif mt in ("mistral4", "deepseek_v3", "glm4_moe_lite"):
+            yield from _mla_layer(p, cfg, i)
         else:
             raise ValueError(mt)
     yield "model.norm.weight", (h,)
@@ -361,7 +478,10 @@ def _qwen3_moe_mlp(p: str, cfg: dict):
         yield from _swiglu(f"{p}experts.{e}.", h, mi)
 
 
-def _mistral4_layer(p: str, cfg: dict, i: int):
+def _mla_layer(p: str, cfg: dict, i: int):
+    # MLA with q LoRA, then a dense SwiGLU or routed + shared experts: mistral4's experts fused
+    # out-major (hub and tf5), DeepSeek's and GLM's one tensor each with a sigmoid router's
+    # e_score_correction_bias, as on the hub.
     h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
     qr, kvr = cfg["q_lora_rank"], cfg["kv_lora_rank"]
     nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
@@ -379,8 +499,13 @@ def _mistral4_layer(p: str, cfg: dict, i: int):
         return
     e, mi = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
     yield p + "mlp.gate.weight", (e, h)
-    yield p + "mlp.experts.gate_up_proj", (e, 2 * mi, h)  # fused, out-major (hub and tf5)
-    yield p + "mlp.experts.down_proj", (e, h, mi)
+    if cfg["model_type"] == "mistral4":
+        yield p + "mlp.experts.gate_up_proj", (e, 2 * mi, h)  # fused, out-major (hub and tf5)
+        yield p + "mlp.experts.down_proj", (e, h, mi)
+    else:
+        yield p + "mlp.gate.e_score_correction_bias", (e,)
+        for j in range(e):
+            yield from _swiglu(f"{p}mlp.experts.{j}.", h, mi)
     yield from _swiglu(p + "mlp.shared_experts.", h, mi * cfg["n_shared_experts"])
 
 

@@ -308,7 +308,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--size", choices=["small", "medium"], default=None)
     p.add_argument("--out", default=None, help="results path without suffix (.json/.md added)")
-    p.add_argument("--archs", default="llama,qwen3,nemotron_nas,mistral4,gemma3_text,qwen3_moe")
+    p.add_argument(
+        "--archs",
+        default="llama,qwen3,nemotron_nas,mistral4,gemma3_text,qwen3_moe,deepseek_v3,glm4_moe_lite",
+    )
     p.add_argument("--quants", default="bf16,q4")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--budget", type=float, default=60.0, help="seconds per cell before stopping")

@@ -92,6 +92,9 @@ class Layers(Strict):
     # Each branch's output is normed too before it joins the residual (Gemma: four norms per
     # layer, named input/post_attention and pre/post_feedforward_layernorm).
     post_norms: bool = False
+    # Each branch's output times it before it joins the residual (MiniCPM's muP depth scale:
+    # scale_depth / num_hidden_layers ** 0.5); may be null.
+    residual_scale: FloatExpr | None = None
     attention: AttentionBlock | list[AttentionBlock]
     mlp: MLPBlock | list[MLPBlock]
     # DeepStack (qwen3_vl): the tower's extra feature sets are added, one per decoder layer
@@ -108,6 +111,8 @@ class Embedding(Strict):
 class LMHead(Strict):
     tied: BoolExpr = False
     softcap: FloatExpr | None = None  # logits -> softcap * tanh(logits / softcap); may be null
+    # The final hidden states times it before the head (MiniCPM: dim_model_base / hidden_size).
+    scale: FloatExpr | None = None
 
 
 class TextModel(Strict):
@@ -139,6 +144,9 @@ class Weights(Strict):
     rename: list[Rename] = Field(default_factory=list)
     # regular expressions of tensors the model does not use
     drop: list[str] = Field(default_factory=list)
+    # Text decoder layers `model.layers.{i}.*` with i at or past this are dropped with a log
+    # line (DeepSeek's multi-token-prediction layers follow the stack: num_hidden_layers).
+    drop_layers_from: IntExpr | None = None
 
 
 class Serves(Strict):

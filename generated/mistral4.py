@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx import nn
 
-from mlxc.runtime.model import layers, masks, moe, yarn
+from mlxc.runtime.model import latent, layers, masks, moe, parallel, yarn
 from mlxc.runtime.model.cache import KVCache
 from mlxc.runtime.model.config import read
 from mlxc.runtime.model.layers import AttentionInputs, attend
@@ -260,6 +260,46 @@ class DecoderLayer(nn.Module):
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x
 
+    def shard(self, group: mx.distributed.Group, args: ModelArgs, layer_idx: int) -> None:
+        """This layer's share of the work on this rank of ``group`` (``Model.shard``)."""
+        # self_attn (mla): heads split over the ranks: the per-head projections (q_proj or
+        # q_b_proj, both halves of kv_b_proj) by output, o_proj by input; the latent and the
+        # shared rope key are computed whole on every rank
+        parallel.shard(
+            self.self_attn,
+            group,
+            by_output=("q_proj", "q_b_proj", "kv_b_proj"),
+            by_input=("o_proj",),
+            heads={"n_heads": ("num_attention_heads",)},
+        )
+        if layer_idx < args.first_k_dense_replace:
+            # mlp (swiglu): hidden width split over the ranks: gate and up by output, down by
+            # input
+            parallel.shard(
+                self.mlp,
+                group,
+                by_output=("gate_proj", "up_proj"),
+                by_input=("down_proj",),
+                widths=("intermediate_size",),
+            )
+        else:
+            # mlp (moe): every expert's width split over the ranks (each rank holds a slice of
+            # every expert), shared experts too, the router whole; one all-reduce sums their
+            # outputs
+            parallel.shard(
+                self.mlp,
+                group,
+                by_output=(
+                    "experts.gate_proj",
+                    "experts.up_proj",
+                    "shared_experts.gate_proj",
+                    "shared_experts.up_proj",
+                ),
+                by_input=("experts.down_proj", "shared_experts.down_proj"),
+                widths=("moe_intermediate_size", "n_shared_experts"),
+                reduces=True,
+            )
+
 
 class TextModel(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
@@ -326,11 +366,32 @@ class Model(nn.Module):
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
 
+    def shard(self, group: mx.distributed.Group | None = None) -> None:
+        """Tensor parallelism over the ranks of ``group`` (default: ``mx.distributed.init()``),
+        in place, as mlx-lm's ``shard``: each decoder layer keeps its share of the heads and
+        of the MLP width, as its block kinds declare (DecoderLayer.shard). Embeddings, norms
+        and the LM head stay whole on every rank. Sizes that do not divide raise
+        ``parallel.ShardError``, naming their config entries."""
+        group = group or mx.distributed.init()
+        for i, layer in enumerate(self.model.layers):
+            try:
+                layer.shard(group, self.args, i)
+            except parallel.ShardError as e:
+                raise parallel.ShardError(
+                    f"cannot shard layer {i} over {group.size()} ranks: {e}"
+                ) from None
+
     def make_cache(self) -> SequenceCache:
         return SequenceCache([KVCache() for _ in self.model.layers])
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = WEIGHT_RULES.apply(weights, tied_lm_head=self.args.tie_word_embeddings)
+        # mlx-lm's split kv_b_proj (embed_q / unembed_out) -> kv_b_proj, as the model holds it.
+        weights = latent.join_kv_b(
+            weights,
+            qk_nope_head_dim=self.args.qk_nope_head_dim,
+            kv_lora_rank=self.args.kv_lora_rank,
+        )
         # Per-expert, fused or mlx-lm expert tensors -> the stacked layout of moe.MoE.
         weights = moe.convert_expert_weights(
             weights,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx import nn
 
-from mlxc.runtime.model import layers, masks
+from mlxc.runtime.model import layers, masks, parallel
 from mlxc.runtime.model.cache import KVCache, attention_cache
 from mlxc.runtime.model.config import read
 from mlxc.runtime.model.layers import AttentionInputs, attend
@@ -143,6 +143,29 @@ class DecoderLayer(nn.Module):
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x
 
+    def shard(self, group: mx.distributed.Group, args: ModelArgs, layer_idx: int) -> None:
+        """This layer's share of the work on this rank of ``group`` (``Model.shard``)."""
+        # self_attn (gqa): heads split over the ranks: q by output, k/v by kv head (replicated
+        # when fewer than ranks), o by input
+        parallel.shard(
+            self.self_attn,
+            group,
+            by_output=("q_proj",),
+            kv=("k_proj", "v_proj"),
+            by_input=("o_proj",),
+            heads={"n_heads": ("num_attention_heads",)},
+            kv_heads={"n_kv_heads": ("num_key_value_heads",)},
+        )
+        # mlp (swiglu): hidden width split over the ranks: gate and up by output, down by
+        # input
+        parallel.shard(
+            self.mlp,
+            group,
+            by_output=("gate_proj", "up_proj"),
+            by_input=("down_proj",),
+            widths=("intermediate_size",),
+        )
+
 
 class TextModel(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
@@ -203,6 +226,21 @@ class Model(nn.Module):
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
+
+    def shard(self, group: mx.distributed.Group | None = None) -> None:
+        """Tensor parallelism over the ranks of ``group`` (default: ``mx.distributed.init()``),
+        in place, as mlx-lm's ``shard``: each decoder layer keeps its share of the heads and
+        of the MLP width, as its block kinds declare (DecoderLayer.shard). Embeddings, norms
+        and the LM head stay whole on every rank. Sizes that do not divide raise
+        ``parallel.ShardError``, naming their config entries."""
+        group = group or mx.distributed.init()
+        for i, layer in enumerate(self.model.layers):
+            try:
+                layer.shard(group, self.args, i)
+            except parallel.ShardError as e:
+                raise parallel.ShardError(
+                    f"cannot shard layer {i} over {group.size()} ranks: {e}"
+                ) from None
 
     def make_cache(self) -> SequenceCache:
         return SequenceCache([layer.new_cache() for layer in self.model.layers if layer.new_cache])

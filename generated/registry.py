@@ -6,10 +6,15 @@ text; it takes precedence over a plain ``outer`` key.
 """
 
 MODEL_TYPES = {
+    "deepseek_v2": "deepseek_v2",
+    "deepseek_v3": "deepseek_v3",
     "gemma3:gemma3_text": "gemma3",
     "gemma3_text": "gemma3_text",
+    "glm4_moe_lite": "glm4_moe_lite",
     "gpt_oss": "gpt_oss",
+    "kimi_k2": "deepseek_v3",
     "llama": "llama",
+    "minicpm3": "minicpm3",
     "ministral3": "ministral3",
     "mistral": "llama",
     "mistral3:ministral": "mistral3",

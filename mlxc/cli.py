@@ -301,12 +301,17 @@ def generate(
     images,
     specs,
 ):
-    """Generate a completion for PROMPT, streaming the text to stdout."""
+    """Generate a completion for PROMPT, streaming the text to stdout.
+
+    Under `mlx.launch -n N` the model is sharded over the N processes (tensor parallelism);
+    every rank generates, rank 0 prints.
+    """
     import time
 
     from mlxc.runtime.checkpoint.loading import CheckpointError, load_checkpoint
     from mlxc.runtime.checkpoint.processor import ImageInputError, load_image
     from mlxc.runtime.checkpoint.tokenizer import StreamingDetokenizer, encode_prompt
+    from mlxc.runtime.serving.distributed import agree_on_seed, same_on_every_rank, world
 
     # MLX and transformers load here, not at CLI start-up: lint and build never need them.
     from mlxc.runtime.serving.generate import (
@@ -323,6 +328,8 @@ def generate(
             f"must be larger than --kv-sink ({kv_sink})", param_hint="'--max-kv-size'"
         )
     _user_specs_or_exit(specs)
+    group = world()  # under mlx.launch: the ranks the model is sharded over
+    lead = group is None or group.rank() == 0  # the rank that prints
     if model_dir is None:
         from mlxc.runtime.checkpoint import demo
 
@@ -330,7 +337,8 @@ def generate(
             model_dir = demo.ensure_demo()
         except (OSError, RuntimeError) as e:
             raise _OneLineError(f"cannot write the demo checkpoint: {e}") from e
-        click.echo(f"warning: {demo.no_model_warning('generating with', model_dir)}", err=True)
+        if lead:
+            click.echo(f"warning: {demo.no_model_warning('generating with', model_dir)}", err=True)
     else:
         model_dir, _ = _resolve_model(model_dir)
     pil_images = []
@@ -373,10 +381,12 @@ def generate(
     except ContextExceeded as e:
         raise click.BadParameter(str(e), param_hint=f"'--{e.param.replace('_', '-')}'") from e
     try:
-        model = checkpoint.load_model()
+        model = checkpoint.load_model(group=group)
     except CheckpointError as e:
         raise _OneLineError(str(e), 1) from e
 
+    if group is not None and seed is None:
+        agree_on_seed(group)  # the ranks must draw the same tokens
     sampler = make_sampler(temp=temp, top_p=top_p, top_k=top_k, seed=seed)
     tokens = generate_tokens(
         model,
@@ -393,14 +403,23 @@ def generate(
     start = time.perf_counter()
     first = start
     n = 0
+    generated = []
     for token in tokens:
         if n == 0:
             first = time.perf_counter()  # prefill time = time to the first token
         n += 1
-        click.echo(detok.add(token), nl=False)
-        sys.stdout.flush()
+        generated.append(token)
+        text = detok.add(token)
+        if lead:
+            click.echo(text, nl=False)
+            sys.stdout.flush()
     end = time.perf_counter()
-    click.echo(detok.finalize())
+    text = detok.finalize()
+    if group is not None and not same_on_every_rank(generated, group):
+        raise _OneLineError("the ranks generated different tokens: the output is not valid")
+    if not lead:
+        return
+    click.echo(text)
 
     if n == 0:
         first = end  # stopped on EOS at once: all the time went to prefill
@@ -568,11 +587,16 @@ def serve(
     log_level,
     specs,
 ):
-    """Serve a model over an OpenAI-compatible HTTP API (chat, completions, streaming)."""
+    """Serve a model over an OpenAI-compatible HTTP API (chat, completions, streaming).
+
+    Under `mlx.launch -n N` the model is sharded over the N processes (tensor parallelism):
+    rank 0 serves HTTP, every rank runs the scheduler's steps in lockstep.
+    """
     import logging
     from pathlib import Path
 
     from mlxc.runtime.checkpoint.loading import CheckpointError
+    from mlxc.runtime.serving.distributed import Lockstep, agree_on_seed, world
     from mlxc.runtime.serving.engine import Engine
     from mlxc.runtime.serving.generate import DEFAULT_KV_SINK
     from mlxc.runtime.serving.server import bind, create_app, run
@@ -596,6 +620,14 @@ def serve(
         except (OSError, UnicodeDecodeError) as e:
             raise _OneLineError(f"cannot read --chat-template {chat_template}: {e}") from e
     template_args = _json_object(chat_template_args, "--chat-template-args")
+
+    group = world()  # under mlx.launch: the ranks the model is sharded over
+    distributed = {}
+    if group is not None:
+        agree_on_seed(group)  # samplers without a seed draw the same tokens on every rank
+        distributed = {"group": group, "lockstep": Lockstep(group)}
+        if group.rank() != 0:
+            return _follow(model_dir, distributed, max_kv_size, kv_sink, prefill_chunk_size, specs)
 
     # Bind first: a port in use is reported now, not after the model has loaded.
     try:
@@ -635,6 +667,7 @@ def serve(
             max_queue=max_queue,
             prefix_cache_bytes=prefix_cache_bytes,
             specs=specs,
+            **distributed,
         )
     except CheckpointError as e:
         sock.close()
@@ -684,6 +717,31 @@ def _json_object(value: str | None, flag: str) -> dict:
     if not isinstance(parsed, dict):
         raise click.BadParameter("must be a JSON object", param_hint=f"'{flag}'")
     return parsed
+
+
+def _follow(model_dir, distributed, max_kv_size, kv_sink, prefill_chunk_size, specs) -> None:
+    """A rank other than 0 of `mlx.launch ... mlxc serve`: no HTTP; its scheduler runs the
+    ticks rank 0 broadcasts (the same cache settings, so every rank trims alike) until rank 0
+    stops."""
+    import time
+
+    from mlxc.runtime.checkpoint import demo
+    from mlxc.runtime.checkpoint.loading import CheckpointError
+    from mlxc.runtime.serving.engine import Engine
+
+    try:
+        engine = Engine.from_path(
+            _resolve_model(model_dir)[0] if model_dir else demo.ensure_demo(),
+            max_kv_size=max_kv_size,
+            kv_sink=kv_sink,
+            prefill_chunk_size=prefill_chunk_size,
+            specs=specs,
+            **distributed,
+        )
+    except CheckpointError as e:
+        raise _OneLineError(str(e), 1) from e
+    while engine.scheduler.alive:
+        time.sleep(0.5)
 
 
 def _comma_list(value: str) -> tuple[str, ...]:

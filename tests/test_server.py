@@ -83,6 +83,10 @@ ARCHS = {
     "qwen3": ckpt.make_qwen3,
     "nemotron_nas": ckpt.make_nemotron_nas,
     "mistral4": make_mistral4,
+    "deepseek_v3": lambda path: __import__("test_deepseek_v3").make_server_checkpoint(path),
+    "glm4_moe_lite": lambda path: __import__("test_glm4_moe_lite").make_server_checkpoint(path),
+    "deepseek_v2": lambda path: __import__("test_deepseek_v2").make_server_checkpoint(path),
+    "minicpm3": lambda path: __import__("test_minicpm3").make_server_checkpoint(path),
 }
 SHORT = "hello world"  # 25 tokens under the chat template: one chunk, nothing trimmed
 LONG = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(12))

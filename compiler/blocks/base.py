@@ -65,6 +65,30 @@ WINDOWED_KV = CacheKind("windowed-kv", ("mlxc.runtime.model.cache", "attention_c
 NO_CACHE = CacheKind("none", None)
 
 
+@dataclass(frozen=True)
+class Sharding:
+    """How a block's module splits over the ranks of a tensor-parallel group: what the
+    generated ``DecoderLayer.shard`` hands to ``runtime.model.parallel.shard``.
+
+    Names are attributes of the module (dotted paths inside it); one the module lacks or holds
+    as None (an optional projection, sinks turned off) is skipped. Heads and widths are schema
+    fields of the block: a size that does not divide by the ranks is an error naming the
+    config entries it comes from. A kind without a ``Sharding`` is replicated on every rank.
+    """
+
+    doc: str = ""  # one line, the comment over the generated call
+    by_output: tuple[str, ...] = ()  # all-to-sharded: each rank computes its share of outputs
+    by_input: tuple[str, ...] = ()  # sharded-to-all: partial products, summed over the ranks
+    kv: tuple[str, ...] = ()  # split by key/value head; replicated when fewer heads than ranks
+    per_head: tuple[str, ...] = ()  # arrays [heads, ...] split by head (gpt-oss sinks)
+    heads: tuple[tuple[str, str], ...] = ()  # (module attribute, schema field): divided by N
+    kv_heads: tuple[str, str] | None = None  # (module attribute, schema field) of the kv heads
+    widths: tuple[str, ...] = ()  # schema fields of the widths split (named in errors)
+    # The block sums its ranks' outputs itself, once (moe: routed and shared experts together):
+    # its weights split in place and it all-reduces through its ``sharding_group``.
+    reduces: bool = False
+
+
 class BlockKind:
     """One block kind. A subclass sets the class attributes and overrides what it compiles."""
 
@@ -78,6 +102,8 @@ class BlockKind:
     template_dir: typing.ClassVar[Path | None] = None  # None: compiler/templates
     class_name: typing.ClassVar[str | None] = None
     cache: typing.ClassVar[CacheKind] = NO_CACHE  # what each layer of this kind caches
+    # How it splits under tensor parallelism (Model.shard); None: replicated on every rank.
+    sharding: typing.ClassVar[Sharding | None] = None
 
     @property
     def kind(self) -> str:
@@ -86,6 +112,10 @@ class BlockKind:
     def cache_kind(self, block) -> CacheKind:
         """What each layer of this block caches (the kind's ``cache`` unless a field decides)."""
         return self.cache
+
+    def sharding_of(self, block) -> Sharding | None:
+        """How this block splits over ranks (the kind's ``sharding`` unless a field decides)."""
+        return self.sharding
 
     def consumes(self, raw: dict) -> set[str]:
         """The inputs a block, given as its raw mapping, consumes."""

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import Field
 
 from mlxc.compiler.blocks import attention_inputs as inp
-from mlxc.compiler.blocks.base import FULL_KV, WINDOWED_KV, BlockKind, NotCompiled
+from mlxc.compiler.blocks.base import FULL_KV, WINDOWED_KV, BlockKind, NotCompiled, Sharding
 from mlxc.compiler.labels import route
 from mlxc.compiler.schema_base import Block, BoolExpr, FloatExpr, IntExpr, Norm, RopeRef, Strict
 from mlxc.compiler.vision import TOWERS
@@ -47,6 +48,16 @@ class GQAKind(BlockKind):
     template = "attention_gqa.py.j2"
     class_name = "Attention"
     cache = FULL_KV
+    sharding = Sharding(
+        doc="heads split over the ranks: q by output, k/v by kv head (replicated when fewer "
+        "than ranks), o by input",
+        by_output=("q_proj",),
+        kv=("k_proj", "v_proj"),
+        by_input=("o_proj",),
+        per_head=("sinks",),
+        heads=(("n_heads", "heads"),),
+        kv_heads=("n_kv_heads", "kv_heads"),
+    )
 
     def not_compiled(self, b: GQA, spec):
         if b.scale == "llama4" and b.rope is None:
@@ -55,6 +66,13 @@ class GQAKind(BlockKind):
         mrope_tower = spec.vision is not None and TOWERS[spec.vision.tower].mrope
         if b.rope and b.rope.mrope and not mrope_tower:
             yield NotCompiled(("rope", "mrope"), "mrope positions need a qwen vision tower")
+
+    def sharding_of(self, b: GQA):
+        return (
+            self.sharding
+            if b.sinks is not False
+            else dataclasses.replace(self.sharding, per_head=())
+        )
 
     def cache_kind(self, b: GQA):
         return FULL_KV if b.sliding_window is None else WINDOWED_KV

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from mlxc.compiler.blocks import attention_inputs as inp
-from mlxc.compiler.blocks.base import FULL_KV, BlockKind
+from mlxc.compiler.blocks.base import FULL_KV, BlockKind, Sharding
 from mlxc.compiler.labels import route
 from mlxc.compiler.schema_base import Block, BoolExpr, FloatExpr, IntExpr, RopeRef
 
@@ -45,6 +45,14 @@ class MLAKind(BlockKind):
     template = "attention_mla.py.j2"
     class_name = "LatentAttention"
     cache = FULL_KV
+    sharding = Sharding(
+        doc="heads split over the ranks: the per-head projections (q_proj or q_b_proj, both "
+        "halves of kv_b_proj) by output, o_proj by input; the latent and the shared rope key "
+        "are computed whole on every rank",
+        by_output=("q_proj", "q_b_proj", "kv_b_proj"),
+        by_input=("o_proj",),
+        heads=(("n_heads", "heads"),),
+    )
 
     def context(self, b: MLA, gen) -> dict:
         values = [
@@ -68,9 +76,19 @@ class MLAKind(BlockKind):
             "rope": {"param": b.rope.param, "traditional": gen.py(b.rope.traditional)},
         }
 
+    def model_context(self, b: MLA, gen) -> dict:
+        # sanitize() joins mlx-lm's split kv_b_proj (embed_q / unembed_out) back together.
+        return {
+            "mla": {
+                "nope": gen.py(b.qk_nope_head_dim, args="self.args", layer=False),
+                "kv_lora_rank": gen.py(b.kv_lora_rank, args="self.args", layer=False),
+            }
+        }
+
     def runtime_imports(self, b: MLA) -> dict[str, set[str]]:
         return {
-            "mlxc.runtime.model": {"masks", "yarn"},  # yarn: the mla softmax and llama4 scales
+            # yarn: the mla softmax and llama4 scales; latent: mlx-lm's split kv_b_proj
+            "mlxc.runtime.model": {"latent", "masks", "yarn"},
             "mlxc.runtime.model.cache": {"KVCache"},
             "mlxc.runtime.model.layers": {"attend"},
             "mlxc.runtime.model.rope": {"make_rope"},

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
-from mlxc.compiler.blocks.base import BlockKind
+from mlxc.compiler.blocks.base import BlockKind, Sharding
 from mlxc.compiler.pysource import pyrepr
 from mlxc.compiler.schema_base import Block, BoolExpr, FloatExpr, IntExpr
 
@@ -47,6 +48,25 @@ class MoEKind(BlockKind):
         "top-k, shared experts, silu or clamped SwiGLU (gpt_oss), expert biases, MXFP4 "
         "checkpoint experts as MLX mxfp4"
     )
+    sharding = Sharding(
+        doc="every expert's width split over the ranks (each rank holds a slice of every "
+        "expert), shared experts too, the router whole; one all-reduce sums their outputs",
+        by_output=(
+            "experts.gate_proj", "experts.up_proj",
+            "shared_experts.gate_proj", "shared_experts.up_proj",
+        ),
+        by_input=("experts.down_proj", "shared_experts.down_proj"),
+        widths=("expert_hidden", "shared_experts_hidden"),
+        reduces=True,
+    )  # fmt: skip
+
+    def sharding_of(self, b: MoE) -> Sharding:
+        if b.shared_experts_hidden != 0:
+            return self.sharding
+        routed = [name for name in self.sharding.by_output if not name.startswith("shared_")]
+        return dataclasses.replace(
+            self.sharding, by_output=tuple(routed), by_input=("experts.down_proj",)
+        )
 
     def ctor(self, b: MoE, gen) -> str:
         options = [

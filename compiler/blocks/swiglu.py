@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from mlxc.compiler.blocks.base import BlockKind
+from mlxc.compiler.blocks.base import BlockKind, Sharding
 from mlxc.compiler.pysource import pyrepr
 from mlxc.compiler.schema_base import Block, BoolExpr, IntExpr
 
@@ -20,6 +20,12 @@ class SwiGLUKind(BlockKind):
     part = "mlp"
     schema = SwiGLU
     doc = "gated MLP: silu, gelu, gelu_approx or relu"
+    sharding = Sharding(
+        doc="hidden width split over the ranks: gate and up by output, down by input",
+        by_output=("gate_proj", "up_proj"),
+        by_input=("down_proj",),
+        widths=("hidden",),
+    )
 
     def ctor(self, b: SwiGLU, gen) -> str:
         dim, hidden, bias = gen.py(gen.spec.text.embed.dim), gen.py(b.hidden), gen.py(b.bias)

@@ -409,7 +409,10 @@ def _cast(
 
 
 def load_model(
-    path: str | Path, dtype: mx.Dtype | str | None = None, specs: Specs = None
+    path: str | Path,
+    dtype: mx.Dtype | str | None = None,
+    specs: Specs = None,
+    group: mx.distributed.Group | None = None,
 ) -> nn.Module:
     """Build the generated model for the checkpoint at ``path`` and load its weights.
 
@@ -417,7 +420,10 @@ def load_model(
     and bfloat16 weights become float32; a floating dtype (``mx.float16`` or ``"float16"``)
     casts every floating weight to it. ``specs``: a directory of your own specs, compiled in
     memory next to the built-in ones (:func:`registry`; ``user_specs.SpecError`` on lint
-    findings). Raises :class:`CheckpointError` on any problem with the checkpoint.
+    findings). ``group``: a distributed group of more than one rank: the model is sharded over
+    it (tensor parallelism, the generated ``Model.shard``) before any weight is read, so each
+    rank keeps only its share. Raises :class:`CheckpointError` on any problem with the
+    checkpoint.
     """
     path = Path(path)
     blas.log_status()  # once per process: which CPU BLAS MLX uses, or how to get a fast one
@@ -451,6 +457,10 @@ def load_model(
     _check_weights(model, weights, source, str(where), reads)
 
     weights = _cast(weights, target, explicit=dtype is not None)
+    if group is not None and group.size() > 1:
+        model.load_weights(list(weights.items()), strict=True)  # lazy: nothing read yet
+        del weights  # the whole tensors live on only in the graphs of their slices
+        return _shard_and_read(model, group, files, path / "config.json")
     try:
         # Read every tensor before the model sees any (loads are lazy: a read can fail here).
         mx.eval(list(weights.values()))
@@ -461,6 +471,29 @@ def load_model(
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
     mx.eval(model.parameters())
+    return model
+
+
+def _shard_and_read(
+    model: nn.Module, group: mx.distributed.Group, files: list[Path], config_file: Path
+) -> nn.Module:
+    """Shard ``model``, whose weights are still lazy, over ``group``, then read them: each rank
+    keeps only its slices, each whole tensor dropped as soon as it is cut."""
+    from mlxc.runtime.model.parallel import ShardError
+
+    try:
+        model.shard(group)
+    except ShardError as e:
+        raise CheckpointError(f"{config_file}: {e}") from e
+    model.eval()
+    try:
+        # One tensor at a time: one eval of them all would read every whole tensor before
+        # cutting any (a peak above the unsharded model's); so the peak is this rank's share
+        # plus the largest tensor.
+        for _, p in tree_flatten(model.parameters()):
+            mx.eval(p)
+    except Exception as e:
+        raise CheckpointError(f"cannot read the weights: {_find_unreadable(files, e)}") from e
     return model
 
 
@@ -475,13 +508,16 @@ def _find_unreadable(files: list[Path], error: Exception) -> str:
 
 
 def load(
-    path: str | Path, dtype: mx.Dtype | str | None = None, specs: Specs = None
+    path: str | Path,
+    dtype: mx.Dtype | str | None = None,
+    specs: Specs = None,
+    group: mx.distributed.Group | None = None,
 ) -> tuple[nn.Module, Any]:
     """``(model, tokenizer)``; the tokenizer is None when the directory has no tokenizer files.
-    ``dtype`` and ``specs`` as in :func:`load_model`."""
+    ``dtype``, ``specs`` and ``group`` as in :func:`load_model`."""
     from mlxc.runtime.checkpoint.tokenizer import load_tokenizer
 
-    model = load_model(path, dtype=dtype, specs=specs)
+    model = load_model(path, dtype=dtype, specs=specs, group=group)
     return model, load_tokenizer(path)
 
 
@@ -515,9 +551,11 @@ class Checkpoint:
         """The module's ``VISION_TOWER`` (None: a text-only model)."""
         return getattr(self.module, "VISION_TOWER", None)
 
-    def load_model(self, dtype: mx.Dtype | str | None = None) -> nn.Module:
-        """The model with its weights (:func:`load_model`)."""
-        return load_model(self.path, dtype=dtype, specs=self.specs)
+    def load_model(
+        self, dtype: mx.Dtype | str | None = None, group: mx.distributed.Group | None = None
+    ) -> nn.Module:
+        """The model with its weights, sharded over ``group`` if given (:func:`load_model`)."""
+        return load_model(self.path, dtype=dtype, specs=self.specs, group=group)
 
 
 def _config_int(config: dict[str, Any], key: str) -> int | None:

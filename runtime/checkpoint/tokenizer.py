@@ -163,13 +163,28 @@ class StreamingDetokenizer:
     it, so a delta never splits a character.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, keep: frozenset[int] = frozenset()) -> None:
         self.tokenizer = tokenizer
         self.tokens: list[int] = []
         self.prefix_offset = 0  # start of the context window
         self.read_offset = 0  # tokens before this one have been emitted
+        # Special tokens written out all the same (a tool-call format's markers, such as
+        # Mistral's [TOOL_CALLS]): id -> text.
+        self.keep = {t: tokenizer.convert_ids_to_tokens(t) for t in keep}
 
     def _decode(self, tokens: list[int]) -> str:
+        if not self.keep:
+            return self._decode_run(tokens)
+        parts, run = [], []
+        for t in tokens:
+            if t in self.keep:
+                parts += [self._decode_run(run), self.keep[t]]
+                run = []
+            else:
+                run.append(t)
+        return "".join(parts) + self._decode_run(run)
+
+    def _decode_run(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(
             tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False
         )

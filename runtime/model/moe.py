@@ -365,6 +365,9 @@ class MoE(nn.Module):
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         elif shared_hidden:
             self.shared_experts = SwiGLU(hidden, shared_hidden, act=act)
+        # Tensor parallelism (runtime.model.parallel): each rank holds a slice of every
+        # expert's width, and the block's output is the sum over this group's ranks.
+        self.sharding_group: mx.distributed.Group | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
         shape = x.shape
@@ -387,6 +390,8 @@ class MoE(nn.Module):
             y = y + self.shared_experts(x)
         elif "shared_expert" in self:
             y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.sharding_group is not None:  # one all-reduce for routed and shared experts
+            y = mx.distributed.all_sum(y, group=self.sharding_group)
         return y.reshape(shape)
 
 

@@ -19,7 +19,7 @@ from mlxc.runtime.model.yarn import YarnRoPE
 
 @dataclass(frozen=True)
 class RopeConfig:
-    kind: str = "default"  # default | linear | llama3 | yarn | mrope
+    kind: str = "default"  # default | linear | llama3 | yarn | longrope | mrope
     theta: float = 10000.0
     factor: float = 1.0
     params: dict[str, Any] = field(default_factory=dict)  # the rest of the scaling dict
@@ -61,9 +61,19 @@ class RopeConfig:
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind == "default" and "mrope_section" in scaling:
             kind = "mrope"
-        if kind not in ("default", "linear", "llama3", "yarn", "mrope"):
+        if kind not in ("default", "linear", "llama3", "yarn", "longrope", "mrope"):
             raise ConfigError(f"unsupported rope_type '{kind}'")
         rest = {k: v for k, v in scaling.items() if k not in ("rope_theta", "rope_type", "type")}
+        if kind == "longrope":
+            # transformers: the original context may sit at the top level (Phi-3), and a missing
+            # factor is the ratio of the two context lengths.
+            original = rest.get("original_max_position_embeddings")
+            original = original or sub.get("original_max_position_embeddings")
+            if not original:
+                raise ConfigError("longrope needs original_max_position_embeddings")
+            rest["original_max_position_embeddings"] = original
+            if not rest.get("factor") and sub.get("max_position_embeddings"):
+                rest["factor"] = sub["max_position_embeddings"] / original
         return cls(
             kind=kind,
             theta=float(theta),
@@ -117,8 +127,59 @@ class RoPE(nn.Module):
         )
 
 
-def make_rope(dims: int, cfg: RopeConfig, traditional: bool = False) -> RoPE | YarnRoPE:
-    """The rope of one attention layer, any kind: ``YarnRoPE`` for yarn, else ``RoPE``."""
+class LongRoPE(nn.Module):
+    """LongRoPE (``longrope``: MiniCPM3, Phi-3): each frequency divided by its factor, from
+    ``short_factor`` while the forward's positions fit ``original_max_position_embeddings`` and
+    from ``long_factor`` once its last position passes it (transformers' rule: the whole chunk
+    switches; each row of a decode batch by its own position). cos and sin carry
+    ``attention_factor``, by default ``sqrt(1 + ln(factor) / ln(original))``."""
+
+    def __init__(self, dims: int, cfg: RopeConfig, traditional: bool = False) -> None:
+        super().__init__()
+        self.dims, self.traditional = dims, traditional
+        p = cfg.params
+        self.original = p["original_max_position_embeddings"]
+        scale = p.get("attention_factor")
+        if scale is None:
+            f = cfg.factor
+            scale = 1.0 if f <= 1 else math.sqrt(1 + math.log(f) / math.log(self.original))
+        self.mscale = float(scale)
+        base = cfg.theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+        for name in ("short_factor", "long_factor"):
+            if len(p.get(name) or ()) != dims // 2:
+                raise ConfigError(f"longrope {name} needs {dims // 2} values (rope dims / 2)")
+        # mx.fast.rope takes periods (1 / frequency): the factor times the default period.
+        self._short = mx.array(p["short_factor"], mx.float32) * base
+        self._long = mx.array(p["long_factor"], mx.float32) * base
+        mx.eval(self._short, self._long)  # a lazy array cannot be evaluated on another thread
+
+    def _rope(self, x: mx.array, offset: int | mx.array, periods: mx.array) -> mx.array:
+        return mx.fast.rope(
+            x, self.dims, traditional=self.traditional, base=None, scale=1.0, offset=offset,
+            freqs=periods,
+        )  # fmt: skip
+
+    def __call__(self, x: mx.array, offset: int | mx.array) -> mx.array:
+        """``x [B, H, L, D]`` at absolute positions ``offset + arange(L)``."""
+        if self.mscale != 1.0:  # rope is linear: scaling before equals transformers' cos/sin
+            if x.shape[-1] == self.dims:
+                x = x * self.mscale
+            else:
+                x = mx.concatenate([x[..., : self.dims] * self.mscale, x[..., self.dims :]], -1)
+        L = x.shape[-2]
+        if isinstance(offset, mx.array):  # a decode batch: [B] offsets, each row its own table
+            long = (offset + L > self.original).reshape(-1, 1, 1, 1)
+            return mx.where(
+                long, self._rope(x, offset, self._long), self._rope(x, offset, self._short)
+            )
+        return self._rope(x, offset, self._long if offset + L > self.original else self._short)
+
+
+def make_rope(dims: int, cfg: RopeConfig, traditional: bool = False) -> RoPE | YarnRoPE | LongRoPE:
+    """The rope of one attention layer, any kind: ``YarnRoPE`` for yarn, ``LongRoPE`` for
+    longrope, else ``RoPE``."""
     if cfg.kind == "yarn":
         return YarnRoPE.from_config(dims, cfg, traditional)
+    if cfg.kind == "longrope":
+        return LongRoPE(dims, cfg, traditional=traditional)
     return RoPE(dims, cfg, traditional=traditional)

@@ -53,6 +53,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    keep_special: frozenset[int] = frozenset()  # special tokens detokenized all the same
+    constraint: Any = None  # a runtime.serving.structured.Constraint: the grammar output follows
 
 
 # A request receives any number of Delta events, then exactly one Finished or Failed.

@@ -90,13 +90,14 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (lambda v: v in (None, 1), "this server returns one choice (best_of=1)"),
     "echo": (lambda v: v in (None, False), "the prompt is not echoed"),
     "suffix": (lambda v: v in (None, ""), "no insertion (suffix) completions"),
-    "tools": (lambda v: not v, "no tool calls yet"),
-    "tool_choice": (lambda v: v in (None, "none", "auto"), "no tool calls yet"),
+    # Chat requests declare these (tool calls, structured output); completions refuse them.
+    "tools": (lambda v: not v, "tool calls are made by /v1/chat/completions"),
+    "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calls need /v1/chat/completions"),
     "functions": (lambda v: not v, "no function calls"),
     "function_call": (lambda v: v in (None, "none", "auto"), "no function calls"),
     "response_format": (
         lambda v: v is None or v == {"type": "text"},
-        "no structured output (json_object, json_schema) yet",
+        "structured output (json_object, json_schema) is made by /v1/chat/completions",
     ),
     "audio": (lambda v: v is None, "no audio output"),
     "modalities": (lambda v: v in (None, ["text"]), "text output only"),
@@ -125,7 +126,7 @@ IGNORED_FIELDS = frozenset(
         "metadata",
         "store",
         "service_tier",
-        "parallel_tool_calls",  # meaningless without tools (and tools are refused above)
+        "parallel_tool_calls",  # chat: every call the model makes is returned
         "safety_identifier",
         "prompt_cache_key",
         "prompt_cache_retention",
@@ -158,9 +159,59 @@ class ImagePart(_Schema):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+class FunctionCall(_Schema):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallPart(_Schema):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Schema):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallPart] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
+
+
+# --- tools and structured output (runtime.serving.tool_calls, runtime.serving.structured) ---------
+
+
+class FunctionSpec(_Schema):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ToolSpec(_Schema):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Schema):
+    name: str
+
+
+class NamedToolChoice(_Schema):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaSpec(_Schema):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Schema):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
 
 
 class StreamOptions(_Schema):
@@ -253,6 +304,10 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # calls are parsed however many the model makes
+    response_format: ResponseFormat | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # vLLM's name: extra variables of the chat template (enable_thinking, ...), over the
     # server's --chat-template-args.

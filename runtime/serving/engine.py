@@ -10,6 +10,7 @@ over it is ``runtime.serving.server``.
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -76,11 +77,16 @@ class Engine:
         chat_template: str | None = None,
         description: str | None = None,
         specs: str | Path | None = None,
+        group: Any = None,
         **scheduler_options: Any,
     ) -> Engine:
         """Load the checkpoint at ``path`` and start the scheduler; CheckpointError when it
         cannot be served. The model is built on the scheduler thread, which owns MLX.
-        ``specs``: a directory of your own specs, as in ``loading.load_model``."""
+        ``specs``: a directory of your own specs, as in ``loading.load_model``. ``group``: the
+        ranks of ``mlx.launch`` the model is sharded over (with a ``lockstep`` for the
+        scheduler: ``runtime.serving.distributed``)."""
+        import functools
+
         from mlxc.runtime.checkpoint.loading import (
             CheckpointError,
             ProcessorFilesError,
@@ -103,7 +109,7 @@ class Engine:
         engine = cls(
             None,
             checkpoint.tokenizer,
-            load=checkpoint.load_model,
+            load=functools.partial(checkpoint.load_model, group=group),
             model_id=name,
             aliases=(str(path),),
             eos_token_ids=checkpoint.eos_token_ids,
@@ -146,6 +152,32 @@ class Engine:
                 return self.processor.encode(messages, images, template_kwargs=template_kwargs)
         except ValueError as e:  # the template (named), or placeholder/image count problems
             raise PromptError(str(e)) from e
+
+    @functools.cached_property
+    def tool_format(self):
+        """The tool-call format of this model's chat template (``runtime.serving.tool_calls``)."""
+        from mlxc.runtime.serving.tool_calls import format_for_template
+
+        template = self.chat_template or getattr(self.prompt_tokenizer, "chat_template", None)
+        return format_for_template(template)
+
+    @functools.cached_property
+    def tool_markers(self) -> dict[str, int]:
+        """The tool-call format's markers that are tokens of this tokenizer, and their ids
+        (kept when detokenizing; forced calls sample the token itself)."""
+        with self._prompt_lock:
+            added = self.prompt_tokenizer.get_added_vocab()
+        return {t: added[t] for t in self.tool_format.special if t in added}
+
+    @functools.cached_property
+    def grammars(self):
+        """Makes the constraints of structured output (``runtime.serving.structured``)."""
+        from mlxc.runtime.serving.structured import Grammars
+
+        with self._prompt_lock:
+            tokenizer = copy.deepcopy(self.prompt_tokenizer)
+        eos = self.scheduler.eos_token_ids
+        return Grammars(tokenizer, self.vocab_size, eos)
 
     def encode_chat(
         self, messages: list[dict[str, str]], template_kwargs: dict | None = None

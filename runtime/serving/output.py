@@ -108,7 +108,7 @@ class SequenceOutput:
         self.eos_token_ids = eos_token_ids
         self.generated = 0
         self.cached_tokens = 0  # prompt tokens resumed from the prefix cache (not prefilled)
-        self.detok = StreamingDetokenizer(tokenizer)
+        self.detok = StreamingDetokenizer(tokenizer, params.keep_special)
         self.stops = StopMatcher(params.stop)
 
     def accept(

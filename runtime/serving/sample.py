@@ -171,7 +171,7 @@ def warp_logits(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
     vocab = logits.shape[-1]
     x = logits / _column([r.temperature or 1.0 for r in rows])
     if any(0 < r.top_k < vocab for r in rows):
-        x = _keep_top_k(x, mx.array([r.top_k if 0 < r.top_k < vocab else vocab for r in rows]))
+        x = _keep_top_k(x, [r.top_k if 0 < r.top_k < vocab else 0 for r in rows])
     if any(r.top_p < 1 for r in rows):
         x = _keep_top_p(x, _column([r.top_p for r in rows]))
     if any(r.min_p > 0 for r in rows):
@@ -179,10 +179,14 @@ def warp_logits(logits: mx.array, rows: Sequence[RowSampler]) -> mx.array:
     return x
 
 
-def _keep_top_k(logits: mx.array, ks: mx.array) -> mx.array:
-    """Per row, -inf all but the ``ks[b]`` largest logits (``ks[b] == V``: all kept)."""
-    ranked = mx.sort(logits, axis=-1)[:, ::-1]
-    kth = mx.take_along_axis(ranked, ks[:, None] - 1, axis=-1)
+def _keep_top_k(logits: mx.array, ks: list[int]) -> mx.array:
+    """Per row, -inf all but the ``ks[b]`` largest logits (0: all kept). One partition at the
+    largest k, then each row's k-th largest read from that block (sorted, k values)."""
+    most = max(ks)
+    # block[b, j] = -(the (j+1)-th largest logit of row b)
+    block = mx.sort(mx.partition(-logits, kth=most - 1, axis=-1)[:, :most], axis=-1)
+    kth = -mx.take_along_axis(block, mx.array([max(k, 1) - 1 for k in ks])[:, None], axis=-1)
+    kth = mx.where(mx.array(ks)[:, None] > 0, kth, -mx.inf)
     return mx.where(logits < kth, -mx.inf, logits)
 
 

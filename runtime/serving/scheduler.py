@@ -89,6 +89,7 @@ from mlxc.runtime.serving.prefix_cache import (
 )
 from mlxc.runtime.serving.sample import RowSampler, Sampled, sample_rows
 from mlxc.runtime.serving.serve_defaults import DEFAULT_PREFIX_CACHE_BYTES
+from mlxc.runtime.serving.structured import apply_masks
 
 __all__ = [
     "CachePool",
@@ -257,6 +258,8 @@ class _Sequence:
         self.pending_node: tuple | None = None
         self.batched = False  # its caches are a row of the pool's decode batch
         self.last_token: int | None = None  # input of the next decode step
+        # Its grammar (runtime.serving.structured), None when its output is free.
+        self.constraint = p.constraint
         # Its text and events: detokenizer, stop strings, completion tokens.
         self.output = SequenceOutput(tokenizer, p, len(request.prompt_ids), eos_token_ids)
 
@@ -281,7 +284,10 @@ class Scheduler:
         max_concurrency: int = 8,
         max_queue: int = 64,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+        lockstep: Any = None,
     ) -> None:
+        """``lockstep``: under ``mlx.launch``, the hook that makes every rank's ticks admit and
+        drop the same requests (``runtime.serving.distributed.Lockstep``)."""
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
         if max_concurrency < 1:
@@ -301,12 +307,13 @@ class Scheduler:
         self.pool = CachePool(model, max_kv_size, kv_sink)
         # Snapshots of prompts at their chunk boundaries (runtime.serving.prefix_cache).
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self.lockstep = lockstep
 
         # Waiting requests, slots, counters, the stats snapshot: shared with other threads.
         self._queue = AdmissionQueue(max_concurrency, max_queue)
         self._running: list[_Sequence] = []  # scheduler thread only
         self._prefill_queue: deque[_Sequence] = deque()  # round-robin order of prefills
-        # The batched decode step queued but not read yet: (its rows, their tokens [B]).
+        # The batched decode step queued but not read yet: (its rows, their sampled tokens).
         self._inflight: tuple[list[_Sequence], Sampled] | None = None
         self._thread: threading.Thread | None = None
         self._done = threading.Event()  # the loop (or the failed load) is over
@@ -421,7 +428,11 @@ class Scheduler:
 
     def _loop(self) -> None:
         while True:
-            admitted = self._queue.admit(busy=bool(self._running))
+            admit = functools.partial(self._queue.admit, busy=bool(self._running))
+            if self.lockstep is None:
+                admitted = admit()
+            else:  # the same admissions and cancellations on every rank
+                admitted = self.lockstep.admit(admit, self._running)
             if admitted is None:  # request_stop
                 break
             for request in admitted:
@@ -535,7 +546,7 @@ class Scheduler:
         )
 
     def _tick(self) -> None:
-        for seq in [s for s in self._running if s.request.cancelled]:
+        for seq in [s for s in self._running if self._cancelled(s)]:
             self._release(seq)
             self._queue.count("cancelled")
 
@@ -556,18 +567,35 @@ class Scheduler:
         # generate_tokens). A row that turns out finished when its token is read has had one
         # step too many; that step's token is dropped with its row.
         previous, self._inflight = self._inflight, None
+        deferred: tuple[list[_Sequence], mx.array] | None = None
         if self.pool.batch_keys:
             by_key = {s.request.id: s for s in self._running}
             rows = [by_key[k] for k in self.pool.batch_keys]
             try:
                 sampled = self._decode_batch(rows, previous)
-                mx.async_eval(sampled.arrays())
-                self._inflight = (rows, sampled)
+                if isinstance(sampled, Sampled):
+                    mx.async_eval(sampled.arrays())
+                    self._inflight = (rows, sampled)
+                else:  # constrained rows: sampled below, once their masks are known
+                    mx.async_eval(sampled)
+                    deferred = (rows, sampled)
             except Exception as e:  # noqa: BLE001 - ends the batched requests only
                 for seq in rows:
                     self._fail(seq, e)
         if previous is not None:
             self._read_tokens(*previous)
+        if deferred is not None:
+            # The previous step's tokens are in the grammars now: the masks are computed on
+            # the host while the device runs this step's forward, then the batch is sampled.
+            rows, logits = deferred
+            try:
+                sampled = sample_rows(self._masked(rows, logits), [seq.sampler for seq in rows])
+                mx.async_eval(sampled.arrays())
+                self._inflight = (rows, sampled)
+            except Exception as e:  # noqa: BLE001 - ends the batched requests only
+                for seq in rows:
+                    if seq in self._running:
+                        self._fail(seq, e)
 
         # (sequence, arrays to evaluate, its sampled token [1] or None)
         built: list[tuple[_Sequence, list[mx.array], Sampled | None]] = []
@@ -599,10 +627,17 @@ class Scheduler:
             else:
                 self._store(seq)
 
+    def _cancelled(self, seq: _Sequence) -> bool:
+        if self.lockstep is not None:
+            return seq.request.id in self.lockstep.cancelled  # decided once for every rank
+        return seq.request.cancelled
+
     def _decode_batch(
         self, rows: list[_Sequence], previous: tuple[list[_Sequence], Sampled] | None
-    ) -> Sampled:
-        """Build (lazily) one decode step of every batched sequence: their tokens ``[B]``.
+    ) -> Sampled | mx.array:
+        """Build (lazily) one decode step of every batched sequence: their tokens ``[B]``, or,
+        when a row's output follows a grammar, the logits ``[B, V]`` to sample once the step
+        in flight is read (its token moves the grammar the mask comes from).
 
         A row's input is its token in ``previous`` (the step in flight, not read yet) or, for a
         row that joined since, its first token, read when its prefill ended.
@@ -617,8 +652,16 @@ class Scheduler:
         ids = inputs[mx.array([where[id(seq)] for seq in rows])][:, None]
         logits = self.model(ids, cache=self.pool.batch)
         self.pool.enforce(self.pool.batch)
+        if any(seq.constraint is not None for seq in rows):
+            return logits[:, -1, :]  # their masks need the step in flight: see _tick
         # Every row's own sampling, in one batched call (one argmax when all are greedy).
         return sample_rows(logits[:, -1, :], [seq.sampler for seq in rows])
+
+    def _masked(self, rows: list[_Sequence], logits: mx.array) -> mx.array:
+        """``logits`` with each constrained row's grammar mask applied (rows that ended since
+        are left alone: their token is dropped)."""
+        which = [b for b, s in enumerate(rows) if s.constraint is not None and s in self._running]
+        return apply_masks(logits, which, [rows[b].constraint.bitmask() for b in which])
 
     def _read_tokens(self, seqs: list[_Sequence], sampled: Sampled) -> None:
         """Hand each sequence its sampled token (one host read); skips ones already ended."""
@@ -672,10 +715,12 @@ class Scheduler:
             seq.prefilled = end
         else:
             logits = self._forward(seq, [seq.last_token])
-        sampled = sample_rows(logits[:, -1, :], [seq.sampler])
+        sampled = sample_rows(self._masked([seq], logits[:, -1, :]), [seq.sampler])
         return sampled.arrays(), sampled
 
     def _accept(self, seq: _Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
+        if seq.constraint is not None:
+            seq.constraint.accept(token)
         if seq.output.accept(token, seq.request.send, logprob):
             self._release(seq)  # it sent Finished
             self._queue.count("completed")

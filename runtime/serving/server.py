@@ -42,7 +42,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any
 
 import uvicorn
@@ -82,6 +82,8 @@ from mlxc.runtime.serving.scheduler import (
     SchedulerStopped,
     TokenLogprob,
 )
+from mlxc.runtime.serving.structured import GrammarError
+from mlxc.runtime.serving.tool_calls import ToolCallStream, ToolFormat, template_message
 
 __all__ = [  # what mlxc.runtime.serving.server has always offered, wherever it now lives
     "DEFAULT_MAX_BODY_BYTES",
@@ -183,11 +185,13 @@ def _decode_images(urls: list[str], limits: Limits) -> list:
 
 
 def _chat_prompt(
-    engine: Engine, req: ChatCompletionRequest, settings: _Settings
+    engine: Engine, req: ChatCompletionRequest, settings: _Settings, tools: list[dict] | None
 ) -> tuple[list[int], dict | None]:
     """Prompt ids, and the vision inputs (numpy) of its images (None without images)."""
     limits = settings.limits
     template_kwargs = req.template_kwargs(settings.chat_template_args)
+    if tools:
+        template_kwargs["tools"] = tools  # as transformers' apply_chat_template(tools=) takes them
     messages, images = [], []
     for message in req.messages:
         content = message.content
@@ -200,7 +204,11 @@ def _chat_prompt(
                 else:
                     parts.append({"type": "text", "text": part.text})
             content = parts if images else "".join(p["text"] for p in parts)
-        messages.append({"role": message.role, "content": content or ""})
+        try:
+            extra = template_message(message)  # tool calls and tool results
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        messages.append({"role": message.role, "content": content or "", **extra})
     if engine.processor is None:  # a text model
         if images:
             raise APIError(
@@ -286,6 +294,51 @@ class _Job:
     max_tokens: int
     # With --reasoning-parser (chat): whether the output starts inside the reasoning.
     in_reasoning: bool | None = None
+    tools: ToolFormat | None = None  # tool calls are parsed from the reply in this format
+    params: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields set here
+
+
+def _constraint(engine: Engine, req: ChatCompletionRequest, tools: list[dict] | None):
+    """The grammar the reply must follow (``runtime.serving.structured``), or None. A forcing
+    ``tool_choice`` (a named function, or "required"): one call. Else a ``response_format``
+    (json_object, json_schema): that JSON, or a call of a tool when there are tools ("auto")."""
+    from mlxc.runtime.serving.structured import call_items, grammar, response_item
+
+    choice, param = req.tool_choice, "tool_choice"
+    forced = bool(tools) and choice not in (None, "auto")
+    if forced and not isinstance(choice, str):
+        tools = [t for t in tools if t["function"]["name"] == choice.function.name]
+    alternatives = call_items(engine.tool_format, tools, engine.tool_markers) if tools else []
+    if not forced:
+        fmt, param = req.response_format, "response_format"
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_schema" and fmt.json_schema is None:
+            raise APIError(400, "response_format json_schema needs its json_schema", param=param)
+        schema = fmt.json_schema.schema_ if fmt.json_schema else None
+        alternatives.insert(0, response_item(fmt.type, schema))
+    try:
+        return engine.grammars.constraint(grammar(alternatives))
+    except GrammarError as e:
+        raise APIError(400, f"the schema cannot be used: {e}", param=param) from None
+
+
+def _tool_request(req: ChatCompletionRequest) -> list[dict] | None:
+    """The request's tool definitions for the chat template (None: no tools, or
+    ``tool_choice`` "none"); 400 when ``tool_choice`` does not fit ``tools``."""
+    choice = req.tool_choice
+    names = [t.function.name for t in req.tools or []]
+    if choice is not None and choice != "none" and not names:
+        raise APIError(400, "tool_choice needs tools", param="tool_choice")
+    if not isinstance(choice, str) and choice is not None and choice.function.name not in names:
+        raise APIError(
+            400,
+            f"tool_choice names the function {choice.function.name!r}, which is not in tools",
+            param="tool_choice",
+        )
+    if not names or choice == "none":
+        return None
+    return [t.model_dump(exclude_none=True) for t in req.tools]
 
 
 def _prepare(engine: Engine, kind: str, body: bytes, settings: _Settings) -> _Job:
@@ -309,13 +362,22 @@ def _prepare(engine: Engine, kind: str, body: bytes, settings: _Settings) -> _Jo
             f"{limits.max_tokens_limit} tokens per request (--max-tokens-limit)",
             param="max_tokens",
         )
+    tools = None
     if kind == "chat":
-        prompt_ids, vision = _chat_prompt(engine, req, settings)
+        tools = _tool_request(req)
+        prompt_ids, vision = _chat_prompt(engine, req, settings, tools)
     else:
         prompt_ids, vision = _completion_prompt(engine, req), None
     prompt_param = "messages" if kind == "chat" else "prompt"
     max_tokens = _max_tokens(engine, len(prompt_ids), requested, limits, prompt_param)
     job = _Job(kind, req, prompt_ids, vision, max_tokens)
+    if tools:
+        job.tools = engine.tool_format
+        job.params["keep_special"] = frozenset(engine.tool_markers.values())
+    if kind == "chat":
+        constraint = _constraint(engine, req, tools)
+        if constraint is not None:
+            job.params["constraint"] = constraint
     if kind == "chat" and settings.reasoning_parser:
         tail = engine.prompt_tail(prompt_ids)
         job.in_reasoning = starts_in_reasoning(settings.reasoning_parser, tail)
@@ -416,6 +478,12 @@ class _Reply:
         }
         self.want_logprobs = job.req.logprob_request()[0]
         self.splitter = None if job.in_reasoning is None else ReasoningSplitter(job.in_reasoning)
+        self.tools = job.tools  # parse tool calls out of the content in this format
+        # parallel_tool_calls false: the first call only.
+        self.max_calls = 1 if getattr(job.req, "parallel_tool_calls", None) is False else None
+        self.tool_stream = None
+        if job.tools is not None:
+            self.tool_stream = ToolCallStream(job.tools, self.max_calls)
         self.clock = metrics.TokenClock(arrival)
         self.offset = 0  # characters of completion text so far (legacy text_offset)
 
@@ -470,16 +538,46 @@ class _Reply:
             if self.splitter is not None:
                 reasoning, content = self.splitter.split(text)
                 choice["message"] |= {"content": content, "reasoning_content": reasoning or None}
+            if self.tools is not None:
+                content, calls = self.tools.parse(choice["message"]["content"])
+                calls = calls[: self.max_calls]
+                if calls:
+                    choice["message"] |= {
+                        "content": content or None,
+                        "tool_calls": [call.to_openai() for call in calls],
+                    }
+                    choice["finish_reason"] = _finish_with_calls(done.reason)
         else:
             choice["text"] = text
         return {**self.head, "choices": [choice], "usage": _usage(done)}
 
-    def _pieces(self, text: str, final: bool = False) -> list[tuple[str, str]]:
-        """(field, text) of the chat deltas for this text: content, or reasoning_content."""
+    def _pieces(self, text: str, final: bool = False) -> list[tuple[str, Any]]:
+        """(field, value) of the chat deltas for this text: content, reasoning_content, or
+        tool_calls (a list of the calls completed, with their indexes)."""
         if self.splitter is None:
-            return [("content", text)] if text else []
-        pieces = self.splitter.feed(text) + (self.splitter.flush() if final else [])
-        return [("reasoning_content" if k == "reasoning" else k, t) for k, t in pieces]
+            pieces = [("content", text)] if text else []
+        else:
+            pieces = self.splitter.feed(text) + (self.splitter.flush() if final else [])
+            pieces = [("reasoning_content" if k == "reasoning" else k, t) for k, t in pieces]
+        if self.tool_stream is None:
+            return pieces
+        out: list[tuple[str, Any]] = []
+
+        def add(content: str, calls: list) -> None:
+            if content:
+                out.append(("content", content))
+            if calls:
+                first = self.tool_stream.sent - len(calls)
+                out.append(("tool_calls", [c.to_openai(first + i) for i, c in enumerate(calls)]))
+
+        for name, value in pieces:
+            if name == "content":
+                add(*self.tool_stream.feed(value))
+            else:
+                out.append((name, value))
+        if final:
+            add(*self.tool_stream.finish())
+        return out
 
     async def stream(self, events: asyncio.Queue, include_usage: bool) -> AsyncIterator[str]:
         head = dict(self.head)
@@ -514,11 +612,20 @@ class _Reply:
             elif event.text or logprobs is not None:
                 yield chunk(event.text, logprobs=logprobs)
             if done:
-                yield chunk({} if self.kind == "chat" else "", finish=event.reason)
+                reason = event.reason
+                if self.tool_stream is not None and self.tool_stream.sent:
+                    reason = _finish_with_calls(reason)
+                yield chunk({} if self.kind == "chat" else "", finish=reason)
                 if include_usage:
                     yield _sse({**head, "choices": [], "usage": _usage(event)})
                 break
         yield "data: [DONE]\n\n"
+
+
+def _finish_with_calls(reason: str) -> str:
+    """The finish reason of a reply that made tool calls: "tool_calls" when the model stopped
+    by itself (a call cut short by max_tokens keeps "length")."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 # --- the app --------------------------------------------------------------------------------------
@@ -593,7 +700,7 @@ def _submit(engine: Engine, job: _Job):
     def emit(event) -> None:  # scheduler thread -> event loop
         loop.call_soon_threadsafe(events.put_nowait, event)
 
-    params = job.req.params(job.max_tokens)
+    params = replace(job.req.params(job.max_tokens), **job.params)
     try:
         handle = engine.scheduler.submit(job.prompt_ids, params, emit, model_inputs=job.vision)
     except QueueFull as e:

@@ -1,0 +1,50 @@
+"""MLA's ``kv_b_proj`` from mlx-lm's split layout (mlx-community DeepSeek-V3, Kimi-K2,
+GLM-4.7-Flash conversions).
+
+mlx-lm stores kv_b_proj split per head: ``self_attn.embed_q.weight [H, kv_lora_rank, nope]``
+(the key half, transposed) and ``self_attn.unembed_out.weight [H, v_head_dim, kv_lora_rank]``
+(the value half), each quantised on its own (affine, along its last axis) in a quantised
+checkpoint. :func:`join_kv_b` rebuilds the model's ``kv_b_proj.weight [H * (nope + v),
+kv_lora_rank]``, dequantised: kv_b_proj stays float (the loader quantises only the layers whose
+``.scales`` the weights hold), as decode reads it anyway (LatentAttention.kv_b_halves splits
+and dequantises it once).
+"""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+
+_SPLIT = re.compile(r"^(.*\.self_attn)\.embed_q\.weight$")
+
+
+def join_kv_b(
+    weights: dict[str, mx.array], *, qk_nope_head_dim: int, kv_lora_rank: int
+) -> dict[str, mx.array]:
+    """``weights`` with every split ``embed_q`` / ``unembed_out`` pair joined into
+    ``kv_b_proj.weight``; other tensors pass through. Pure: returns a new dict."""
+    prefixes = [m[1] for name in weights if (m := _SPLIT.match(name))]
+    if not prefixes:
+        return weights
+    out = dict(weights)
+    for p in prefixes:
+        w_k = _dense(out, f"{p}.embed_q", qk_nope_head_dim)  # [H, kv_lora_rank, nope]
+        w_v = _dense(out, f"{p}.unembed_out", kv_lora_rank)  # [H, v_head_dim, kv_lora_rank]
+        kv = mx.concatenate([w_k.swapaxes(-1, -2), w_v.astype(w_k.dtype)], axis=1)
+        out[f"{p}.kv_b_proj.weight"] = kv.reshape(-1, kv.shape[-1])
+    return out
+
+
+def _dense(weights: dict[str, mx.array], prefix: str, in_dims: int) -> mx.array:
+    """The float weight at ``prefix``, popped (with its scales and biases, dequantised)."""
+    w = weights.pop(f"{prefix}.weight")
+    scales = weights.pop(f"{prefix}.scales", None)
+    if scales is None:
+        return w
+    biases = weights.pop(f"{prefix}.biases", None)
+    if biases is None:
+        raise ValueError(f"{prefix}: only an affine-quantised (scales and biases) split is read")
+    # As mlx-lm infers them: the packed width and the scales' count give bits and group size.
+    bits, group_size = w.shape[-1] * 32 // in_dims, in_dims // scales.shape[-1]
+    return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)

@@ -1,0 +1,188 @@
+"""Tensor parallelism (issue 17): the generated ``Model.shard`` over two ranks of the ring
+backend on localhost (``mlx.launch -n 2``), every spec's sharded logits against its unsharded
+logits in one launched pair of processes (``tp_worker.py``): launch costs are paid once."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).parent))
+import test_server
+from test_server import Server, free_port
+
+from mlxc.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCH = Path(sys.executable).with_name("mlx.launch")
+
+
+def free_ports(n: int) -> int:
+    """A port p with p .. p + n - 1 free on loopback (the ring backend takes one per rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + n > 65535:
+            continue
+        try:
+            socks = []
+            for p in range(port, port + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def launch(*command: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``mlx.launch -n 2 --backend ring`` on localhost, ports chosen free."""
+    if not LAUNCH.exists():
+        pytest.skip(f"mlx.launch is not installed next to {sys.executable}")
+    args = [str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(free_ports(2)), "--"]
+    return subprocess.run(
+        [*args, *command], check=False, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_sharded_logits_equal_unsharded_for_every_spec():
+    proc = launch(sys.executable, str(ROOT / "tests" / "tp_worker.py"), str(ROOT / "specs"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    lines = [line for line in proc.stdout.splitlines() if line[:4] in ("ok  ", "FAIL")]
+    specs = sorted(p.stem for p in (ROOT / "specs").glob("*.yaml"))
+    reported = [line.split()[1].rstrip(":") for line in lines]
+    assert all(s in reported for s in specs), out
+    assert not [line for line in lines if line.startswith("FAIL")], out
+    for case in ("llama 8-bit", "qwen3_moe 8-bit", "llama sharded load", "sampling"):
+        assert f"ok   {case}:" in proc.stdout, out
+
+
+@pytest.fixture(scope="module")
+def qwen3_checkpoint(tmp_path_factory):
+    from mlxc.checkpoint import write_checkpoint
+
+    out = tmp_path_factory.mktemp("tp") / "qwen3"
+    write_checkpoint(str(ROOT / "specs" / "qwen3.yaml"), out)
+    return out
+
+
+def test_generate_on_two_ranks_prints_once_what_one_process_generates(qwen3_checkpoint):
+    mlxc = str(Path(sys.executable).with_name("mlxc"))
+    # A bounded cache trimmed after every small prefill chunk and decode step.
+    flags = ["--model", str(qwen3_checkpoint), "--prompt", "hello there, tiny model"]
+    flags += ["--max-tokens", "16", "--max-kv-size", "12", "--prefill-chunk-size", "5"]
+    alone = CliRunner().invoke(main, ["generate", *flags])  # in this process: one rank
+    assert alone.exit_code == 0, alone.output
+    pair = launch(mlxc, "generate", *flags, timeout=120)
+    assert pair.returncode == 0, pair.stdout + pair.stderr
+    assert alone.stdout.strip()
+    assert pair.stdout == alone.stdout  # rank 1 prints nothing
+    assert pair.stderr.count("generated: 16 tokens") == 1, pair.stderr
+
+
+class LaunchedServer(Server):
+    """``mlx.launch -n 2 mlxc serve ARGS``: rank 0 on a free loopback port. Its own session, so
+    that closing it reaches the launcher and both ranks."""
+
+    def __init__(self, args: list[str], log_dir: Path) -> None:
+        if not LAUNCH.exists():
+            pytest.skip(f"mlx.launch is not installed next to {sys.executable}")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log_dir / f"launched-serve-{self.port}.log"
+        mlxc = str(Path(sys.executable).with_name("mlxc"))
+        launch = [str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(free_ports(2)), "--"]
+        serve = [mlxc, "serve", "--port", str(self.port), *map(str, args)]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [*launch, *serve],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                start_new_session=True,
+            )
+        if not self._wait_ready():
+            self.close()
+            raise AssertionError(f"launched server did not start\n{self.log_text()}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def test_serve_on_two_ranks_answers_as_one_process(tmp_path):
+    """Greedy chat answers of a two-rank server (the openai client), one at a time and then all
+    at once (one decode batch on both ranks), equal `mlxc generate` in one process, under a
+    bounded cache trimmed after every small prefill chunk and decode step on every rank."""
+    from openai import OpenAI
+
+    path = test_server.make_qwen3_moe(tmp_path / "qwen3_moe")
+    flags = ["--max-kv-size", "24", "--prefill-chunk-size", "8"]
+    asks = ["hello there, tiny model", "count: one two three four five six", "and again"]
+    expected = [test_server.mlxc_generate(path, ask, "--max-tokens", 20, *flags)[0] for ask in asks]
+
+    pair = LaunchedServer(["--model", path, *flags], tmp_path)
+    client = OpenAI(base_url=pair.url + "/v1", api_key="unused", max_retries=0)
+
+    def answer(ask: str) -> str:
+        messages = [{"role": "user", "content": ask}]
+        r = client.chat.completions.create(
+            model=path.name, messages=messages, max_tokens=20, temperature=0
+        )
+        return r.choices[0].message.content
+
+    try:
+        # A stream dropped mid-way: its cancellation reaches both ranks in the same tick.
+        with pair.client() as c:
+            body = {"messages": [{"role": "user", "content": "stream"}], "max_tokens": 200}
+            with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                next(r.iter_lines())
+        assert [answer(ask) for ask in asks] == expected, pair.log_text()
+        with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:
+            assert list(pool.map(answer, asks)) == expected, pair.log_text()
+        health = pair.wait_idle()
+        assert health["requests"]["failed"] == 0 and health["pool"]["peak_batched"] >= 2
+    finally:
+        pair.close()
+    assert "Traceback" not in pair.log_text(), pair.log_text()
+
+
+def test_lockstep_fails_a_request_it_cannot_hand_to_the_other_ranks():
+    """Rank 0's side of the hook, on a group of one: a request whose inputs cannot be pickled
+    ends with Failed and is dropped this tick, the others are handed on as they are."""
+    import mlx.core as mx
+
+    from mlxc.runtime.serving.admission import Request, SamplingParams
+    from mlxc.runtime.serving.distributed import Lockstep, broadcast
+    from mlxc.runtime.serving.scheduler import Failed
+
+    group = mx.distributed.init()
+    assert broadcast({"a": [1, 2]}, group) == {"a": [1, 2]}
+    events = []
+    good = Request("req-1", [1, 2], SamplingParams(4), events.append, lambda: None)
+    bad = Request("req-2", [3], SamplingParams(4), events.append, lambda: None, {"f": lambda: 0})
+    lockstep = Lockstep(group)
+    assert lockstep.admit(lambda: [good, bad], []) == [good, bad]
+    assert lockstep.cancelled == {"req-2"}
+    assert len(events) == 1 and isinstance(events[0], Failed)
+    assert lockstep.admit(lambda: None, []) is None and lockstep.cancelled == set()
