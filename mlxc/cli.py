@@ -600,6 +600,15 @@ def _drafter(draft_model, prompt_lookup, ngram_size, num_draft_tokens, checkpoin
     help="Requests waiting for a slot; past this the answer is 429 at once.",
 )
 @click.option(
+    "--prefix-cache-bytes",
+    default=serve_defaults.DEFAULT_PREFIX_CACHE_BYTES,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Bytes of prompt caches kept across requests (LRU), so a multi-turn chat or a shared "
+    "system prompt prefills only its new tokens; reuse comes in whole --prefill-chunk-size "
+    "chunks. 0 turns it off.",
+)
+@click.option(
     "--max-tokens",
     default=serve_defaults.DEFAULT_MAX_TOKENS,
     show_default=True,
@@ -700,6 +709,7 @@ def serve(
     prefill_chunk_size,
     max_concurrency,
     max_queue,
+    prefix_cache_bytes,
     max_tokens,
     max_tokens_limit,
     max_images_per_request,
@@ -795,6 +805,7 @@ def serve(
             prefill_chunk_size=prefill_chunk_size,
             max_concurrency=max_concurrency,
             max_queue=max_queue,
+            prefix_cache_bytes=prefix_cache_bytes,
             specs=specs,
             **distributed,
         )

@@ -8,19 +8,22 @@ not the live key count (every mask is materialised and checked), on any differen
 untrimmed run before the first trim, and when the untrimmed chunked run disagrees with one full
 forward pass or with the fast ``"causal"`` mask path. Layers whose cache holds state rather
 than keys (a recurrent layer's, ``holds_keys`` false) must end the chunked run with the state
-one forward pass leaves, and no trim may touch that state. Last, the server's batched decode: rows of
-different lengths (one with the image), trimmed, joining and leaving a ``BatchCache``, must give
-each row the logits it gets decoding alone. Where the model's head dims allow it, the chunked,
-trimmed and batched runs are repeated on 4-bit quantised KV caches (``--kv-bits``): chunked
-must equal one pass over the same quantised cache and batched must equal alone (each token is
-quantised on its own, so both hold up to float rounding). Speculation: after a trimmed chunked
-prefill, verification forwards of several tokens whose tails are rejected (rewound), with trims
-between them, must give the logits of the plain one-token decode steps (a model whose caches
-cannot rewind, a recurrent one, must be refused instead).
+one forward pass leaves, and no trim may touch that state. The server's prefix cache: caches
+resumed from the blocks snapshotted at each prefill boundary must continue with the very logits
+of the run they were taken from. Then the server's batched decode: rows of different lengths
+(one with the image), trimmed, joining and leaving a ``BatchCache``, must give each row the
+logits it gets decoding alone. Where the model's head dims allow it, the chunked, trimmed and
+batched runs are repeated on 4-bit quantised KV caches (``--kv-bits``): chunked must equal one
+pass over the same quantised cache and batched must equal alone (each token is quantised on
+its own, so both hold up to float rounding). Speculation: after a trimmed chunked prefill,
+verification forwards of several tokens whose tails are rejected (rewound), with trims between
+them, must give the logits of the plain one-token decode steps (a model whose caches cannot
+rewind, a recurrent one, must be refused instead).
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import types
 from dataclasses import dataclass, field
@@ -45,6 +48,7 @@ from mlxc.runtime.model.cache import (
     rewind_caches,
 )
 from mlxc.runtime.serving.generate import prefill_spans
+from mlxc.runtime.serving.prefix_cache import cacheable
 from mlxc.runtime.serving.speculative import decode_bound
 
 PREFILL_CHUNK = 8
@@ -236,6 +240,7 @@ def verify_module(
     fast_err = max(mx.abs(a - b).max().item() for a, b in zip(fast, reference))
     if fast_err > ATOL:
         raise VerifyError(f'"causal" fast path differs from array masks by {fast_err:.2e}')
+    notes.append(_check_prefix_resume(model, chunks, vision, fast))
     batch_err = _batched_decode_error(model, rng, vocab, vision, image)
     if batch_err > ATOL:
         raise VerifyError(f"batched decode differs from decoding alone by {batch_err:.2e}")
@@ -314,6 +319,33 @@ def _verify_speculation(model, prompt_chunks, vision, rng, vocab) -> str:
     if err > ATOL:
         raise VerifyError(f"speculation across trims differs from one-token steps by {err:.2e}")
     return f"speculation across trims vs one-token steps {err:.1e}"
+
+
+def _check_prefix_resume(model, chunks, vision, straight: list[mx.array]) -> str:
+    """The prompt prefilled with a snapshot (``prefix_block``) at every boundary, then a fresh
+    cache resumed from them at the last one (with the prompt state there: every image seen)
+    continues with the logits of the ``straight`` run, bit for bit, as the server's prefix
+    cache needs (``runtime.serving.prefix_cache``)."""
+    cache = model.make_cache()
+    if not cacheable(cache):
+        return "no prefix resume (a cache kind lacks prefix_block / resume)"
+    blocks, start, n = [], 0, 0
+    while start < PROMPT_LEN:
+        extra = vision if (vision and n == 0) else {}
+        model(mx.array(chunks[n][None, :]), cache=cache, **extra)
+        blocks.append([c.prefix_block(start) for c in cache])
+        mx.eval(blocks[-1])
+        start, n = cache.offset, n + 1
+    resumed = model.make_cache()
+    for layer, c in enumerate(resumed):
+        c.resume([b[layer] for b in blocks], start)
+    if getattr(cache, "rope_state", None) is not None:
+        resumed.rope_state = copy.deepcopy(cache.rope_state)
+    for i in range(n, len(chunks)):
+        logits = model(mx.array(chunks[i][None, :]), cache=resumed)
+        if not mx.array_equal(logits, straight[i]).item():
+            raise VerifyError(f"resumed from the prefix blocks, chunk {i} differs")
+    return f"resumed after {n} prefill chunks: equal"
 
 
 BATCH_PROMPTS = (44, 9, 23)  # prompt lengths of the batch's rows; the first has the image

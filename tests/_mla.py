@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import checkpoints as ckpt
 import mlx.core as mx
 import numpy as np
 import torch
@@ -23,14 +24,9 @@ ATOL = 1e-4
 
 
 def rerandomise(model: torch.nn.Module, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
+    """``checkpoints.rerandomise``, and the routers' correction biases (buffers) too."""
+    g = ckpt.rerandomise(model, seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                base = 1.0 if "norm" in name else 0.0
-                p.copy_(base + 0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * 1.2 / p.shape[-1] ** 0.5)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.2 * torch.randn(b.shape, generator=g))

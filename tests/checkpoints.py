@@ -109,6 +109,23 @@ def write_tokenizer(path, vocab_size: int = 320):
 # --------------------------------------------------------------------------------------------
 
 
+def rerandomise(model, seed: int):
+    """transformers' init is near zero and hides bugs: every parameter of the torch ``model``
+    redrawn with real variance (matrices ~ 1.2 / sqrt(fan_in), norm weights ~ 1 + 0.2 N, other
+    vectors ~ 0.2 N). Returns the generator, for the caller's architecture-specific draws."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                base = 1.0 if "norm" in name else 0.0
+                p.copy_(base + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 1.2 / p.shape[-1] ** 0.5)
+    return g
+
+
 def _randomise_torch(model, seed: int):
     import torch
 

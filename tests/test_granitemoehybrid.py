@@ -79,13 +79,8 @@ HUB_CONFIG = {
 
 def rerandomise(model: torch.nn.Module, seed: int) -> None:
     """Every parameter with real variance; the Mamba2 ones as Mamba2 draws them."""
-    g = torch.Generator().manual_seed(seed)
+    g = ckpt.rerandomise(model, seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim > 1:
-                p.copy_(torch.randn(p.shape, generator=g) * 1.2 / p.shape[-1] ** 0.5)
-            else:
-                p.copy_((1.0 if "norm" in name else 0.0) + 0.2 * torch.randn(p.shape, generator=g))
         for layer in model.model.layers:
             mixer = layer.mamba
             if mixer is None:

@@ -78,13 +78,8 @@ HUB_CONFIG = {
 def rerandomise(model: torch.nn.Module, seed: int) -> None:
     """Every parameter with real variance; the Mamba ones as Mamba draws them (A in -[1, 16]
     per channel and state element, dt in [0.001, 0.1] through dt_proj's bias, D around 1)."""
-    g = torch.Generator().manual_seed(seed)
+    g = ckpt.rerandomise(model, seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim > 1 and not name.endswith("A_log"):
-                p.copy_(torch.randn(p.shape, generator=g) * 1.2 / p.shape[-1] ** 0.5)
-            elif p.ndim == 1:
-                p.copy_((1.0 if "norm" in name else 0.0) + 0.2 * torch.randn(p.shape, generator=g))
         for layer in model.model.layers:
             mixer = getattr(layer, "mamba", None)
             if mixer is None:

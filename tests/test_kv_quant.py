@@ -302,3 +302,33 @@ def test_server_with_kv_bits_and_max_kv_size_answers(dirs, tmp_path):
         assert health["requests"]["failed"] == 0 and health["pool"]["peak_batched"] >= 2
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_quantised_caches_resume_from_their_prefix_blocks(window):
+    """The server's prefix cache snapshots a sequence's caches at each prefill boundary and
+    resumes a later one from them: a quantised cache resumed so holds exactly the packed keys and
+    values of the one it was taken from (full KV, and a window shorter than the blocks)."""
+    quant = KVQuant(4, 32)
+    rng = np.random.default_rng(0)
+
+    def make():
+        return (
+            QuantizedKVCache(quant) if window is None else QuantizedWindowedKVCache(window, quant)
+        )
+
+    def kv(n):
+        return [mx.array(rng.normal(size=(1, 2, n, 32)).astype(np.float32)) for _ in range(2)]
+
+    cache, blocks, start = make(), [], 0
+    for n in (4, 4, 3):
+        cache.update_and_fetch(*kv(n))
+        blocks.append(cache.prefix_block(start))
+        start = cache.offset
+    resumed = make()
+    resumed.resume(blocks, start)
+    assert (resumed.offset, resumed.live_len) == (cache.offset, cache.live_len)
+    step = kv(1)
+    for a, b in zip(cache.update_and_fetch(*step), resumed.update_and_fetch(*step)):
+        assert a.shape == b.shape
+        assert all(mx.array_equal(x, y).item() for x, y in zip(a.parts, b.parts))

@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from checkpoints import rerandomise
 from mlx.utils import tree_flatten
 
 import mlxc
@@ -27,17 +28,6 @@ ROPE = {
     "mscale_all_dim": 1.0,
     "llama_4_scaling_beta": 0.1,
 }
-
-
-def rerandomise(model: torch.nn.Module, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                base = 1.0 if "norm" in name else 0.0
-                p.copy_(base + 0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * 1.2 / p.shape[-1] ** 0.5)
 
 
 def make_checkpoint(path, *, q_lora_rank=32, rope=ROPE, seed=0, **overrides):

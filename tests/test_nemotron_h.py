@@ -101,14 +101,9 @@ HUB_CONFIG = {
 def rerandomise(model: torch.nn.Module, seed: int) -> None:
     """Every parameter with real variance; the Mamba2 ones as Mamba2 draws them (A in
     -[1, 16], dt in [time_step_min, time_step_max] (softplus-inverted), D around 1)."""
-    g = torch.Generator().manual_seed(seed)
+    g = ckpt.rerandomise(model, seed)
     config = model.config
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim > 1:
-                p.copy_(torch.randn(p.shape, generator=g) * 1.2 / p.shape[-1] ** 0.5)
-            else:
-                p.copy_((1.0 if "norm" in name else 0.0) + 0.2 * torch.randn(p.shape, generator=g))
         for layer in model.model.layers:
             mixer = layer.mixer
             if hasattr(mixer, "A_log"):

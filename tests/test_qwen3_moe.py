@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from checkpoints import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, write_tokenizer
+from checkpoints import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, rerandomise, write_tokenizer
 
 import mlxc
 
@@ -48,17 +48,6 @@ FIELDS = {  # every key of Qwen3-30B-A3B's config.json, sizes shrunk
     "output_router_logits": False,
     "tie_word_embeddings": False,
 }
-
-
-def rerandomise(model: torch.nn.Module, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                base = 1.0 if "norm" in name else 0.0
-                p.copy_(base + 0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * 1.2 / p.shape[-1] ** 0.5)
 
 
 def to_hub_config(path: Path) -> None:

@@ -30,6 +30,13 @@ class LayerCache(Protocol):
     ``holds_keys`` whether masks are built for it (``SequenceCache.windows``; recurrent state
     holds none), ``batch_layer`` whether and how its rows join a decode batch. The README's
     cache contract lists these members (tests/test_cache.py checks it).
+
+    Optional, for the server's prefix cache (``runtime.serving.prefix_cache``), which snapshots a
+    sequence at its prefill chunk boundaries: ``prefix_block(start)``, copies of what resuming at
+    ``offset`` needs beyond the blocks taken at the earlier boundaries (``start`` the previous
+    one), or None when this cache no longer holds its prefix (a trim dropped tokens); and
+    ``resume(blocks, offset)``, which makes a fresh cache of the kind what it was at ``offset``
+    from its path's blocks, oldest first. A model with a cache lacking them is not cached.
     """
 
     trimmable: ClassVar[bool]
@@ -201,6 +208,23 @@ class KVCache:
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.keys, self.values) if a is not None]
 
+    def prefix_block(self, start: int) -> list[mx.array] | None:
+        """Copies of the keys (and values) of tokens ``[start, offset)``; None once a trim has
+        dropped any token: a prefix is reusable only while held whole from its start."""
+        if self.keys is None or self.live_start:
+            return None
+        return _copies(self.arrays(), start, self.offset)
+
+    def resume(self, blocks: list[list[mx.array]], offset: int) -> None:
+        """Hold tokens ``[0, offset)`` from ``blocks`` (each a ``prefix_block``, oldest first)."""
+        parts = [mx.concatenate(p, axis=2) for p in zip(*blocks)]
+        self.keys, self.values = self._buffers(parts)
+        self.offset, self.live_start, self.sink = offset, offset - parts[0].shape[2], 0
+
+    def _buffers(self, parts: list[mx.array]) -> tuple[Any, Any]:
+        """Keys and values from the arrays ``arrays()`` lists (the prefix blocks' layout)."""
+        return parts[0], parts[1] if len(parts) > 1 else None
+
     def live(self) -> tuple[mx.array, mx.array | None]:
         """The live keys and values ``[B, H, live_len, D]`` (what a decode batch's row takes)."""
         start = self.held - self.live_len
@@ -271,6 +295,26 @@ class WindowedKVCache(KVCache):
                 f"keys a rewind needs (rewind_reserve {self.rewind_reserve} is too small)"
             )
         self.offset -= n
+
+    def prefix_block(self, start: int) -> list[mx.array]:
+        """Copies of the last keys of ``[start, offset)`` that a later query can see (at most
+        ``window - 1``: what resuming at ``offset`` needs; the buffer holds at least those)."""
+        n = min(self.offset - start, self.window - 1)
+        return _copies(self.arrays(), self.held - n, self.held)
+
+    def resume(self, blocks: list[list[mx.array]], offset: int) -> None:
+        """Hold the last ``window - 1`` tokens before ``offset``, from the newest ``blocks``."""
+        need, newest = min(offset, self.window - 1), []
+        for block in reversed(blocks):
+            newest.insert(0, block)
+            if sum(b[0].shape[2] for b in newest) >= need:
+                break
+        super().resume(newest, offset)
+        for name in ("keys", "values"):
+            buffer = getattr(self, name)
+            if buffer is not None:
+                setattr(self, name, buffer[..., buffer.shape[2] - need :, :])
+        self.live_start = offset - need
 
     def batch_layer(self) -> LayerCache:
         from mlxc.runtime.model.batch import BatchWindowedKVCache  # batch builds on this module
@@ -381,6 +425,11 @@ class QuantizedKVMixin:
             p for buffer in (self.keys, self.values) if buffer is not None for p in buffer.parts
         ]
 
+    def _buffers(self, parts: list[mx.array]) -> tuple[QuantizedKV, QuantizedKV | None]:
+        # Each buffer is three arrays (packed, scales, biases), keys' first.
+        values = QuantizedKV(parts[3:], self.quant) if len(parts) > 3 else None
+        return QuantizedKV(parts[:3], self.quant), values
+
 
 class QuantizedKVCache(QuantizedKVMixin, KVCache):
     """Full KV (``KVCache``: trimmed by ``--max-kv-size``, sinks kept) stored quantised."""
@@ -470,6 +519,12 @@ def prepare_rewind(model: Any, caches: list, reserve: int) -> None:
     for cache in caches:
         if hasattr(cache, "rewind_reserve"):
             cache.rewind_reserve = reserve
+
+
+def _copies(buffers: list[mx.array], start: int, end: int) -> list[mx.array]:
+    """Tokens ``[start, end)`` of each buffer in buffers of their own: a slice alone would keep
+    the whole buffer alive (and a cache's buffers are rewritten by slice assignment)."""
+    return [mx.contiguous(b[..., start:end, :]) for b in buffers]
 
 
 def attention_cache(window: int | None) -> KVCache:

@@ -96,6 +96,18 @@ class RecurrentCache(_RecurrentState):
         _check_trim(n, keep)
         return 0
 
+    def prefix_block(self, start: int) -> list[mx.array] | None:
+        """Copies of the state at ``offset``: the exact-prefix snapshot a resume needs (nothing
+        of the tokens before it can be added or taken back)."""
+        if self.ssm is None:
+            return None
+        return [mx.contiguous(a) for a in (self.conv, self.ssm)]
+
+    def resume(self, blocks: list[list[mx.array]], offset: int) -> None:
+        """The state at ``offset``: the newest block (the state at each boundary is whole)."""
+        self.conv, self.ssm = blocks[-1]
+        self.offset = offset
+
     def batch_layer(self) -> BatchRecurrentCache:
         return BatchRecurrentCache()
 

@@ -85,6 +85,7 @@ class Finished:
     text: str  # the text held back until the end
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens resumed from the prefix cache (not prefilled)
 
 
 @dataclass

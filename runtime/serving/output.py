@@ -107,6 +107,7 @@ class SequenceOutput:
         self.prompt_tokens = prompt_tokens
         self.eos_token_ids = eos_token_ids
         self.generated = 0
+        self.cached_tokens = 0  # prompt tokens resumed from the prefix cache (not prefilled)
         self.detok = StreamingDetokenizer(tokenizer, params.keep_special)
         self.stops = StopMatcher(params.stop)
 
@@ -138,4 +139,4 @@ class SequenceOutput:
                 reason = "stop"
             else:
                 final_text += self.stops.flush()
-        return Finished(reason, final_text, self.prompt_tokens, self.generated)
+        return Finished(reason, final_text, self.prompt_tokens, self.generated, self.cached_tokens)

@@ -23,6 +23,12 @@ many streams cheaper than serving them one by one. Prefill runs per sequence in 
 (``runtime.model.batch``), which keeps each row's offset, trims and sinks apart. Caches that cannot
 join (model-owned state) decode one forward per sequence.
 
+With a prefix cache (``runtime.serving.prefix_cache``, ``prefix_cache_bytes`` > 0), an
+admitted sequence starts from the longest cached prefix of its prompt (its caches resumed, its
+``prefilled`` past it) and each of its prefill chunks but the last is snapshotted into the
+cache once evaluated; nothing else changes: a hit prefills the rest and joins the decode batch
+like any other sequence.
+
 After every prefill chunk and every decode step the pool calls ``enforce_max_kv`` on the caches
 that ran (never on ``model-owned`` ones); in the decode batch each row is trimmed on its own. A
 failure in one sequence's forward ends that request with a :class:`Failed` event and frees its
@@ -57,6 +63,7 @@ from mlxc.runtime.model.cache import (
     make_caches,
     trimmable,
 )
+from mlxc.runtime.serving import metrics
 from mlxc.runtime.serving.admission import (
     AdmissionQueue,
     Delta,
@@ -76,7 +83,15 @@ from mlxc.runtime.serving.generate import (
     prefill_spans,
 )
 from mlxc.runtime.serving.output import SequenceOutput, StopMatcher, token_piece
+from mlxc.runtime.serving.prefix_cache import (
+    TEXT,
+    PrefixCache,
+    cacheable,
+    chunk_key,
+    image_digest,
+)
 from mlxc.runtime.serving.sample import RowSampler, Sampled, sample_rows
+from mlxc.runtime.serving.serve_defaults import DEFAULT_PREFIX_CACHE_BYTES
 from mlxc.runtime.serving.structured import apply_masks
 
 __all__ = [
@@ -240,6 +255,17 @@ class _Sequence:
         # Its sampling options, random key and penalty state (runtime.serving.sample).
         self.sampler = RowSampler(p, request.prompt_ids)
         self.prefilled = 0  # prompt tokens already forwarded
+        self.chunks: list[tuple[int, int]] = []  # its prefill chunks (set at admission)
+        self.first_inputs = request.model_inputs  # for its first forward (vision inputs)
+        # Prefix cache: the trie node at `prefilled` (None: it adds no more nodes), the digest
+        # of its images, the marker of its chunks before any image token, whether the prefix
+        # it resumed from held every image token, and the node its last chunk makes, added
+        # once that chunk is evaluated.
+        self.prefix_node = None
+        self.image_digest: bytes | None = None
+        self.text_marker: bytes | None = None
+        self.images_done = False
+        self.pending_node: tuple | None = None
         self.batched = False  # its caches are a row of the pool's decode batch
         self.last_token: int | None = None  # input of the next decode step
         # Its grammar (runtime.serving.structured), None when its output is free.
@@ -268,6 +294,7 @@ class Scheduler:
         prefill_chunk_size: int = 512,
         max_concurrency: int = 8,
         max_queue: int = 64,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         lockstep: Any = None,
     ) -> None:
         """``lockstep``: under ``mlx.launch``, the hook that makes every rank's ticks admit and
@@ -289,6 +316,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.prefill_chunk_size = prefill_chunk_size
         self.pool = CachePool(model, max_kv_size, kv_sink, kv_quant)
+        # Snapshots of prompts at their chunk boundaries (runtime.serving.prefix_cache).
+        self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.lockstep = lockstep
 
         # Waiting requests, slots, counters, the stats snapshot: shared with other threads.
@@ -400,6 +429,7 @@ class Scheduler:
                 "kv_bits": None if self.pool.kv_quant is None else self.pool.kv_quant.bits,
                 "trims": self.pool.trims,
             },
+            "prefix_cache": snapshot.get("prefix_cache"),
             "requests": counts,
         }
 
@@ -433,6 +463,11 @@ class Scheduler:
         try:
             caches = self.pool.allocate(request.id)
             seq = _Sequence(request, caches, self.tokenizer, self.eos_token_ids)
+            prompt = request.prompt_ids
+            seq.chunks = prefill_chunks(
+                len(prompt), self.prefill_chunk_size, prefill_spans(self.model, prompt)
+            )
+            self._resume(seq)
         except Exception as e:  # noqa: BLE001 - a bad request must not stop the loop
             self.pool.release(request.id)
             request.send(Failed(f"cannot start generation: {e}"))
@@ -441,6 +476,87 @@ class Scheduler:
             return
         self._running.append(seq)
         self._prefill_queue.append(seq)
+
+    def _resume(self, seq: _Sequence) -> None:
+        """Start ``seq`` from the longest cached prefix of its prompt, if any."""
+        if (
+            self.prefix is None
+            or cache_policy(self.model) == "model-owned"
+            or not cacheable(seq.caches)
+        ):
+            return
+        if seq.request.model_inputs:
+            seq.image_digest = image_digest(seq.request.model_inputs)
+            markers = (None, seq.image_digest)
+        elif getattr(self.model, "vision_tower", None) is not None:
+            seq.text_marker = TEXT  # its text may hold image placeholder ids (prefix_cache)
+            markers = (None, TEXT)
+        else:
+            markers = (None,)
+        seq.prefix_node = self.prefix.root
+        hit = self.prefix.lookup(seq.request.prompt_ids, seq.chunks, markers)
+        if hit is None:
+            return
+        self.prefix.restore(hit, seq.caches)
+        seq.prefilled = seq.output.cached_tokens = hit.tokens
+        metrics.PREFIX_CACHE_HITS.inc()
+        metrics.PREFIX_CACHE_HIT_TOKENS.inc(hit.tokens)
+        seq.prefix_node = hit.node
+        if hit.images_done:  # every image token is in the prefix: no vision inputs to run
+            seq.first_inputs, seq.images_done = None, True
+
+    def _snapshot(self, seq: _Sequence, start: int, end: int) -> list[mx.array]:
+        """Copies of what ``seq``'s caches need to resume at ``end``, the chunk ``[start, end)``
+        just built (lazy: evaluated with it, added to the trie by ``_store``)."""
+        node = seq.prefix_node
+        if node is None:
+            return []
+        phase = self._image_phase(seq)
+        if node.evicted or node.end != start or phase is None:
+            seq.prefix_node = None
+            return []
+        marker = seq.text_marker if phase == "text" else seq.image_digest
+        key = chunk_key(seq.request.prompt_ids, start, end, marker)
+        state = getattr(seq.caches, "rope_state", None) if phase == "done" else None
+        if self.prefix.child(node, key) is not None:  # another request stored it already
+            seq.pending_node = (node, key, end, [], phase, state)
+            return []
+        blocks = [c.prefix_block(start) for c in seq.caches]
+        if any(b is None for b in blocks):  # a trimmed cache: its prefix is no longer whole
+            seq.prefix_node = None
+            return []
+        seq.pending_node = (node, key, end, blocks, phase, state)
+        return [a for b in blocks for a in b]
+
+    def _image_phase(self, seq: _Sequence) -> str | None:
+        """Where the prefix stands against the request's image tokens: "text" (none seen: the
+        caches depend on the tokens alone), "mid" (some), "done" (all); None: unknown."""
+        if seq.image_digest is None:
+            return "text"
+        if seq.images_done:
+            return "done"
+        images = getattr(seq.caches, "images", None)
+        if images is None:  # a model that keeps its image features elsewhere: do not guess
+            return None
+        if images.consumed == 0:
+            return "text"
+        return "mid" if images.consumed < images.embeds.shape[0] else "done"
+
+    def _store(self, seq: _Sequence) -> None:
+        """Add the node of ``seq``'s evaluated chunk to the trie (see ``_snapshot``)."""
+        if seq.pending_node is None:
+            return
+        parent, key, end, blocks, phase, state = seq.pending_node
+        seq.pending_node = None
+        seq.prefix_node = self.prefix.insert(
+            parent,
+            key,
+            end,
+            blocks,
+            resumable=phase != "mid",
+            images_done=phase == "done",
+            prompt_state=state,
+        )
 
     def _tick(self) -> None:
         for seq in [s for s in self._running if self._cancelled(s)]:
@@ -521,6 +637,8 @@ class Scheduler:
         for seq, _, token in built:
             if token is not None:
                 self._read_tokens([seq], token)
+            else:
+                self._store(seq)
 
     def _cancelled(self, seq: _Sequence) -> bool:
         if self.lockstep is not None:
@@ -585,8 +703,9 @@ class Scheduler:
 
     def _forward(self, seq: _Sequence, ids: list[int], **kwargs) -> mx.array:
         inputs = dict(kwargs)
-        if seq.prefilled == 0:  # numpy inputs become MLX arrays here, on the owning thread
-            inputs |= as_model_inputs(seq.request.model_inputs)
+        if seq.first_inputs is not None:  # numpy inputs become MLX arrays here, on this thread
+            inputs |= as_model_inputs(seq.first_inputs)
+            seq.first_inputs = None
         logits = self.model(mx.array([ids], dtype=mx.int32), cache=seq.caches, **inputs)
         self.pool.enforce(seq.caches)  # after every prefill chunk and every decode step
         return logits
@@ -600,13 +719,11 @@ class Scheduler:
         """
         if seq.prefilling:
             prompt = seq.request.prompt_ids
-            spans = prefill_spans(self.model, prompt)
-            chunks = prefill_chunks(len(prompt), self.prefill_chunk_size, spans)
-            start, end = next((a, b) for a, b in chunks if a == seq.prefilled)
+            start, end = next((a, b) for a, b in seq.chunks if a == seq.prefilled)
             if end < len(prompt):
                 self._forward(seq, prompt[start:end])
                 seq.prefilled = end
-                return cache_arrays(seq.caches), None
+                return cache_arrays(seq.caches) + self._snapshot(seq, start, end), None
             logits = self._forward(seq, prompt[start:end], last_only=True)
             seq.prefilled = end
         else:
@@ -644,6 +761,7 @@ class Scheduler:
             "pool_sequences": len(self.pool),
             "pool_batched": len(self.pool.batch_keys),
             "pool_bytes": self.pool.nbytes(),
+            "prefix_cache": None if self.prefix is None else self.prefix.stats(),
         }
         self._queue.publish(snapshot)
 

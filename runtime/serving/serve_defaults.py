@@ -9,3 +9,5 @@ DEFAULT_MAX_IMAGES = 8
 # Pixels of all of a request's images, read from their headers before any is decoded: 64 Mpx
 # (8 images of 8 Mpx, 4K each) is 256 MiB decoded as RGBA.
 DEFAULT_MAX_REQUEST_PIXELS = 64 * 2**20
+# The prefix cache's budget (runtime.serving.prefix_cache): ~8k tokens of an 8B model's bf16 KV.
+DEFAULT_PREFIX_CACHE_BYTES = 1 << 30

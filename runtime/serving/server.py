@@ -442,11 +442,13 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _usage(done: Finished) -> dict[str, int]:
+def _usage(done: Finished) -> dict[str, Any]:
     return {
         "prompt_tokens": done.prompt_tokens,
         "completion_tokens": done.completion_tokens,
         "total_tokens": done.prompt_tokens + done.completion_tokens,
+        # OpenAI's field: prompt tokens resumed from the prefix cache instead of prefilled
+        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
     }
 
 
