@@ -259,89 +259,60 @@ def speculative_tokens(
     cache = make_caches(model, kv_quant)
     prepare_rewind(model, cache, num_draft_tokens)
     trimmable = caches_to_trim(model, cache)
-    return _speculate(
-        model,
-        prompt_ids,
-        drafter,
-        cache,
-        trimmable,
-        max_tokens,
-        num_draft_tokens,
-        temp,
-        np.random.default_rng(seed),
-        prefill_chunk_size,
-        max_kv_size,
-        kv_sink,
-        set(eos_token_ids),
-        stats,
-    )
+    rng = np.random.default_rng(seed)
+    eos = set(eos_token_ids)
 
+    def _run() -> Iterator[int]:
+        def forward(ids: list[int] | mx.array, **kwargs) -> mx.array:
+            ids = ids if isinstance(ids, mx.array) else mx.array([ids], dtype=mx.int32)
+            return model(ids, cache=cache, **kwargs)
 
-def _speculate(
-    model,
-    prompt_ids,
-    drafter,
-    cache,
-    trimmable,
-    max_tokens,
-    num_draft_tokens,
-    temp,
-    rng,
-    prefill_chunk_size,
-    max_kv_size,
-    kv_sink,
-    eos,
-    stats,
-) -> Iterator[int]:
-    if max_tokens <= 0:
-        return
-
-    def forward(ids: list[int] | mx.array, **kwargs) -> mx.array:
-        ids = ids if isinstance(ids, mx.array) else mx.array([ids], dtype=mx.int32)
-        return model(ids, cache=cache, **kwargs)
-
-    # Prefill exactly as generate_tokens does (the same chunks, a trim after each).
-    prompt = mx.array(prompt_ids, dtype=mx.int32)[None]
-    *body, (start, end) = prefill_chunks(
-        len(prompt_ids), prefill_chunk_size, prefill_spans(model, prompt_ids)
-    )
-    for a, b in body:
-        forward(prompt[:, a:b])
-        mx.eval(cache_arrays(cache))
+        # Prefill exactly as generate_tokens does (the same chunks, a trim after each).
+        prompt = mx.array(prompt_ids, dtype=mx.int32)[None]
+        *body, (start, end) = prefill_chunks(
+            len(prompt_ids), prefill_chunk_size, prefill_spans(model, prompt_ids)
+        )
+        for a, b in body:
+            forward(prompt[:, a:b])
+            mx.eval(cache_arrays(cache))
+            enforce_max_kv(trimmable, max_kv_size, kv_sink)
+        logits = forward(prompt[:, start:end], last_only=True)[0, -1:]
         enforce_max_kv(trimmable, max_kv_size, kv_sink)
-    logits = forward(prompt[:, start:end], last_only=True)[0, -1:]
-    enforce_max_kv(trimmable, max_kv_size, kv_sink)
-    drafter.prefill(prompt_ids, prefill_chunk_size)
-    new = (
-        [int(mx.argmax(logits, -1).item())] if temp == 0 else [_draw(_probs(logits, temp)[0], rng)]
-    )
+        drafter.prefill(prompt_ids, prefill_chunk_size)
+        new = (
+            [int(mx.argmax(logits, -1).item())]
+            if temp == 0
+            else [_draw(_probs(logits, temp)[0], rng)]
+        )
 
-    history, emitted = list(prompt_ids), 0
-    while True:
-        for token in new:
-            if token in eos:
-                return
-            yield token
-            history.append(token)
-            emitted += 1
-            if emitted == max_tokens:
-                return
-        # The last token is not in the caches yet: it leads the verification forward.
-        k = min(num_draft_tokens, max_tokens - emitted - 1)
-        drafts, q = drafter.propose(history, k, temp, rng)
-        with decode_bound(trimmable, max_kv_size, kv_sink):
-            logits = forward([history[-1], *drafts])[0]
-        if temp == 0:
-            new = greedy_accept(mx.argmax(logits, -1).tolist(), drafts)
-        else:
-            p = _probs(logits, temp)
-            if q is not None and q.shape[1] != p.shape[1]:
-                q = _vocab_like(q, p.shape[1])
-            new = accept_drafts(p, q, drafts, rng)
-        n_accepted = len(new) - 1
-        rewind_caches(cache, len(drafts) - n_accepted)
-        enforce_max_kv(trimmable, max_kv_size, kv_sink)  # on the accepted state only
-        drafter.accepted(n_accepted, len(drafts))
-        stats.steps += 1
-        stats.proposed += len(drafts)
-        stats.accepted += n_accepted
+        history, emitted = list(prompt_ids), 0
+        while True:
+            for token in new:
+                if token in eos:
+                    return
+                yield token
+                history.append(token)
+                emitted += 1
+                if emitted == max_tokens:
+                    return
+            # The last token is not in the caches yet: it leads the verification forward.
+            k = min(num_draft_tokens, max_tokens - emitted - 1)
+            drafts, q = drafter.propose(history, k, temp, rng)
+            with decode_bound(trimmable, max_kv_size, kv_sink):
+                logits = forward([history[-1], *drafts])[0]
+            if temp == 0:
+                new = greedy_accept(mx.argmax(logits, -1).tolist(), drafts)
+            else:
+                p = _probs(logits, temp)
+                if q is not None and q.shape[1] != p.shape[1]:
+                    q = _vocab_like(q, p.shape[1])
+                new = accept_drafts(p, q, drafts, rng)
+            n_accepted = len(new) - 1
+            rewind_caches(cache, len(drafts) - n_accepted)
+            enforce_max_kv(trimmable, max_kv_size, kv_sink)  # on the accepted state only
+            drafter.accepted(n_accepted, len(drafts))
+            stats.steps += 1
+            stats.proposed += len(drafts)
+            stats.accepted += n_accepted
+
+    return _run() if max_tokens > 0 else iter(())
