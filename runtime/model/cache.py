@@ -573,7 +573,8 @@ def enforce_max_kv(caches: list[LayerCache], max_kv_size: int | None, keep: int 
     """Trim every trimmable cache whose live length passed ``max_kv_size``; the most dropped.
 
     The one place the bounded-cache rule lives: generation, ``mlxc verify`` and the scheduler
-    call it after every prefill chunk and every decode step.
+    call it after every prefill chunk and every decode step (speculative decoding: after each
+    verification step's rejected tokens are rewound, on the accepted state only).
     """
     if max_kv_size is None:
         return 0
