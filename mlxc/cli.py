@@ -309,6 +309,33 @@ _DEFAULT_MAX_TOKENS = 256
     help="Image file for a vision-language model; repeat for several (they go before the "
     "prompt text, in the order given).",
 )
+@click.option(
+    "--draft-model",
+    default=None,
+    metavar="DIR|ORG/NAME",
+    help="Speculative decoding: a smaller checkpoint with the same tokenizer drafts "
+    "--num-draft-tokens tokens per step, the model verifies them in one forward.",
+)
+@click.option(
+    "--prompt-lookup",
+    is_flag=True,
+    help="Speculative decoding without a second model: drafts are the tokens that followed the "
+    "last --ngram-size tokens' latest earlier occurrence in the prompt and output.",
+)
+@click.option(
+    "--num-draft-tokens",
+    default=3,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Tokens drafted per speculative step.",
+)
+@click.option(
+    "--ngram-size",
+    default=3,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Longest n-gram --prompt-lookup matches (shorter ones are tried when it finds none).",
+)
 @_specs_option
 def generate(
     model_dir,
@@ -325,6 +352,10 @@ def generate(
     prefill_chunk_size,
     no_chat_template,
     images,
+    draft_model,
+    prompt_lookup,
+    num_draft_tokens,
+    ngram_size,
     specs,
 ):
     """Generate a completion for PROMPT, streaming the text to stdout.
@@ -357,6 +388,8 @@ def generate(
     _user_specs_or_exit(specs)
     group = world()  # under mlx.launch: the ranks the model is sharded over
     lead = group is None or group.rank() == 0  # the rank that prints
+    speculate = draft_model is not None or prompt_lookup
+    _check_speculation(draft_model, prompt_lookup, images, group, top_p, top_k)
     if model_dir is None:
         from mlxc.runtime.checkpoint import demo
 
@@ -416,19 +449,44 @@ def generate(
 
     if group is not None and seed is None:
         agree_on_seed(group)  # the ranks must draw the same tokens
-    sampler = make_sampler(temp=temp, top_p=top_p, top_k=top_k, seed=seed)
-    tokens = generate_tokens(
-        model,
-        ids,
-        max_tokens=max_tokens,
-        sampler=sampler,
-        prefill_chunk_size=prefill_chunk_size,
-        max_kv_size=max_kv_size,
-        kv_sink=kv_sink,
-        kv_quant=kv_quant,
-        eos_token_ids=checkpoint.eos_token_ids,
-        vision_inputs=vision_inputs,
-    )
+    stats = None
+    if speculate:
+        from mlxc.runtime.serving.speculative import SpecStats, speculative_tokens
+
+        drafter = _drafter(draft_model, prompt_lookup, ngram_size, num_draft_tokens, checkpoint)
+        drafter_args = {"max_kv_size": max_kv_size, "kv_sink": kv_sink, "kv_quant": kv_quant}
+        stats = SpecStats()
+        try:
+            drafter = drafter(**drafter_args)
+            tokens = speculative_tokens(
+                model,
+                ids,
+                drafter,
+                max_tokens=max_tokens,
+                num_draft_tokens=num_draft_tokens,
+                temp=temp,
+                seed=seed,
+                prefill_chunk_size=prefill_chunk_size,
+                eos_token_ids=checkpoint.eos_token_ids,
+                stats=stats,
+                **drafter_args,
+            )
+        except ValueError as e:  # RewindError, SpeculationError: named
+            raise _OneLineError(f"cannot speculate: {e}", 1) from e
+    else:
+        sampler = make_sampler(temp=temp, top_p=top_p, top_k=top_k, seed=seed)
+        tokens = generate_tokens(
+            model,
+            ids,
+            max_tokens=max_tokens,
+            sampler=sampler,
+            prefill_chunk_size=prefill_chunk_size,
+            max_kv_size=max_kv_size,
+            kv_sink=kv_sink,
+            kv_quant=kv_quant,
+            eos_token_ids=checkpoint.eos_token_ids,
+            vision_inputs=vision_inputs,
+        )
     detok = StreamingDetokenizer(tokenizer)
     start = time.perf_counter()
     first = start
@@ -460,6 +518,54 @@ def generate(
         f"generated: {n} tokens, {decode_tps:.1f} tok/s",
         err=True,
     )
+    if stats is not None:
+        click.echo(
+            f"speculative: {stats.steps} verification steps, {stats.accepted}/{stats.proposed} "
+            f"drafts accepted ({stats.acceptance:.0%})",
+            err=True,
+        )
+
+
+def _check_speculation(draft_model, prompt_lookup, images, group, top_p, top_k) -> None:
+    """Refuse, before anything loads, the speculative settings not built."""
+    if draft_model is None and not prompt_lookup:
+        return
+    if draft_model is not None and prompt_lookup:
+        raise click.BadParameter("give --draft-model or --prompt-lookup, not both")
+    flag = "'--draft-model'" if draft_model is not None else "'--prompt-lookup'"
+    if images:
+        raise click.BadParameter("speculative decoding takes text prompts only", param_hint=flag)
+    if group is not None:
+        raise click.BadParameter("speculative decoding runs unsharded", param_hint=flag)
+    if top_p < 1.0 or top_k:
+        raise click.BadParameter(
+            "speculative sampling keeps the --temp distribution; --top-p/--top-k are not "
+            "combined with it",
+            param_hint=flag,
+        )
+
+
+def _drafter(draft_model, prompt_lookup, ngram_size, num_draft_tokens, checkpoint):
+    """A factory of the drafter (called with the cache settings): prompt lookup, or the draft
+    checkpoint loaded, its tokenizer checked against the target's."""
+    from mlxc.runtime.checkpoint.loading import CheckpointError, load_checkpoint
+    from mlxc.runtime.serving.speculative import DraftModel, PromptLookup
+
+    if prompt_lookup:
+        return lambda **_: PromptLookup(ngram_size)
+    path, _ = _resolve_model(draft_model)
+    try:
+        draft = load_checkpoint(path)
+        if draft.tokenizer.get_vocab() != checkpoint.tokenizer.get_vocab():
+            raise _OneLineError(
+                f"the draft model at {path} has another tokenizer vocabulary than the model: "
+                "its token ids would mean other tokens",
+                1,
+            )
+        draft_model = draft.load_model()
+    except CheckpointError as e:
+        raise _OneLineError(f"--draft-model: {e}", 1) from e
+    return lambda **kw: DraftModel(draft_model, num_draft_tokens, **kw)
 
 
 # --- end generate ---------------------------------------------------------------------------

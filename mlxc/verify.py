@@ -15,7 +15,10 @@ of the run they were taken from. Then the server's batched decode: rows of diffe
 logits it gets decoding alone. Where the model's head dims allow it, the chunked, trimmed and
 batched runs are repeated on 4-bit quantised KV caches (``--kv-bits``): chunked must equal one
 pass over the same quantised cache and batched must equal alone (each token is quantised on
-its own, so both hold up to float rounding).
+its own, so both hold up to float rounding). Speculation: after a trimmed chunked prefill,
+verification forwards of several tokens whose tails are rejected (rewound), with trims between
+them, must give the logits of the plain one-token decode steps (a model whose caches cannot
+rewind, a recurrent one, must be refused instead).
 """
 
 from __future__ import annotations
@@ -36,13 +39,17 @@ from mlxc.runtime.model.batch import BatchCache
 from mlxc.runtime.model.cache import (
     KVQuant,
     KVQuantError,
+    RewindError,
     cache_arrays,
     check_kv_quant,
     enforce_max_kv,
     make_caches,
+    prepare_rewind,
+    rewind_caches,
 )
 from mlxc.runtime.serving.generate import prefill_spans
 from mlxc.runtime.serving.prefix_cache import cacheable
+from mlxc.runtime.serving.speculative import decode_bound
 
 PREFILL_CHUNK = 8
 MAX_KV = 16
@@ -238,6 +245,7 @@ def verify_module(
     if batch_err > ATOL:
         raise VerifyError(f"batched decode differs from decoding alone by {batch_err:.2e}")
     notes.append(_verify_quantized(model, chunks, vision, rng, vocab, image))
+    notes.append(_verify_speculation(model, chunks[: -1 - DECODE_STEPS], vision, rng, vocab))
     detail = (
         f"{len(chunks)} chunks x {1 + len(SINKS)} runs, {audit.checked} masks checked, "
         f"chunked vs full {err:.1e}, batched vs alone {batch_err:.1e}, {'; '.join(notes)}"
@@ -264,6 +272,53 @@ def _verify_quantized(model, chunks, vision, rng, vocab, image) -> str:
     if batch_err > ATOL:
         raise VerifyError(f"quantised KV: batched decode differs from alone by {batch_err:.2e}")
     return f"{KV_QUANT.bits}-bit KV: chunked vs full {err:.1e}, batched vs alone {batch_err:.1e}"
+
+
+# Verification steps (accepted drafts, rejected drafts): the first runs before any decode trim,
+# every later one after one; the rejections are forced (random tokens rewound).
+SPEC_STEPS = ((2, 1), (0, 3), (3, 0), (1, 2), (2, 2), (0, 0))
+
+
+def _verify_speculation(model, prompt_chunks, vision, rng, vocab) -> str:
+    """Speculative steps across trims (``SPEC_STEPS``, ``MAX_KV`` with sinks) against the plain
+    one-token steps over the same tokens: the logits of each accepted position, and the caches'
+    offsets and live lengths after every step. A note saying what ran."""
+    keep, reserve = SINKS[-1], max(a + r for a, r in SPEC_STEPS)
+    cache = make_caches(model)
+    try:
+        prepare_rewind(model, cache, reserve)
+    except RewindError as e:
+        try:  # refused at the cache, and by the loop
+            rewind_caches(cache, 1)
+        except RewindError:
+            return f"speculation refused ({e})"
+        raise VerifyError("a cache that is not rewindable rewound") from e
+    plain = make_caches(model)
+    tokens = rng.integers(0, vocab, size=sum(a + 1 for a, _ in SPEC_STEPS)).tolist()
+    for c in (cache, plain):
+        for i, chunk in enumerate(prompt_chunks):
+            extra = vision if (vision and i == 0) else {}
+            model(mx.array(chunk[None, :]), cache=c, **extra)
+            enforce_max_kv(c, MAX_KV, keep)
+    trimmable = [c for c in cache if c.trimmable]
+    err, at = 0.0, 0
+    for accepted, rejected in SPEC_STEPS:
+        real = tokens[at : at + accepted + 1]
+        drafts = rng.integers(0, vocab, size=rejected).tolist()
+        with decode_bound(trimmable, MAX_KV, keep):
+            spec = model(mx.array([real + drafts]), cache=cache)[0, : accepted + 1]
+        rewind_caches(cache, rejected)
+        enforce_max_kv(cache, MAX_KV, keep)
+        for j, token in enumerate(real):
+            one = model(mx.array([[token]]), cache=plain)[0, -1]
+            enforce_max_kv(plain, MAX_KV, keep)
+            err = max(err, mx.abs(spec[j] - one).max().item())
+        if [(c.offset, c.live_len) for c in cache] != [(c.offset, c.live_len) for c in plain]:
+            raise VerifyError("speculation: caches differ from the plain run's after a rewind")
+        at += accepted + 1
+    if err > ATOL:
+        raise VerifyError(f"speculation across trims differs from one-token steps by {err:.2e}")
+    return f"speculation across trims vs one-token steps {err:.1e}"
 
 
 def _check_prefix_resume(model, chunks, vision, straight: list[mx.array]) -> str:

@@ -34,6 +34,7 @@ from mlxc.runtime.model.cache import (
     LayerCache,
     QuantizedKV,
     QuantizedKVMixin,
+    RewindError,
 )
 from mlxc.runtime.model.multimodal import SequenceCache
 
@@ -44,6 +45,7 @@ class BatchKVCache:
     step = KVCache.step
     trimmable = True
     holds_keys = True
+    rewindable = False  # speculation in the decode batch is not built yet
     window = None
 
     def __init__(self) -> None:
@@ -106,6 +108,9 @@ class BatchKVCache:
         sink_end = (self.pad + self.sink)[:, None]
         dropped = (column >= sink_end) & (column < sink_end + self.gap[:, None])
         return (column >= self.pad[:, None]) & ~dropped
+
+    def rewind(self, n: int) -> None:
+        raise RewindError("a decode batch's rows cannot rewind (speculation decodes alone)")
 
     def trim_front(self, n: np.ndarray, keep: int = 0) -> np.ndarray:
         """Drop each row's oldest ``n[b]`` tokens after its first ``keep``; KVCache's rule per

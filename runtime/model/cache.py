@@ -41,6 +41,7 @@ class LayerCache(Protocol):
 
     trimmable: ClassVar[bool]
     holds_keys: ClassVar[bool]  # attention keys, which masks are built for; False: recurrent state
+    rewindable: ClassVar[bool]  # whether ``rewind`` takes back tokens (speculative decoding)
     window: int | None  # the sliding window its keys serve; None: full attention
 
     @property
@@ -62,6 +63,11 @@ class LayerCache(Protocol):
     def trim_front(self, n: Any, keep: int = 0) -> Any:
         """Drop the oldest ``n`` tokens after ``keep`` sinks (per row); ``offset`` unchanged."""
 
+    def rewind(self, n: int) -> None:
+        """Take back the last ``n`` tokens written (rejected draft tokens): ``offset`` and
+        ``live_len`` move back by ``n``, nothing else changes. Never undoes a ``trim_front``
+        (RewindError: trims run only after acceptance); a kind that cannot rewind raises."""
+
     @property
     def nbytes(self) -> int:
         """Bytes of the state it holds for its live tokens."""
@@ -74,17 +80,27 @@ class LayerCache(Protocol):
         ``keep_rows`` lets them leave); None: this kind decodes alone."""
 
 
+class RewindError(ValueError):
+    """A rewind a cache cannot do: past a trim, past what it holds, or a kind that never can."""
+
+
 class KVCache:
     """Per-layer key/value store for one sequence (or a batch moving in lockstep).
 
     Keys and values live in a buffer ``[B, H, capacity, D]`` that grows in steps of ``step``
     tokens; the live window occupies ``[0, live_len)`` of it, oldest first, so a prefix of the
     buffer is always exactly the keys a query may attend to.
+
+    ``rewind(n)`` moves ``offset`` back over the last ``n`` tokens: the buffer past ``held`` is
+    dead space the next append overwrites. ``decode_bound`` = ``(max_kv_size, keep)`` while a
+    speculative verification forward runs: its queries must see what one-token decode steps,
+    each followed by a trim, would have seen (``key_valid``).
     """
 
     step = 256
     trimmable = True  # full KV: --max-kv-size trims it
     holds_keys = True
+    rewindable = True
     window = None
 
     def __init__(self) -> None:
@@ -93,6 +109,8 @@ class KVCache:
         self.offset = 0
         self.live_start = 0
         self.sink = 0  # the `keep` of the trims so far: these front tokens are never dropped
+        self.trimmed_at = 0  # offset at the last trim_front: a rewind never goes below it
+        self.decode_bound: tuple[int, int] | None = None
 
     @property
     def held(self) -> int:
@@ -108,8 +126,12 @@ class KVCache:
         """Tokens present in each row (rows move in lockstep here; see ``BatchKVCache``)."""
         return self.live_len
 
-    def key_valid(self, n_new: int) -> None:
-        return None  # the rows move in lockstep: every live key is valid for each
+    def key_valid(self, n_new: int) -> mx.array | None:
+        # The rows move in lockstep: every live key is valid for each, unless a verification
+        # forward must hide what the trims between one-token steps would have dropped.
+        if self.decode_bound is None or self.live_len + n_new <= self.decode_bound[0] + 1:
+            return None  # no step's trim would have dropped anything yet
+        return decode_steps_valid(self.live_len, n_new, *self.decode_bound)
 
     def update_and_fetch(
         self, keys: mx.array, values: mx.array | None = None
@@ -158,12 +180,22 @@ class KVCache:
         if self.live_start and keep != self.sink:
             raise ValueError(f"trim_front keep={keep} differs from the earlier keep={self.sink}")
         self.sink = keep
+        self.trimmed_at = self.offset
         # Slide the survivors down; assignment reads the old buffer, so overlap is safe.
         for buffer in (self.keys, self.values):
             if buffer is not None:
                 buffer[..., keep : live - n, :] = buffer[..., keep + n : live, :]
         self.live_start += n
         return n
+
+    def rewind(self, n: int) -> None:
+        n = int(n)
+        if n < 0 or n > self.offset - self.trimmed_at:
+            raise RewindError(
+                f"cannot rewind {n} tokens: {self.offset - self.trimmed_at} were written since "
+                "the last trim (a trim only follows acceptance)"
+            )
+        self.offset -= n
 
     @property
     def nbytes(self) -> int:
@@ -216,6 +248,11 @@ class WindowedKVCache(KVCache):
     down every token): between forwards it holds (``held``) fewer than ``window - 1 + slack``.
     Positions are untouched: ``offset`` keeps counting every token (no ring buffer whose index
     could stand for it). ``--max-kv-size`` does not trim it: it bounds itself.
+
+    ``rewind_reserve``: tokens past the window it keeps for a rewind (speculative decoding sets
+    it to the draft length): after a rewind of up to that many it still holds what the window
+    sees. Its own drops are not trims of the contract: a rewind may cross them while the keys
+    it needs are held.
     """
 
     trimmable = False
@@ -230,6 +267,7 @@ class WindowedKVCache(KVCache):
             raise ValueError(f"a sliding window must be at least 1 token, got {window}")
         self.window = window
         self.slack = min(self.step, window)
+        self.rewind_reserve = 0
 
     @property
     def live_len(self) -> int:
@@ -242,11 +280,21 @@ class WindowedKVCache(KVCache):
         held_keys, held_values = super().update_and_fetch(keys, values)
         live_keys = held_keys[..., -n:, :]
         live_values = None if held_values is None else held_values[..., -n:, :]
-        unseen = self.held - (self.window - 1)  # tokens no later query can see
+        unseen = self.held - (self.window - 1) - self.rewind_reserve  # no later query sees them
         if unseen >= self.slack:
             # The returned arrays hold the old buffer: the slide below does not change them.
             self.trim_front(unseen)
         return live_keys, live_values
+
+    def rewind(self, n: int) -> None:
+        n = int(n)
+        # After the rewind the window must still see min(offset, window - 1) keys.
+        if n < 0 or self.held - n < min(self.offset - n, self.window - 1):
+            raise RewindError(
+                f"cannot rewind {n} tokens: the window layer holds {self.held} and dropped the "
+                f"keys a rewind needs (rewind_reserve {self.rewind_reserve} is too small)"
+            )
+        self.offset -= n
 
     def prefix_block(self, start: int) -> list[mx.array]:
         """Copies of the last keys of ``[start, offset)`` that a later query can see (at most
@@ -440,6 +488,39 @@ def check_kv_quant(model: Any, quant: KVQuant | None) -> None:
         model(mx.array([[0]]), cache=make_caches(model, quant))
 
 
+def decode_steps_valid(live: int, n_new: int, max_kv_size: int, keep: int) -> mx.array:
+    """``[1, 1, n_new, live + n_new]``: the keys each of ``n_new`` queries appended to ``live``
+    keys would see had they (and the untrimmed tokens before them) come one per decode step,
+    each followed by ``enforce_max_kv``: before query ``j`` those trims have dropped
+    ``live + j - max_kv_size`` columns after the ``keep`` sinks (causality is the mask's)."""
+    dropped = mx.maximum(live + mx.arange(n_new)[:, None] - max_kv_size, 0)
+    col = mx.arange(live + n_new)[None, :]
+    return ((col < keep) | (col >= keep + dropped))[None, None]
+
+
+def rewind_caches(caches: list, n: int) -> None:
+    """Take the last ``n`` tokens back out of every layer's cache (rejected drafts)."""
+    if n:
+        for cache in caches:
+            cache.rewind(n)
+
+
+def prepare_rewind(model: Any, caches: list, reserve: int) -> None:
+    """Ready a sequence's caches for rewinds of up to ``reserve`` tokens after each forward
+    (windowed layers keep that many more keys), or raise RewindError naming what cannot."""
+    if cache_policy(model) == "model-owned":
+        raise RewindError("the model owns its cache state (cache: model-owned): it cannot rewind")
+    kinds = sorted({type(c).__name__ for c in caches if not getattr(c, "rewindable", False)})
+    if kinds:
+        raise RewindError(
+            f"speculative decoding needs caches that can take back rejected tokens; "
+            f"{', '.join(kinds)} cannot (a recurrent state cannot un-absorb a token)"
+        )
+    for cache in caches:
+        if hasattr(cache, "rewind_reserve"):
+            cache.rewind_reserve = reserve
+
+
 def _copies(buffers: list[mx.array], start: int, end: int) -> list[mx.array]:
     """Tokens ``[start, end)`` of each buffer in buffers of their own: a slice alone would keep
     the whole buffer alive (and a cache's buffers are rewritten by slice assignment)."""
@@ -492,7 +573,8 @@ def enforce_max_kv(caches: list[LayerCache], max_kv_size: int | None, keep: int 
     """Trim every trimmable cache whose live length passed ``max_kv_size``; the most dropped.
 
     The one place the bounded-cache rule lives: generation, ``mlxc verify`` and the scheduler
-    call it after every prefill chunk and every decode step.
+    call it after every prefill chunk and every decode step (speculative decoding: after each
+    verification step's rejected tokens are rewound, on the accepted state only).
     """
     if max_kv_size is None:
         return 0

@@ -20,6 +20,8 @@ How the state stays out of what is built for attention keys (the ``LayerCache`` 
   0: the protocol's rule (``n`` clamped to the tokens there are to drop) with no tokens held;
   the state itself is untouched, so a caller that ignores ``trimmable`` loses nothing and
   learns from the return that nothing was dropped.
+- ``rewindable = False``: ``rewind`` raises, so speculative decoding refuses a model with
+  recurrent layers (``cache.prepare_rewind``) rather than snapshot and re-run the state.
 - ``offset`` counts every token seen (``monotonic-position``), like any cache's; ``nbytes``
   is the state's size, which does not grow with the tokens.
 """
@@ -31,6 +33,8 @@ import math
 import mlx.core as mx
 import numpy as np
 from mlx import nn
+
+from mlxc.runtime.model.cache import RewindError
 
 # --- the cache kind -----------------------------------------------------------------------------
 
@@ -46,6 +50,7 @@ class _RecurrentState:
 
     trimmable = False  # recurrent state is never trimmed
     holds_keys = False  # no mask is built from it (SequenceCache.windows skips it)
+    rewindable = False  # a token cannot be taken back out of a recurrence
     window = None
     live_len = 0  # no key columns
 
@@ -55,6 +60,9 @@ class _RecurrentState:
 
     def key_valid(self, n_new: int = 0) -> None:
         return None
+
+    def rewind(self, n: int) -> None:
+        raise RewindError("a recurrent state cannot rewind: a token cannot be taken back out")
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,318 @@
+"""Speculative decoding for one sequence: a drafter proposes up to K tokens, the target model
+verifies all of them in one forward of K + 1 positions, and the caches take back what it rejects.
+
+Two drafters: ``PromptLookup`` (n-gram matches in the prompt and the output so far; no second
+model) and ``DraftModel`` (a smaller model decoding K tokens on its own cache). Greedy, the
+output is the target's own greedy output, token for token: a draft is kept only while it equals
+the target's argmax, and the target's next token follows the kept ones. Sampling, the standard
+rule keeps the target's distribution (``accept_drafts``).
+
+The cache contract (``LayerCache.rewind``): rejected tokens leave the caches by ``rewind``,
+which moves ``offset`` back to the next real position. ``enforce_max_kv`` runs only once the
+accepted tokens are known, on the accepted state, so a rewind never crosses a trim. Under
+``--max-kv-size`` the verification forward's queries see exactly what one-token decode steps
+would have seen, each followed by its trim (``KVCache.decode_bound``): the trimmed speculative
+run equals the trimmed plain run. Windowed layers keep K keys past their window
+(``rewind_reserve``) so a rewind leaves them what the window sees. Recurrent layers cannot
+rewind; such models are refused (``RewindError``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+from mlx import nn
+
+from mlxc.runtime.model.cache import (
+    KVQuant,
+    cache_arrays,
+    check_kv_limits,
+    enforce_max_kv,
+    make_caches,
+    prepare_rewind,
+    rewind_caches,
+)
+from mlxc.runtime.model.cache import trimmable as caches_to_trim
+from mlxc.runtime.serving.generate import DEFAULT_KV_SINK, prefill_chunks, prefill_spans
+
+
+class SpeculationError(ValueError):
+    """Speculative decoding asked of a pair or a setting it cannot serve (named)."""
+
+
+@dataclass
+class SpecStats:
+    """What a speculative run did: verification steps, drafts proposed and accepted."""
+
+    steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+# --- the accept/reject rule ---------------------------------------------------------------------
+
+
+def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+    cdf = np.cumsum(probs, dtype=np.float64)
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(cdf) - 1))
+
+
+def accept_drafts(
+    p: np.ndarray, q: np.ndarray | None, drafts: list[int], rng: np.random.Generator
+) -> list[int]:
+    """The tokens a verification step emits: the accepted drafts, then one more.
+
+    ``p`` ``[k + 1, V]``: the target's distributions at each draft position and after the last;
+    ``q`` ``[k, V]``: the draft's (None: deterministic drafts, q one-hot). Draft ``i`` is kept
+    with probability ``min(1, p_i(d) / q_i(d))``; at the first rejection the token is drawn
+    from ``norm(max(0, p_i - q_i))`` and the step ends; if all are kept the last comes from
+    ``p_k``. Each emitted token is then distributed as the target alone would sample it
+    (Leviathan et al. 2023; Chen et al. 2023).
+    """
+    out = []
+    for i, d in enumerate(drafts):
+        q_i = np.zeros_like(p[i]) if q is None else q[i]
+        if q is None:
+            q_i[d] = 1.0
+        if rng.random() * q_i[d] < p[i, d]:  # u < p/q, without dividing by a tiny q
+            out.append(d)
+            continue
+        residual = np.maximum(p[i] - q_i, 0.0)
+        out.append(_draw(residual if residual.sum() > 0 else p[i], rng))
+        return out
+    out.append(_draw(p[len(drafts)], rng))
+    return out
+
+
+def greedy_accept(targets: list[int], drafts: list[int]) -> list[int]:
+    """Greedy: the drafts that equal the target's argmax, then the target's next token."""
+    n = 0
+    while n < len(drafts) and drafts[n] == targets[n]:
+        n += 1
+    return [*drafts[:n], targets[n]]
+
+
+def _probs(logits: mx.array, temp: float) -> np.ndarray:
+    """Softmax of ``logits / temp`` on the host, float64 ``[L, V]``."""
+    return np.asarray(mx.softmax(logits.astype(mx.float32) / temp, axis=-1), np.float64)
+
+
+def _vocab_like(q: np.ndarray, vocab: int) -> np.ndarray:
+    """A draft's distributions over the target's logit width: a shorter head (less embedding
+    padding) pads with zeros; a draft that can propose ids the target has not is refused."""
+    if q.shape[1] > vocab and q[:, vocab:].any():
+        raise SpeculationError(
+            f"the draft model's vocabulary ({q.shape[1]}) is larger than the target's ({vocab})"
+        )
+    return np.pad(q, ((0, 0), (0, max(vocab - q.shape[1], 0))))[:, :vocab]
+
+
+# --- drafters -----------------------------------------------------------------------------------
+
+
+class PromptLookup:
+    """Drafts from the sequence itself: the tokens that followed the latest earlier occurrence
+    of its last ``n`` tokens (``n`` from ``ngram_size`` down to 1, the longest match wins)."""
+
+    def __init__(self, ngram_size: int = 3) -> None:
+        if ngram_size < 1:
+            raise SpeculationError(f"the n-gram size must be >= 1, got {ngram_size}")
+        self.ngram_size = ngram_size
+
+    def prefill(self, prompt_ids: list[int], chunk_size: int) -> None:
+        pass
+
+    def propose(self, history: list[int], k: int, temp: float, rng) -> tuple[list[int], None]:
+        if k == 0:
+            return [], None
+        h = np.asarray(history)
+        for n in range(min(self.ngram_size, len(h) - 1), 0, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
+            hits = np.flatnonzero((windows == h[-n:]).all(axis=1))
+            if len(hits):
+                start = hits[-1] + n  # the latest match: the most recent context
+                return h[start : start + k].tolist(), None
+        return [], None
+
+    def accepted(self, n_accepted: int, n_proposed: int) -> None:
+        pass
+
+
+class DraftModel:
+    """A smaller model proposing ``k`` tokens autoregressively on its own caches, which are
+    rewound over what the target rejects and trimmed (``max_kv_size``) only after acceptance."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        reserve: int,
+        *,
+        max_kv_size: int | None = None,
+        kv_sink: int = DEFAULT_KV_SINK,
+        kv_quant: KVQuant | None = None,
+    ) -> None:
+        self.model = model
+        self.cache = make_caches(model, kv_quant)
+        prepare_rewind(model, self.cache, reserve)
+        self.trimmable = caches_to_trim(model, self.cache)
+        self.max_kv_size, self.kv_sink = max_kv_size, kv_sink
+        self.seen = 0  # tokens of the sequence in the draft's caches
+        self.unverified = 0  # drafts in its caches the target has not yet judged
+
+    def prefill(self, prompt_ids: list[int], chunk_size: int) -> None:
+        prompt = mx.array(prompt_ids, dtype=mx.int32)[None]
+        for a, b in prefill_chunks(len(prompt_ids), chunk_size):
+            self.model(prompt[:, a:b], cache=self.cache)
+            mx.eval(cache_arrays(self.cache))
+            enforce_max_kv(self.trimmable, self.max_kv_size, self.kv_sink)
+        self.seen = len(prompt_ids)
+
+    def propose(
+        self, history: list[int], k: int, temp: float, rng: np.random.Generator
+    ) -> tuple[list[int], np.ndarray | None]:
+        if k == 0:
+            return [], None
+        ids, drafts, qs = history[self.seen :], [], []
+        for _ in range(k):
+            # Untrimmed until acceptance, yet seeing what trimmed decode steps would see.
+            with decode_bound(self.trimmable, self.max_kv_size, self.kv_sink):
+                logits = self.model(mx.array([ids], dtype=mx.int32), cache=self.cache)
+            logits = logits[0, -1:]
+            if temp == 0:
+                token = int(mx.argmax(logits, axis=-1).item())
+            else:
+                q = _probs(logits, temp)[0]
+                token = _draw(q, rng)
+                qs.append(q)
+            drafts.append(token)
+            ids = [token]
+        # Its caches hold the history and every draft but the last.
+        self.seen = len(history)
+        self.unverified = k - 1
+        return drafts, (np.stack(qs) if qs else None)
+
+    def accepted(self, n_accepted: int, n_proposed: int) -> None:
+        if n_proposed == 0:
+            return
+        kept = min(n_accepted, self.unverified)
+        rewind_caches(self.cache, self.unverified - kept)
+        self.seen += kept
+        self.unverified = 0
+        enforce_max_kv(self.trimmable, self.max_kv_size, self.kv_sink)
+
+
+# --- the loop -----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def decode_bound(caches: list, max_kv_size: int | None, keep: int):
+    """Within it, the trimmable caches mask a multi-token forward as one-token steps."""
+    bound = None if max_kv_size is None else (max_kv_size, keep)
+    for c in caches:
+        c.decode_bound = bound
+    try:
+        yield
+    finally:
+        for c in caches:
+            c.decode_bound = None
+
+
+def speculative_tokens(
+    model: nn.Module,
+    prompt_ids: list[int],
+    drafter: PromptLookup | DraftModel,
+    *,
+    max_tokens: int,
+    num_draft_tokens: int = 3,
+    temp: float = 0.0,
+    seed: int | None = None,
+    prefill_chunk_size: int = 2048,
+    max_kv_size: int | None = None,
+    kv_sink: int = DEFAULT_KV_SINK,
+    kv_quant: KVQuant | None = None,
+    eos_token_ids: Iterable[int] = (),
+    stats: SpecStats | None = None,
+) -> Iterator[int]:
+    """Yield generated token ids (EOS not yielded), as ``generate_tokens`` would with the same
+    arguments: greedy (``temp`` 0) the very same tokens; sampling, tokens from the same
+    distribution (``temp`` only: top-p/top-k are not combined with speculation). Each step
+    drafts up to ``num_draft_tokens`` and verifies them in one target forward. ``seed``: the
+    host generator of the sampling draws (numpy). ``stats``: filled as the run goes.
+
+    Raises ``RewindError`` (a ``ValueError``) at the call, before any forward, for a model
+    whose caches cannot rewind.
+    """
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: generation needs at least one token")
+    if num_draft_tokens < 1:
+        raise SpeculationError(f"--num-draft-tokens must be >= 1, got {num_draft_tokens}")
+    check_kv_limits(max_kv_size, kv_sink)
+    stats = SpecStats() if stats is None else stats
+    cache = make_caches(model, kv_quant)
+    prepare_rewind(model, cache, num_draft_tokens)
+    trimmable = caches_to_trim(model, cache)
+    rng = np.random.default_rng(seed)
+    eos = set(eos_token_ids)
+
+    def _run() -> Iterator[int]:
+        def forward(ids: list[int] | mx.array, **kwargs) -> mx.array:
+            ids = ids if isinstance(ids, mx.array) else mx.array([ids], dtype=mx.int32)
+            return model(ids, cache=cache, **kwargs)
+
+        # Prefill exactly as generate_tokens does (the same chunks, a trim after each).
+        prompt = mx.array(prompt_ids, dtype=mx.int32)[None]
+        *body, (start, end) = prefill_chunks(
+            len(prompt_ids), prefill_chunk_size, prefill_spans(model, prompt_ids)
+        )
+        for a, b in body:
+            forward(prompt[:, a:b])
+            mx.eval(cache_arrays(cache))
+            enforce_max_kv(trimmable, max_kv_size, kv_sink)
+        logits = forward(prompt[:, start:end], last_only=True)[0, -1:]
+        enforce_max_kv(trimmable, max_kv_size, kv_sink)
+        drafter.prefill(prompt_ids, prefill_chunk_size)
+        new = (
+            [int(mx.argmax(logits, -1).item())]
+            if temp == 0
+            else [_draw(_probs(logits, temp)[0], rng)]
+        )
+
+        history, emitted = list(prompt_ids), 0
+        while True:
+            for token in new:
+                if token in eos:
+                    return
+                yield token
+                history.append(token)
+                emitted += 1
+                if emitted == max_tokens:
+                    return
+            # The last token is not in the caches yet: it leads the verification forward.
+            k = min(num_draft_tokens, max_tokens - emitted - 1)
+            drafts, q = drafter.propose(history, k, temp, rng)
+            with decode_bound(trimmable, max_kv_size, kv_sink):
+                logits = forward([history[-1], *drafts])[0]
+            if temp == 0:
+                new = greedy_accept(mx.argmax(logits, -1).tolist(), drafts)
+            else:
+                p = _probs(logits, temp)
+                if q is not None and q.shape[1] != p.shape[1]:
+                    q = _vocab_like(q, p.shape[1])
+                new = accept_drafts(p, q, drafts, rng)
+            n_accepted = len(new) - 1
+            rewind_caches(cache, len(drafts) - n_accepted)
+            enforce_max_kv(trimmable, max_kv_size, kv_sink)  # on the accepted state only
+            drafter.accepted(n_accepted, len(drafts))
+            stats.steps += 1
+            stats.proposed += len(drafts)
+            stats.accepted += n_accepted
+
+    return _run() if max_tokens > 0 else iter(())
