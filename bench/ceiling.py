@@ -13,7 +13,8 @@ prefill one ``prompt_tokens``-long prompt together, then every step queues the n
 ``batch`` requests submitted at once (no HTTP, no JSON, events counted and dropped), decode
 timed from the moment every row has its first token. Read beside the raw ceiling and the
 server's aggregate, it says whether a gap is the step (scheduler, batch cache, sampling) or the
-HTTP side (event loop, SSE).
+HTTP side (event loop, SSE). ``--mlxc-batch`` times mlxc's model on its own decode batch
+(``BatchCache``) in the raw loop, without the scheduler.
 """
 
 from __future__ import annotations
@@ -199,6 +200,7 @@ def scheduler_tps(model_dir: str, batches: list[int], prompt_tokens: int, steps:
         eos_token_ids=ckpt.eos_token_ids,
         max_concurrency=most,
         max_queue=most,
+        prefix_cache_bytes=0,  # every level's prompts prefill in full, the warm-up's included
     )
     timers = _Timers(scheduler)
     scheduler.start()
