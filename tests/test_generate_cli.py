@@ -167,6 +167,22 @@ def test_streaming_detokenizer_never_splits_a_character(tmp_path):
     assert len([d for d in deltas if d]) > 5  # it streams, not one lump at the end
 
 
+def test_streaming_detokenizer_rust_path_equals_transformers_decode(tmp_path):
+    """The detokenizer calls the Rust tokenizer's decode directly where the transformers class
+    adds nothing to it: on random token streams (special tokens, split multi-byte characters)
+    every delta equals the one transformers' own decode gives."""
+    tokenizer = load_tokenizer(toy.write_tokenizer(tmp_path))
+    fast = StreamingDetokenizer(tokenizer)
+    assert fast._rust_decode is not None  # the tiny tokenizer is a plain TokenizersBackend
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        ids = [int(i) for i in rng.integers(0, len(tokenizer), 40)]
+        fast, slow = StreamingDetokenizer(tokenizer), StreamingDetokenizer(tokenizer)
+        slow._rust_decode = None
+        assert [fast.add(i) for i in ids] == [slow.add(i) for i in ids]
+        assert fast.finalize() == slow.finalize()
+
+
 def test_no_tokenizer_files(tmp_path):
     assert load_tokenizer(tmp_path) is None
 
