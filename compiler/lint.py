@@ -360,7 +360,7 @@ def _semantic_findings(spec: schema.Spec, rep: _Reporter) -> None:
         _check_expr(text, layer_scope if in_layers else param_scope, path, rep)
 
     for i, rule in enumerate(spec.weights.rename):  # per-layer renames: layer scope
-        if rule.when is not None and isinstance(rule.when, str):
+        if isinstance(rule.when, str):
             _check_expr(rule.when, layer_scope, ("weights", "rename", i, "when"), rep)
 
     for part in blocks.PARTS:

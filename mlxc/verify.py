@@ -223,7 +223,8 @@ def verify_module(
     # as one pass does. Relative to the state's scale: an SSM state sums many tokens' inputs
     # (tens here), where the logits' absolute tolerance would measure float32 rounding.
     state_err = 0.0
-    for a, b in zip(_states(chunked_cache), _states(full_cache), strict=True):
+    full_states = _states(full_cache)
+    for a, b in zip(_states(chunked_cache), full_states, strict=True):
         if len(a) != len(b):
             raise VerifyError("a recurrent layer holds other state chunked than in one pass")
         for x, y in zip(a, b):
@@ -231,9 +232,9 @@ def verify_module(
             state_err = max(state_err, mx.abs(x - y).max().item() / scale)
     if state_err > ATOL:
         raise VerifyError(f"recurrent state chunked differs from one pass by {state_err:.2e}")
-    if _states(full_cache):
+    if full_states:
         notes.append(
-            f"{len(_states(full_cache))} state layers continuous across chunks "
+            f"{len(full_states)} state layers continuous across chunks "
             f"({state_err:.1e} relative), untouched by trims"
         )
     fast, _, _ = _run(model, chunks, None, 0, vision)  # string "causal" masks, as in production

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from mlxc.compiler.blocks.base import RECURRENT_STATE, BlockKind
+from mlxc.compiler.blocks.mamba2 import RecurrentMixerKind
 from mlxc.compiler.schema_base import Block, BoolExpr, IntExpr, Norm
 
 
@@ -27,8 +27,7 @@ class Mamba(Block):
     inputs: dict[str, Any] = Field(default_factory=dict)
 
 
-class MambaKind(BlockKind):
-    part = "attention"
+class MambaKind(RecurrentMixerKind):
     schema = Mamba
     doc = (
         "Mamba selective-scan mixer (dt_rank, x_proj, dt_proj, causal conv1d, optional dt/B/C "
@@ -37,17 +36,12 @@ class MambaKind(BlockKind):
     )
     template = "mixer_mamba.py.j2"
     class_name = "Mamba"
-    cache = RECURRENT_STATE
 
     def context(self, b: Mamba, gen) -> dict:
         values = [b.inner, b.state_size, b.conv_kernel, b.dt_rank, b.bias, b.conv_bias]
         values += [b.bc_norm.eps] if b.bc_norm is not None else []
         return {
-            **gen.layer_dependence(*values),
-            "mask": None,  # it reads no attention input
-            "positions": None,
-            "attn_scale": None,
-            "dim": gen.py(gen.spec.text.embed.dim),
+            **self.mixer_context(gen, *values),
             "inner": gen.py(b.inner),
             "state_size": gen.py(b.state_size),
             "conv_kernel": gen.py(b.conv_kernel),
@@ -56,12 +50,6 @@ class MambaKind(BlockKind):
             "bias": gen.py(b.bias),
             "conv_bias": gen.py(b.conv_bias),
         }
-
-    def runtime_imports(self, b: Mamba) -> dict[str, set[str]]:
-        return {"mlxc.runtime.model": {"ssm"}}
-
-    def model_context(self, b: Mamba, gen) -> dict:
-        return {"conv_weights": True}  # sanitize: torch's depthwise conv1d layout -> MLX's
 
 
 KIND = MambaKind()

@@ -31,20 +31,15 @@ class Mamba2(Block):
     inputs: dict[str, Any] = Field(default_factory=dict)
 
 
-class Mamba2Kind(BlockKind):
+class RecurrentMixerKind(BlockKind):
+    """What the state-space mixers (``mamba2``, ``mamba``) share: the attention slot, no
+    attention input, a recurrent-state cache, ``runtime.model.ssm`` and torch's conv layout."""
+
     part = "attention"
-    schema = Mamba2
-    doc = (
-        "Mamba2 mixer (grouped B/C, gated RMSNorm, causal conv1d; chunked SSD scan in prefill, "
-        "the recurrence in decode); caches recurrent state, never trimmed"
-    )
-    template = "mixer_mamba2.py.j2"
-    class_name = "Mamba2"
     cache = RECURRENT_STATE
 
-    def context(self, b: Mamba2, gen) -> dict:
-        values = [b.heads, b.head_dim, b.state_size, b.n_groups, b.conv_kernel, b.chunk_size]
-        values += [b.time_step_limit, b.norm_eps, b.bias, b.conv_bias]
+    def mixer_context(self, gen, *values) -> dict:
+        """The context keys every mixer has; ``values``: the fields its constructor reads."""
         return {
             **gen.layer_dependence(*values),
             # TextModel resolves no input for it (masks and positions come from the others).
@@ -52,6 +47,29 @@ class Mamba2Kind(BlockKind):
             "positions": None,
             "attn_scale": None,
             "dim": gen.py(gen.spec.text.embed.dim),
+        }
+
+    def runtime_imports(self, b) -> dict[str, set[str]]:
+        return {"mlxc.runtime.model": {"ssm"}}
+
+    def model_context(self, b, gen) -> dict:
+        return {"conv_weights": True}  # sanitize: torch's depthwise conv1d layout -> MLX's
+
+
+class Mamba2Kind(RecurrentMixerKind):
+    schema = Mamba2
+    doc = (
+        "Mamba2 mixer (grouped B/C, gated RMSNorm, causal conv1d; chunked SSD scan in prefill, "
+        "the recurrence in decode); caches recurrent state, never trimmed"
+    )
+    template = "mixer_mamba2.py.j2"
+    class_name = "Mamba2"
+
+    def context(self, b: Mamba2, gen) -> dict:
+        values = [b.heads, b.head_dim, b.state_size, b.n_groups, b.conv_kernel, b.chunk_size]
+        values += [b.time_step_limit, b.norm_eps, b.bias, b.conv_bias]
+        return {
+            **self.mixer_context(gen, *values),
             "heads": gen.py(b.heads),
             "head_dim": gen.py(b.head_dim),
             "state_size": gen.py(b.state_size),
@@ -63,12 +81,6 @@ class Mamba2Kind(BlockKind):
             "bias": gen.py(b.bias),
             "conv_bias": gen.py(b.conv_bias),
         }
-
-    def runtime_imports(self, b: Mamba2) -> dict[str, set[str]]:
-        return {"mlxc.runtime.model": {"ssm"}}
-
-    def model_context(self, b: Mamba2, gen) -> dict:
-        return {"conv_weights": True}  # sanitize: torch's depthwise conv1d layout -> MLX's
 
 
 KIND = Mamba2Kind()

@@ -35,6 +35,7 @@ from mlxc.runtime.model.cache import (
     QuantizedKV,
     QuantizedKVMixin,
     RewindError,
+    check_trim,
 )
 from mlxc.runtime.model.multimodal import SequenceCache
 
@@ -115,9 +116,8 @@ class BatchKVCache:
     def trim_front(self, n: np.ndarray, keep: int = 0) -> np.ndarray:
         """Drop each row's oldest ``n[b]`` tokens after its first ``keep``; KVCache's rule per
         row. Returns the number dropped per row."""
+        check_trim(n, keep)
         n = np.minimum(np.asarray(n, np.int64), np.maximum(self.row_live_len - keep, 0))
-        if (n < 0).any() or keep < 0:
-            raise ValueError(f"trim_front needs n >= 0 and keep >= 0, got n={n}, keep={keep}")
         trimming = n > 0
         if (trimming & self.trimmed & (self.sink != keep)).any():
             raise ValueError(f"trim_front keep={keep} differs from a row's earlier keep")

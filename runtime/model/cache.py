@@ -84,6 +84,12 @@ class RewindError(ValueError):
     """A rewind a cache cannot do: past a trim, past what it holds, or a kind that never can."""
 
 
+def check_trim(n: Any, keep: int) -> None:
+    """ValueError unless ``trim_front``'s ``n`` (an int, or one per row) and ``keep`` are >= 0."""
+    if (np.asarray(n) < 0).any() or keep < 0:
+        raise ValueError(f"trim_front needs n >= 0 and keep >= 0, got n={n}, keep={keep}")
+
+
 class KVCache:
     """Per-layer key/value store for one sequence (or a batch moving in lockstep).
 
@@ -171,8 +177,7 @@ class KVCache:
         (``n`` clamped to what is there to drop).
         """
         n = int(n)
-        if n < 0 or keep < 0:
-            raise ValueError(f"trim_front needs n >= 0 and keep >= 0, got n={n}, keep={keep}")
+        check_trim(n, keep)
         live = self.held
         n = min(n, max(live - keep, 0))
         if n == 0:

@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from mlxc.runtime.model.cache import RewindError
+from mlxc.runtime.model.cache import RewindError, check_trim
 
 # --- the cache kind -----------------------------------------------------------------------------
 
@@ -72,11 +72,6 @@ class _RecurrentState:
         return [a for a in (self.conv, self.ssm) if a is not None]
 
 
-def _check_trim(n, keep: int) -> None:
-    if (np.asarray(n) < 0).any() or keep < 0:
-        raise ValueError(f"trim_front needs n >= 0 and keep >= 0, got n={n}, keep={keep}")
-
-
 class RecurrentCache(_RecurrentState):
     """One Mamba2 layer's state of one sequence (or of a batch moving in lockstep)."""
 
@@ -93,7 +88,7 @@ class RecurrentCache(_RecurrentState):
 
     def trim_front(self, n: int, keep: int = 0) -> int:
         """Drops nothing (no tokens held; see the module docstring): 0."""
-        _check_trim(n, keep)
+        check_trim(n, keep)
         return 0
 
     def prefix_block(self, start: int) -> list[mx.array] | None:
@@ -138,7 +133,7 @@ class BatchRecurrentCache(_RecurrentState):
 
     def trim_front(self, n: np.ndarray, keep: int = 0) -> np.ndarray:
         """Drops nothing in any row: zeros."""
-        _check_trim(n, keep)
+        check_trim(n, keep)
         return self.row_live_len
 
     def batch_layer(self) -> None:

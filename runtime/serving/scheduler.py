@@ -223,12 +223,16 @@ class CachePool:
 
 
 def _logprobs(
-    seqs: list[_Sequence], sampled: Sampled, piece: Callable[[int], tuple[str, list[int]]]
+    seqs: list[_Sequence],
+    sampled: Sampled,
+    tokens: list[int],
+    piece: Callable[[int], tuple[str, list[int]]],
 ) -> list[TokenLogprob | None]:
-    """Each row's TokenLogprob (None where its request did not ask): one host read."""
+    """Each row's TokenLogprob (None where its request did not ask): one host read.
+    ``tokens``: ``sampled.tokens``, already read."""
     if sampled.logprobs is None:
         return [None] * len(seqs)
-    tokens, chosen = sampled.tokens.tolist(), sampled.logprobs.tolist()
+    chosen = sampled.logprobs.tolist()
     ids = values = None
     if sampled.top_ids is not None:
         ids, values = sampled.top_ids.tolist(), sampled.top_logprobs.tolist()
@@ -680,7 +684,7 @@ class Scheduler:
         """Hand each sequence its sampled token (one host read); skips ones already ended."""
         try:
             values = sampled.tokens.tolist()
-            logprobs = _logprobs(seqs, sampled, self._token_piece)
+            logprobs = _logprobs(seqs, sampled, values, self._token_piece)
         except Exception as e:  # noqa: BLE001 - the forward's graph failed: its requests end
             for seq in seqs:
                 if seq in self._running:
