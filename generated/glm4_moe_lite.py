@@ -181,17 +181,16 @@ class LatentAttention(nn.Module):
         if L == 1:
             w_k, w_v_t = self.kv_b_halves()
             # Decode: kv_b_proj's key half moves onto the query, q . (W_k c) == (q W_k) . c, so
-            # attention runs over the latents themselves and only the output is expanded.
+            # attention runs over the latents themselves (keys and values alike) and only the
+            # output is expanded. The rope half of each score, q_pe . k_pe, goes in as an
+            # additive mask: the fused kernel then sees one query per head and equal key and
+            # value widths (kv_lora_rank) instead of falling back for a [rope | latent] key.
             q_nope, q_pe = mx.split(queries, [self.qk_nope_head_dim], axis=-1)
-            queries = mx.concatenate([q_nope @ w_k, q_pe], axis=-1)
-            # All heads share the one cached head, so the H queries attend as H rows of one
-            # head [B, 1, H, D]: one matmul against the latents, not H matmuls against keys
-            # broadcast per head. For one query the mask is None or an array [..., 1, live_len]
-            # (never the string "causal"); its row serves every head.
-            if isinstance(mask, mx.array):
-                mask = mx.broadcast_to(mask, (*mask.shape[:-2], self.n_heads, mask.shape[-1]))
-            out = attend(queries.swapaxes(1, 2), cached, latents, scale=self.scale, mask=mask)
-            out = out.swapaxes(1, 2) @ w_v_t  # [B, H, 1, v_head_dim]
+            rope_scores = (q_pe * self.scale) @ cached[..., self.kv_lora_rank :].swapaxes(-1, -2)
+            if isinstance(mask, mx.array):  # None or [..., 1, live_len] for one query
+                rope_scores = mx.where(mask, rope_scores, mx.finfo(rope_scores.dtype).min)
+            out = attend(q_nope @ w_k, latents, latents, scale=self.scale, mask=rope_scores)
+            out = out @ w_v_t  # [B, H, 1, v_head_dim]
         else:
             # Prefill: expand per-head keys and values from the live latents, all heads in one
             # kv_b_proj matmul (per-head matmuls would broadcast the latents H times).
