@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import mlx.core as mx
 import numpy as np
@@ -80,7 +80,7 @@ class Lockstep:
         self.cancelled: set[str] = set()  # ids the scheduler drops this tick
 
     def admit(
-        self, admit: Callable[[], list[Request] | None], running: list
+        self, admit: Callable[[], list[Request] | None], running: Iterable
     ) -> list[Request] | None:
         """This tick's admitted requests (None: stop). ``admit``: the scheduler's own admission
         (called on rank 0 only); ``running``: its running sequences."""

@@ -64,6 +64,7 @@ class Engine:
         self._prompt_lock = threading.Lock()  # the workers take turns on prompt_tokenizer
         self.workers: ThreadPoolExecutor | None = None  # made by start(), on the server's side
         self.preparing = 0  # requests in the workers now (event loop only; /health shows it)
+        self.relay: Any = None  # the server's EventRelay for its event loop (server._relay)
         self.scheduler = Scheduler(
             model, tokenizer, eos_token_ids=eos_token_ids, **scheduler_options
         )

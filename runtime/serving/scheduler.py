@@ -326,7 +326,7 @@ class Scheduler:
 
         # Waiting requests, slots, counters, the stats snapshot: shared with other threads.
         self._queue = AdmissionQueue(max_concurrency, max_queue)
-        self._running: list[_Sequence] = []  # scheduler thread only
+        self._running: dict[_Sequence, None] = {}  # admission order; scheduler thread only
         self._prefill_queue: deque[_Sequence] = deque()  # round-robin order of prefills
         # The batched decode step queued but not read yet: (its rows, their sampled tokens).
         self._inflight: tuple[list[_Sequence], Sampled] | None = None
@@ -478,7 +478,7 @@ class Scheduler:
             self._queue.count("failed")
             self._queue.release_slot()
             return
-        self._running.append(seq)
+        self._running[seq] = None
         self._prefill_queue.append(seq)
 
     def _resume(self, seq: _Sequence) -> None:
@@ -660,13 +660,16 @@ class Scheduler:
         row that joined since, its first token, read when its prefill ended.
         """
         carried, pending = ([], None) if previous is None else (previous[0], previous[1].tokens)
-        where = {id(seq): i for i, seq in enumerate(carried)}  # row -> index into `inputs`
-        joined = [seq for seq in rows if id(seq) not in where]
-        where |= {id(seq): len(carried) + j for j, seq in enumerate(joined)}
-        inputs = mx.array([seq.last_token for seq in joined], dtype=mx.int32)
-        if pending is not None:
-            inputs = mx.concatenate([pending, inputs])
-        ids = inputs[mx.array([where[id(seq)] for seq in rows])][:, None]
+        if carried == rows:  # the usual step: the same rows in the same order, no new array
+            ids = pending[:, None]
+        else:
+            where = {id(seq): i for i, seq in enumerate(carried)}  # row -> index into `inputs`
+            joined = [seq for seq in rows if id(seq) not in where]
+            where |= {id(seq): len(carried) + j for j, seq in enumerate(joined)}
+            inputs = mx.array([seq.last_token for seq in joined], dtype=mx.int32)
+            if pending is not None:
+                inputs = mx.concatenate([pending, inputs])
+            ids = inputs[mx.array([where[id(seq)] for seq in rows])][:, None]
         logits = self.model(ids, cache=self.pool.batch)
         self.pool.enforce(self.pool.batch)
         if any(seq.constraint is not None for seq in rows):
@@ -753,7 +756,7 @@ class Scheduler:
 
     def _release(self, seq: _Sequence) -> None:
         if seq in self._running:
-            self._running.remove(seq)
+            del self._running[seq]
             self._queue.release_slot()
         if seq in self._prefill_queue:
             self._prefill_queue.remove(seq)

@@ -15,7 +15,7 @@ SSE replies, and binding and running it. The app's settings live on ``app.state`
 Request path: Host/Origin guard (``runtime.serving.http_guard``) -> API key -> body (size-limited) ->
 in a worker thread: JSON -> pydantic schema (strict types) -> prompt ids (chat template, or the
 raw prompt) -> context and ``max_tokens`` checks -> ``Scheduler.submit`` -> events from the
-scheduler thread, handed to the event loop with ``call_soon_threadsafe`` -> JSON or SSE.
+scheduler thread, handed to the event loop by an :class:`EventRelay` -> JSON or SSE.
 ``image_url`` parts (data URLs or bare base64; the server fetches nothing) go to a VL model's
 ``Engine.processor``, which expands the image placeholders; its vision inputs (numpy) travel with
 the first prefill chunk through ``Scheduler.submit(model_inputs=...)``. A text model answers 400.
@@ -38,6 +38,7 @@ import logging
 import re
 import secrets
 import socket
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
@@ -693,12 +694,52 @@ async def read_body(request: Request, settings: SettingsDep) -> bytes:
 Body = Annotated[bytes, Depends(read_body)]
 
 
+class EventRelay:
+    """Hands events from the scheduler thread to one event loop's queues, a burst at a time.
+
+    One scheduler step makes an event for every running stream. A ``call_soon_threadsafe`` per
+    event would wake the loop (a write to its self-pipe) and take the GIL from the scheduler
+    thread once per token per stream; here the first event of a burst schedules one flush, and
+    the events that follow before it runs join the same flush, in order.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, Any]] = []
+
+    def send(self, queue: asyncio.Queue, event: Any) -> None:
+        """Scheduler thread: queue ``event`` for ``queue``; raises once the loop is closed."""
+        with self._lock:
+            self._pending.append((queue, event))
+            if len(self._pending) > 1:
+                return  # a flush is already scheduled and will take this one too
+        try:
+            self.loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the loop is closed: nobody reads these any more
+            with self._lock:
+                self._pending.clear()
+            raise
+
+    def _flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for queue, event in pending:
+            queue.put_nowait(event)
+
+
+def _relay(engine: Engine, loop: asyncio.AbstractEventLoop) -> EventRelay:
+    if engine.relay is None or engine.relay.loop is not loop:  # one per loop (tests run several)
+        engine.relay = EventRelay(loop)
+    return engine.relay
+
+
 def _submit(engine: Engine, job: _Job):
-    loop = asyncio.get_running_loop()
+    relay = _relay(engine, asyncio.get_running_loop())
     events: asyncio.Queue = asyncio.Queue()
 
     def emit(event) -> None:  # scheduler thread -> event loop
-        loop.call_soon_threadsafe(events.put_nowait, event)
+        relay.send(events, event)
 
     params = replace(job.req.params(job.max_tokens), **job.params)
     try:
