@@ -83,13 +83,18 @@ class BatchKVCache:
         """Append ``keys``/``values`` ``[B, H, L, D]`` to every row; return all the columns."""
         n_new = keys.shape[2]
         end = self.width + n_new
-        if end > self.keys.shape[2]:
+        if self.keys is None:  # rows set up by start_rows: the first chunk makes the buffers
+            self.keys = _right_aligned(keys, n_new, n_new, _capacity(end + 1))
+            if values is not None:
+                self.values = _right_aligned(values, n_new, n_new, _capacity(end + 1))
+        elif end > self.keys.shape[2]:
             self.keys = _with_capacity(self.keys, self.width, end)
             if values is not None:
                 self.values = _with_capacity(self.values, self.width, end)
-        self.keys[..., self.width : end, :] = keys
-        if values is not None:
-            self.values[..., self.width : end, :] = values
+        else:
+            self.keys[..., self.width : end, :] = keys
+            if values is not None:
+                self.values[..., self.width : end, :] = values
         self.width = end
         self.offsets = self.offsets + n_new
         live_values = None if values is None else self.values[..., :end, :]
@@ -101,11 +106,12 @@ class BatchKVCache:
         mask: attention's fast path)."""
         if not (self.pad.any() or self.gap.any()):
             return None
-        appended = np.ones((len(self.pad), n_new), bool)  # each row's own new tokens
-        return mx.array(np.concatenate([self._valid(), appended], axis=1))[:, None, None, :]
+        return mx.array(self._valid(self.width + n_new))[:, None, None, :]
 
-    def _valid(self) -> np.ndarray:
-        column = np.arange(self.width)[None, :]
+    def _valid(self, columns: int | None = None) -> np.ndarray:
+        """``[B, columns]`` (default: the width): the columns each row attends to. Columns past
+        the width are new tokens: valid, except a prompt row's padding (``start_rows``)."""
+        column = np.arange(self.width if columns is None else columns)[None, :]
         sink_end = (self.pad + self.sink)[:, None]
         dropped = (column >= sink_end) & (column < sink_end + self.gap[:, None])
         return (column >= self.pad[:, None]) & ~dropped
@@ -146,6 +152,19 @@ class BatchKVCache:
 
     # --- rows joining and leaving -------------------------------------------------------------
 
+    def start_rows(self, lengths: list[int]) -> None:
+        """Make this empty cache the rows of prompts prefilled together: one forward of their
+        tokens left-padded to the longest. Row ``b``'s first ``pad[b]`` columns are padding,
+        never attended to, and its offset starts at ``-pad[b]`` so that its first real token is
+        at position 0."""
+        lengths = np.asarray(lengths, np.int64)
+        self._clear()
+        self.pad = lengths.max() - lengths
+        self.offsets = -self.pad
+        self.sink = np.zeros(len(lengths), np.int64)
+        self.gap = np.zeros(len(lengths), np.int64)
+        self.trimmed = np.zeros(len(lengths), bool)
+
     def extend(self, caches: list[KVCache]) -> None:
         """Add one row per cache (single-sequence caches, each ``[1, H, live_len, D]``)."""
         for cache in caches:
@@ -171,6 +190,26 @@ class BatchKVCache:
         self.sink = np.concatenate([self.sink, [c.sink for c in caches]])
         self.gap = np.concatenate([self.gap, np.zeros(len(caches), np.int64)])
         self.trimmed = np.concatenate([self.trimmed, [c.offset > c.live_len for c in caches]])
+
+    def append_batch(self, other: BatchKVCache) -> None:
+        """Add ``other``'s rows after these (a batch of prompts prefilled together), both
+        right-aligned on the wider of the two widths. Both hold rows (an empty batch is
+        dropped by the pool, not kept)."""
+        width = max(self.width, other.width)
+        capacity = _capacity(width + 1)
+
+        def joined(mine: mx.array | None, theirs: mx.array | None) -> mx.array | None:
+            if mine is None:
+                return None
+            parts = [_right_aligned(mine, self.width, width, capacity)]
+            parts.append(_right_aligned(theirs, other.width, width, capacity))
+            return _per_part(lambda *rows: mx.concatenate(rows), *parts)
+
+        self.keys, self.values = joined(self.keys, other.keys), joined(self.values, other.values)
+        self.pad = np.concatenate([self.pad + width - self.width, other.pad + width - other.width])
+        self.width = width
+        for name in ("offsets", "sink", "gap", "trimmed"):
+            setattr(self, name, np.concatenate([getattr(self, name), getattr(other, name)]))
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only ``rows`` (in that order), then compact if every row wastes ``step``."""
@@ -325,6 +364,28 @@ class BatchCache(SequenceCache):
         if self.rope_state is not None:
             deltas = [int(np.asarray(s.rope_state.deltas).reshape(-1)[0]) for s in sequences]
             self.rope_state.deltas = np.concatenate([self.rope_state.deltas, deltas])
+
+    @staticmethod
+    def prefills_together(caches: list) -> bool:
+        """Whether prompts with caches like ``caches`` can prefill as the rows of one batch
+        (``start_rows``): every layer keeps keys (padding would run through recurrent state)
+        and positions are plain offsets (no MRoPE state)."""
+        return (
+            BatchCache.accepts(caches)
+            and getattr(caches, "rope_state", None) is None
+            and all(isinstance(c.batch_layer(), BatchKVCache) for c in caches)
+        )
+
+    def start_rows(self, lengths: list[int]) -> None:
+        """Make this empty batch the rows of prompts of these lengths (see ``prefills_together``
+        and ``BatchKVCache.start_rows``)."""
+        for batch in self:
+            batch.start_rows(lengths)
+
+    def append_batch(self, other: BatchCache) -> None:
+        """Add ``other``'s rows after these (``BatchKVCache.append_batch``)."""
+        for mine, theirs in zip(self, other):
+            mine.append_batch(theirs)
 
     def keep_rows(self, rows: list[int]) -> None:
         for batch in self:

@@ -65,7 +65,8 @@ def causal(
     """Causal mask for ``n_queries`` new tokens against ``n_keys`` live keys (queries last).
 
     ``key_valid`` ``[B, 1, 1, n_keys]``: the columns each row may attend to (the rows of a
-    decode batch, ``runtime.model.batch``). ``window``: a query at key column ``q`` also attends only
+    decode batch or of a prompt batch, ``runtime.model.batch``); a query's own column is
+    always attended to. ``window``: a query at key column ``q`` also attends only
     to columns ``q - window + 1 .. q`` (sliding-window attention; the live keys are contiguous
     positions, so columns count positions). Returns None when no masking is needed (one query, no
     window, every key valid), ``"causal"`` where the string form is exact, else a boolean
@@ -83,7 +84,12 @@ def causal(
             return key_valid
     mask = causal_array(n_queries, n_keys, window)
     if key_valid is not None:
-        mask = mask & key_valid
+        # Each query also sees its own column: a padding query of a prompt batch
+        # (``BatchKVCache.start_rows``) has no valid key before it, and what a backend makes
+        # of a query that may attend to nothing is unspecified (the CPU averages every key;
+        # an additive -inf mask would give NaN, which the padding's values would carry on).
+        own = mx.arange(n_keys)[None, :] == mx.arange(n_keys - n_queries, n_keys)[:, None]
+        mask = mask & (key_valid | own)
     return mask
 
 

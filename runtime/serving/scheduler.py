@@ -192,6 +192,18 @@ class CachePool:
         self.batch_keys += keys
         self.peak_batched = max(self.peak_batched, len(self.batch_keys))
 
+    def join_batch(self, keys: list[str], batch: BatchCache) -> None:
+        """Move the rows of prompts prefilled together (``batch``, row ``b`` = ``keys[b]``)
+        into the decode batch; their own caches were never used."""
+        for key in keys:
+            self._caches.pop(key)
+        if self.batch is None:
+            self.batch = batch
+        else:
+            self.batch.append_batch(batch)
+        self.batch_keys += keys
+        self.peak_batched = max(self.peak_batched, len(self.batch_keys))
+
     def release(self, key: str) -> None:
         self._caches.pop(key, None)
         if key in self.batch_keys:
@@ -576,8 +588,11 @@ class Scheduler:
                 seq.batched, seq.caches = True, []
 
         work = [s for s in self._running if not (s.prefilling or s.batched)]
+        together: list[_Sequence] = []  # fresh prompts prefilled as the rows of one batch
         if self._prefill_queue:
-            work.append(self._prefill_queue.popleft())
+            together = self._prompt_group(self._prefill_queue.popleft())
+            if len(together) == 1:
+                work.append(together.pop())
 
         # The batched decode step is queued first and read one tick later: its inputs are the
         # tokens of the step still in flight, so the device never waits for the host (as in
@@ -614,20 +629,27 @@ class Scheduler:
                     if seq in self._running:
                         self._fail(seq, e)
 
-        # (sequence, arrays to evaluate, its sampled token [1] or None)
-        built: list[tuple[_Sequence, list[mx.array], Sampled | None]] = []
+        # (sequences, arrays to evaluate, their sampled tokens or None, their prompt batch)
+        built: list[tuple[list[_Sequence], list[mx.array], Sampled | None, BatchCache | None]]
+        built = []
+        if together:
+            try:
+                built.append((together, *self._prefill_together(together)))
+            except Exception as e:  # noqa: BLE001 - MLX errors in the forward end these only
+                for seq in together:
+                    self._fail(seq, e)
         for seq in work:
             try:
                 arrays, token = self._advance(seq)
             except Exception as e:  # noqa: BLE001 - MLX errors in a forward end that request only
                 self._fail(seq, e)
                 continue
-            built.append((seq, arrays, token))
+            built.append(([seq], arrays, token, None))
             if seq.prefilling:
                 self._prefill_queue.append(seq)  # back of the round-robin for its next chunk
 
         try:
-            mx.eval([a for _, arrays, _ in built for a in arrays])
+            mx.eval([a for _, arrays, _, _ in built for a in arrays])
         except Exception:  # noqa: BLE001 - retried one by one just below
             # Find the sequence(s) whose graph fails; the others' results stand.
             ok = []
@@ -635,14 +657,79 @@ class Scheduler:
                 try:
                     mx.eval(item[1])
                     ok.append(item)
-                except Exception as e:  # noqa: BLE001 - this sequence's graph fails
-                    self._fail(item[0], e)
+                except Exception as e:  # noqa: BLE001 - this graph fails
+                    for seq in item[0]:
+                        self._fail(seq, e)
             built = ok
-        for seq, _, token in built:
+        for seqs, _, token, batch in built:
+            if batch is not None:  # evaluated: its rows join the decode batch
+                self.pool.join_batch([s.request.id for s in seqs], batch)
+                for seq in seqs:
+                    seq.batched, seq.caches = True, []
             if token is not None:
-                self._read_tokens([seq], token)
+                self._read_tokens(seqs, token)
             else:
-                self._store(seq)
+                self._store(seqs[0])
+
+    def _prompt_group(self, first: _Sequence) -> list[_Sequence]:
+        """``first`` and the waiting prompts that prefill with it as the rows of one batch (one
+        forward instead of one each: a short prompt's forward costs its kernel launches, not
+        its tokens), within one chunk's budget of padded tokens; just ``[first]`` when it
+        cannot (see ``_prefills_together``)."""
+        if not self._prefills_together(first):
+            return [first]
+        group, width = [first], first.chunks[0][1]
+        for seq in list(self._prefill_queue):
+            if len(seq.chunks) != len(first.chunks) or not self._prefills_together(seq):
+                continue
+            wider = max(width, seq.chunks[0][1])
+            if (len(group) + 1) * wider > self.prefill_chunk_size:
+                break
+            group.append(seq)
+            width = wider
+            self._prefill_queue.remove(seq)
+        return group
+
+    def _prefills_together(self, seq: _Sequence) -> bool:
+        """Whether ``seq``'s prompt can be a row of a prompt batch: nothing prefilled yet (no
+        prefix hit), no vision inputs, its caches kinds that take padding
+        (``BatchCache.prefills_together``), and a prompt of one chunk, or of one chunk and its
+        last token alone (the CPU's split, ``prefill_chunks``) when no prefix cache would
+        snapshot that first chunk."""
+        chunks = seq.chunks
+        return (
+            seq.prefilled == 0
+            and not seq.first_inputs
+            and (len(chunks) == 1 or (len(chunks) == 2 and chunks[1][1] - chunks[1][0] == 1))
+            and (len(chunks) == 1 or self.prefix is None)
+            and cache_policy(self.model) != "model-owned"
+            and BatchCache.prefills_together(seq.caches)
+        )
+
+    def _prefill_together(
+        self, group: list[_Sequence]
+    ) -> tuple[list[mx.array], Sampled, BatchCache]:
+        """Build (lazily) the prefill of ``group``'s prompts as the rows of one new batch,
+        left-padded to the longest (``BatchCache.start_rows``), and their first tokens; the
+        batch joins the decode batch once evaluated (``_tick``). The chunks are each prompt's
+        own (``prefill_chunks``), so greedy output matches prefilling alone."""
+        prompts = [seq.request.prompt_ids for seq in group]
+        heads = [prompt[: seq.chunks[0][1]] for prompt, seq in zip(prompts, group)]
+        width = max(len(head) for head in heads)
+        batch = BatchCache.like(group[0].caches)
+        batch.start_rows([len(head) for head in heads])
+        ids = mx.array([[0] * (width - len(head)) + head for head in heads], dtype=mx.int32)
+        last_token_alone = len(group[0].chunks) == 2
+        logits = self.model(ids, cache=batch, last_only=not last_token_alone)
+        self.pool.enforce(batch)
+        if last_token_alone:
+            tails = mx.array([prompt[-1:] for prompt in prompts], dtype=mx.int32)
+            logits = self.model(tails, cache=batch, last_only=True)
+            self.pool.enforce(batch)
+        for seq, prompt in zip(group, prompts):
+            seq.prefilled = len(prompt)
+        sampled = sample_rows(self._masked(group, logits[:, -1, :]), [s.sampler for s in group])
+        return sampled.arrays(), sampled, batch
 
     def _cancelled(self, seq: _Sequence) -> bool:
         if self.lockstep is not None:

@@ -1,0 +1,92 @@
+"""Fresh prompts prefilled together as the rows of one batch (``Scheduler._prefill_together``,
+``BatchCache.start_rows``): left-padded to the longest, each row's positions start at 0, its
+padding is never attended to, and every answer equals the one ``generate_tokens`` gives the
+prompt alone; caches that cannot take padding (recurrent state) prefill one by one."""
+
+from __future__ import annotations
+
+import functools
+import queue
+
+import checkpoints as ckpt
+import mlx.core as mx
+import pytest
+from test_server import ARCHS
+
+from mlxc.runtime.checkpoint.loading import load_checkpoint
+from mlxc.runtime.model.cache import KVQuant
+from mlxc.runtime.serving.generate import generate_tokens
+from mlxc.runtime.serving.scheduler import Delta, Finished, SamplingParams, Scheduler
+
+# Prompt lengths (one of a single token); a bound that trims the longest prompt inside its
+# prefill and the others while they decode.
+LENGTHS = (1, 9, 20, 33)
+MAX_KV, SINK = 24, 2
+# Answers of 6 tokens; minicpm3's run past its LongRoPE's 64-token original context, so a row
+# whose positions did not start at 0 would switch to the long factors at the wrong token (plain
+# RoPE cannot tell: attention sees only position differences).
+ANSWER = {"minicpm3": 60}
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    return [[(7 + 5 * i + n) % (vocab - 3) + 3 for i in range(n)] for n in LENGTHS]
+
+
+def answers(scheduler: Scheduler, jobs: list[list[int]], n: int) -> list[list[int]]:
+    """Every job submitted before the scheduler starts, so its first tick admits them all."""
+    outs = [queue.Queue() for _ in jobs]
+    for ids, out in zip(jobs, outs):
+        scheduler.submit(ids, SamplingParams(max_tokens=n, ignore_eos=True), out.put)
+    scheduler.start()
+    try:
+        results = []
+        for out in outs:
+            tokens = []
+            while not isinstance(event := out.get(timeout=120), Finished):
+                assert isinstance(event, Delta), event
+                tokens.append(event.token)
+            results.append(tokens)
+        return results
+    finally:
+        scheduler.stop()
+
+
+@pytest.mark.parametrize(
+    "arch, kv_bits, together",
+    [
+        ("llama", None, True),
+        ("llama", 8, True),  # quantised rows take padding too (head_dim 32 for the groups)
+        ("gemma3_text", None, True),  # sliding-window layers
+        ("deepseek_v3", None, True),  # MLA latent cache
+        ("minicpm3", None, True),  # longrope: each row switches by its own positions
+        ("nemotron_h", None, False),  # recurrent state: padding would run through it
+    ],
+)
+def test_prompts_prefilled_together_answer_as_alone(tmp_path, monkeypatch, arch, kv_bits, together):
+    make = ARCHS[arch] if kv_bits is None else functools.partial(ckpt.make_llama, head_dim=32)
+    checkpoint = load_checkpoint(make(tmp_path / arch))
+    model = checkpoint.load_model()
+    quant = None if kv_bits is None else KVQuant(kv_bits, 32)
+    jobs = prompts(model.args.vocab_size)
+    options = {"prefill_chunk_size": 64, "max_kv_size": MAX_KV, "kv_sink": SINK, "kv_quant": quant}
+    n = ANSWER.get(arch, 6)
+    alone = [list(generate_tokens(model, ids, max_tokens=n, **options)) for ids in jobs]
+    mx.clear_cache()
+
+    groups: list[int] = []
+    prefill_together = Scheduler._prefill_together
+
+    def recording(self, group):
+        groups.append(len(group))
+        return prefill_together(self, group)
+
+    monkeypatch.setattr(Scheduler, "_prefill_together", recording)
+    scheduler = Scheduler(
+        model, checkpoint.tokenizer, max_concurrency=len(jobs), prefix_cache_bytes=0, **options
+    )
+    assert answers(scheduler, jobs, n) == alone
+    if together:
+        # 4 rows x 33 padded tokens exceed the 64-token budget: the first rows go together.
+        assert groups and max(groups) >= 2 and sum(groups) <= len(jobs)
+    else:
+        assert groups == []
