@@ -87,11 +87,11 @@ class BatchKVCache:
             self.keys = _right_aligned(keys, n_new, n_new, _capacity(end + 1))
             if values is not None:
                 self.values = _right_aligned(values, n_new, n_new, _capacity(end + 1))
-        elif end > self.keys.shape[2]:
-            self.keys = _with_capacity(self.keys, self.width, end)
-            if values is not None:
-                self.values = _with_capacity(self.values, self.width, end)
         else:
+            if end > self.keys.shape[2]:
+                self.keys = _with_capacity(self.keys, self.width, end)
+                if values is not None:
+                    self.values = _with_capacity(self.values, self.width, end)
             self.keys[..., self.width : end, :] = keys
             if values is not None:
                 self.values[..., self.width : end, :] = values

@@ -13,14 +13,17 @@ Each tick of the loop:
 2. drops cancelled sequences, which returns their caches to the pool;
 3. advances every decoding sequence by one token, all in ONE forward (a decode batch), and ONE
    prefilling sequence (round-robin) by one chunk of at most ``prefill_chunk_size`` tokens, so
-   a long prompt costs the others one chunk per token instead of its whole prefill;
+   a long prompt costs the others one chunk per token instead of its whole prefill; fresh
+   prompts that fit in one chunk go together instead, as the rows of one forward, within the
+   same budget of (padded) tokens (``_prompt_group``);
 4. hands each sampled token to its request. The batched step is read one tick later, after the
    next one is queued, so the device works while the host handles tokens.
 
 A decode step reads every weight once whatever the batch size, which is what makes serving
 many streams cheaper than serving them one by one. Prefill runs per sequence in its own
-``KVCache``; when its prompt is done, a sequence's caches move into the pool's ``BatchCache``
-(``runtime.model.batch``), which keeps each row's offset, trims and sinks apart. Caches that cannot
+``KVCache`` (a prompt batch in a ``BatchCache`` of its own, which joins the decode batch whole
+once evaluated); when its prompt is done, a sequence's caches move into the pool's
+``BatchCache`` (``runtime.model.batch``), which keeps each row's offset, trims and sinks apart. Caches that cannot
 join (model-owned state) decode one forward per sequence.
 
 With a prefix cache (``runtime.serving.prefix_cache``, ``prefix_cache_bytes`` > 0), an
