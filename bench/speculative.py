@@ -71,6 +71,37 @@ def step_cost(model, prompt: list[int], k: int, repeats: int) -> dict:
     return {"one_token_s": out[1], "verify_s": out[k + 1], "ratio": out[k + 1] / out[1]}
 
 
+def report(result: dict) -> str:
+    """The Markdown table of one run's result (its JSON)."""
+    m, rows = result["machine"], result["rows"]
+    where = m.get("device_info", {}).get("device_name") or m.get("cpu", "?")
+    lines = [
+        f"# Prompt-lookup speculative decoding: {result['arch']} {result['size']} (random weights)",
+        "",
+        (
+            f"{where}, {m.get('cpus')} CPUs, mlx {m.get('mlx')}, device {result['device']}. "
+            f"Prompt {result['prompt_tokens']} tokens (a {result['block']}-token block, the block "
+            f"with one change, its first quarter); {result['generated']} tokens generated "
+            f"greedily, n-gram {result['ngram_size']}. Plain decoding: "
+            f"{result['plain_tps']:.1f} tokens/s; the model's own greedy output copies the block "
+            f"for its first {result['copies_block_for']} tokens."
+        ),
+        "",
+        (
+            "| K | greedy identical | tokens/s | speed-up | acceptance | tokens/step "
+            "| 1-token step ms | K+1 verify ms | verify / step |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['k']} | {'yes' if r['identical'] else 'NO'} | {r['tps']:.1f} | "
+            f"{r['speedup']:.2f}x | {r['acceptance']:.0%} | {r['tokens_per_step']:.2f} | "
+            f"{r['one_token_s'] * 1e3:.2f} | {r['verify_s'] * 1e3:.2f} | {r['ratio']:.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__)
     p.add_argument("--model", help="checkpoint directory (default: write one with bench.models)")
@@ -82,8 +113,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-draft-tokens", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--ngram-size", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", required=True, help="write OUT.json and OUT.md")
+    p.add_argument("--out", help="write OUT.json and OUT.md")
+    p.add_argument("--report", help="only write the Markdown of this JSON result beside it")
     args = p.parse_args(argv)
+    if args.report:
+        path = Path(args.report)
+        path.with_suffix(".md").write_text(report(json.loads(path.read_text())))
+        return 0
+    if not args.out:
+        p.error("--out is required")
 
     # mlxc first: on a Linux CPU it loads an optimised BLAS before MLX is imported.
     from mlxc import load_model  # noqa: I001
@@ -145,8 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         _log(f"k={k}: {rows[-1]}")
     result = {
         "machine": machine(device),
+        "device": device,
         "arch": args.arch,
         "size": args.size,
+        "block": args.block,
+        "ngram_size": args.ngram_size,
         "prompt_tokens": len(prompt),
         "generated": len(reference),
         "plain_tps": len(reference) / plain_s,
@@ -156,33 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    m = result["machine"]
-    where = m.get("device_info", {}).get("device_name") or m.get("cpu", "?")
-    lines = [
-        f"# Prompt-lookup speculative decoding: {args.arch} {args.size} (random weights)",
-        "",
-        (
-            f"{where}, {m.get('cpus')} CPUs, mlx {m.get('mlx')}, device {device}. Prompt "
-            f"{len(prompt)} tokens (a {args.block}-token block, the block with one change, its first "
-            f"quarter); {len(reference)} tokens generated greedily, n-gram {args.ngram_size}. "
-            f"Plain decoding: {result['plain_tps']:.1f} tokens/s; the model's own greedy output "
-            f"copies the block for its first {copied} tokens."
-        ),
-        "",
-        (
-            "| K | greedy identical | tokens/s | speed-up | acceptance | tokens/step "
-            "| 1-token step ms | K+1 verify ms | verify / step |"
-        ),
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['k']} | {'yes' if r['identical'] else 'NO'} | {r['tps']:.1f} | "
-            f"{r['speedup']:.2f}x | {r['acceptance']:.0%} | {r['tokens_per_step']:.2f} | "
-            f"{r['one_token_s'] * 1e3:.2f} | {r['verify_s'] * 1e3:.2f} | {r['ratio']:.2f}x |"
-        )
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    text = report(result)
+    out.with_suffix(".md").write_text(text)
+    print(text, end="")
     return 0 if all(r["identical"] for r in rows) else 1
 
 
