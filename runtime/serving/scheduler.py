@@ -286,6 +286,9 @@ class _Sequence:
         self.images_done = False
         self.pending_node: tuple | None = None
         self.batched = False  # its caches are a row of the pool's decode batch
+        # Its prompt can prefill as a row of a prompt batch while nothing of it is prefilled
+        # (decided once, at admission: Scheduler._prefills_together).
+        self.prompt_batchable = False
         self.last_token: int | None = None  # input of the next decode step
         # Its grammar (runtime.serving.structured), None when its output is free.
         self.constraint = p.constraint
@@ -487,6 +490,7 @@ class Scheduler:
                 len(prompt), self.prefill_chunk_size, prefill_spans(self.model, prompt)
             )
             self._resume(seq)
+            seq.prompt_batchable = self._prefills_together(seq)
         except Exception as e:  # noqa: BLE001 - a bad request must not stop the loop
             self.pool.release(request.id)
             request.send(Failed(f"cannot start generation: {e}"))
@@ -679,11 +683,12 @@ class Scheduler:
         forward instead of one each: a short prompt's forward costs its kernel launches, not
         its tokens), within one chunk's budget of padded tokens; just ``[first]`` when it
         cannot (see ``_prefills_together``)."""
-        if not self._prefills_together(first):
+        if not (first.prompt_batchable and first.prefilled == 0):
             return [first]
         group, width = [first], first.chunks[0][1]
         for seq in list(self._prefill_queue):
-            if len(seq.chunks) != len(first.chunks) or not self._prefills_together(seq):
+            fresh = seq.prompt_batchable and seq.prefilled == 0
+            if not fresh or len(seq.chunks) != len(first.chunks):
                 continue
             wider = max(width, seq.chunks[0][1])
             if (len(group) + 1) * wider > self.prefill_chunk_size:
@@ -694,8 +699,8 @@ class Scheduler:
         return group
 
     def _prefills_together(self, seq: _Sequence) -> bool:
-        """Whether ``seq``'s prompt can be a row of a prompt batch: nothing prefilled yet (no
-        prefix hit), no vision inputs, its caches kinds that take padding
+        """Whether ``seq``'s prompt, just admitted, can be a row of a prompt batch: nothing
+        prefilled yet (no prefix hit), no vision inputs, its caches kinds that take padding
         (``BatchCache.prefills_together``), and a prompt of one chunk, or of one chunk and its
         last token alone (the CPU's split, ``prefill_chunks``) when no prefix cache would
         snapshot that first chunk."""
