@@ -61,9 +61,11 @@ def test_verify_catches_a_cache_that_loses_keys_before_any_trim():
 def test_verify_catches_a_batch_row_that_sees_other_rows_pads_or_trimmed_keys(monkeypatch):
     """The batched-decode check fails when rows attend to every column of the shared buffer."""
     spec, source = _spec("qwen3")
-    monkeypatch.setattr(
-        BatchKVCache, "_valid", lambda self: np.ones((len(self.pad), self.width), bool)
-    )
+
+    def every_column(self, columns=None):
+        return np.ones((len(self.pad), self.width if columns is None else columns), bool)
+
+    monkeypatch.setattr(BatchKVCache, "_valid", every_column)
     with pytest.raises(VerifyError, match="batched decode differs"):
         verify_module("qwen3", load_source("qwen3_batch", source), spec.tiny_config)
 

@@ -7,7 +7,7 @@ step, ``enforce_max_kv`` trims each cache back to ``max_kv_size`` live tokens (k
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -118,6 +118,38 @@ def prefill_spans(model: nn.Module, prompt_ids: Sequence[int]) -> list[tuple[int
     return list(spans(prompt_ids)) if spans is not None else []
 
 
+def prefill_prompt(
+    model: nn.Module,
+    cache: list,
+    prompt_ids: Sequence[int],
+    chunk_size: int,
+    trim: Callable[[], Any],
+    vision_inputs: Mapping[str, Any] | None = None,
+) -> mx.array:
+    """Forward ``prompt_ids`` into ``cache`` chunk by chunk (``prefill_chunks``, the model's
+    ``prefill_spans`` kept whole) and return the last chunk's last logits ``[1, 1, V]`` (lazy).
+
+    After every chunk ``trim()`` applies the caller's ``--max-kv-size`` rule; every chunk but the
+    last is then evaluated, which bounds the graph and the memory a long prompt holds.
+    ``vision_inputs`` go with the first chunk only (later chunks use the features the model
+    keeps on the cache). ``generate_tokens``, speculative decoding and its draft model share this;
+    the server's scheduler runs the same chunks one per tick.
+    """
+    prompt = mx.array(prompt_ids, dtype=mx.int32)[None]
+    inputs = as_model_inputs(vision_inputs)
+    *body, (start, end) = prefill_chunks(
+        len(prompt_ids), chunk_size, prefill_spans(model, prompt_ids)
+    )
+    for a, b in body:
+        model(prompt[:, a:b], cache=cache, **inputs)
+        inputs = {}
+        trim()
+        mx.eval(cache_arrays(cache))
+    logits = model(prompt[:, start:end], cache=cache, last_only=True, **inputs)
+    trim()
+    return logits
+
+
 def generate_tokens(
     model: nn.Module,
     prompt_ids: list[int],
@@ -165,29 +197,19 @@ def generate_tokens(
     eos = set(eos_token_ids)
     cache = make_caches(model, kv_quant) if cache is None else cache
     trimmable = caches_to_trim(model, cache)
-    first_chunk_inputs = as_model_inputs(vision_inputs)
 
-    def forward(ids: mx.array, **kwargs) -> mx.array:
-        nonlocal first_chunk_inputs
-        extra, first_chunk_inputs = first_chunk_inputs, {}
-        logits = model(ids, cache=cache, **extra, **kwargs)
+    def trim() -> None:
         enforce_max_kv(trimmable, max_kv_size, kv_sink)
-        return logits
 
     def step(ids: mx.array) -> mx.array:
-        return sampler(forward(ids, last_only=True)[:, -1, :])
-
-    # Prefill every chunk but the last; evaluating the caches bounds the graph and memory.
-    prompt = mx.array(prompt_ids, dtype=mx.int32)[None]
-    spans = prefill_spans(model, prompt_ids)
-    *body, (start, end) = prefill_chunks(len(prompt_ids), prefill_chunk_size, spans)
-    for a, b in body:
-        forward(prompt[:, a:b])
-        mx.eval(cache_arrays(cache))
+        logits = model(ids, cache=cache, last_only=True)
+        trim()
+        return sampler(logits[:, -1, :])
 
     # The last chunk's final logits give the first token. Each next step is queued with
     # async_eval before the current token is read, so the device never waits on the host.
-    y = step(prompt[:, start:end])
+    logits = prefill_prompt(model, cache, prompt_ids, prefill_chunk_size, trim, vision_inputs)
+    y = sampler(logits[:, -1, :])
     mx.async_eval(y)
     for i in range(max_tokens):
         if i + 1 < max_tokens:

@@ -37,7 +37,7 @@ from mlxc.runtime.model.cache import (
     rewind_caches,
 )
 from mlxc.runtime.model.cache import trimmable as caches_to_trim
-from mlxc.runtime.serving.generate import DEFAULT_KV_SINK, prefill_chunks, prefill_spans
+from mlxc.runtime.serving.generate import DEFAULT_KV_SINK, prefill_prompt
 
 
 class SpeculationError(ValueError):
@@ -168,12 +168,12 @@ class DraftModel:
         self.unverified = 0  # drafts in its caches the target has not yet judged
 
     def prefill(self, prompt_ids: list[int], chunk_size: int) -> None:
-        prompt = mx.array(prompt_ids, dtype=mx.int32)[None]
-        for a, b in prefill_chunks(len(prompt_ids), chunk_size):
-            self.model(prompt[:, a:b], cache=self.cache)
-            mx.eval(cache_arrays(self.cache))
-            enforce_max_kv(self.trimmable, self.max_kv_size, self.kv_sink)
+        prefill_prompt(self.model, self.cache, prompt_ids, chunk_size, self._trim)
+        mx.eval(cache_arrays(self.cache))
         self.seen = len(prompt_ids)
+
+    def _trim(self) -> None:
+        enforce_max_kv(self.trimmable, self.max_kv_size, self.kv_sink)
 
     def propose(
         self, history: list[int], k: int, temp: float, rng: np.random.Generator
@@ -268,16 +268,10 @@ def speculative_tokens(
             return model(ids, cache=cache, **kwargs)
 
         # Prefill exactly as generate_tokens does (the same chunks, a trim after each).
-        prompt = mx.array(prompt_ids, dtype=mx.int32)[None]
-        *body, (start, end) = prefill_chunks(
-            len(prompt_ids), prefill_chunk_size, prefill_spans(model, prompt_ids)
-        )
-        for a, b in body:
-            forward(prompt[:, a:b])
-            mx.eval(cache_arrays(cache))
+        def trim() -> None:
             enforce_max_kv(trimmable, max_kv_size, kv_sink)
-        logits = forward(prompt[:, start:end], last_only=True)[0, -1:]
-        enforce_max_kv(trimmable, max_kv_size, kv_sink)
+
+        logits = prefill_prompt(model, cache, prompt_ids, prefill_chunk_size, trim)[0, -1:]
         drafter.prefill(prompt_ids, prefill_chunk_size)
         new = (
             [int(mx.argmax(logits, -1).item())]
@@ -309,7 +303,7 @@ def speculative_tokens(
                 new = accept_drafts(p, q, drafts, rng)
             n_accepted = len(new) - 1
             rewind_caches(cache, len(drafts) - n_accepted)
-            enforce_max_kv(trimmable, max_kv_size, kv_sink)  # on the accepted state only
+            trim()  # on the accepted state only
             drafter.accepted(n_accepted, len(drafts))
             stats.steps += 1
             stats.proposed += len(drafts)
