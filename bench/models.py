@@ -765,7 +765,16 @@ MISTRAL_TEMPLATE = (
     "{% endfor %}{% endif %}[/INST]{% elif message['role'] == 'assistant' %}"
     "{{ message['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
 )
-MISTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]")
+MISTRAL_SPECIALS = (
+    "<unk>",
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "[IMG]",
+    "[IMG_BREAK]",
+    "[IMG_END]",
+)
 MISTRAL_IMAGE_TOKEN = MISTRAL_SPECIALS.index("[IMG]")
 
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import mlxc  # noqa: F401 - first: its import hook loads OpenBLAS before MLX (runtime/blas.py)
+import mlxc  # first: its import hook loads OpenBLAS before MLX (runtime/blas.py)
 from bench.harness import Side
 
 DEFAULTS = {
@@ -123,20 +123,16 @@ class VLSide(Side):
             temperature=0.0,
             prompt_cache=cache,
         )
-        n = 0
-        for r in results:
+        for n, r in enumerate(results):
             if r.token is None or n == max_tokens:  # its closing result carries no new token
                 break
-            n += 1
             yield r.token
 
 
 def load_ours(path: str, image: str) -> VLSide:
-    import mlxc
+    from bench.run import _dtype_of
     from mlxc.runtime.checkpoint import processor as proc
     from mlxc.runtime.checkpoint.tokenizer import load_tokenizer
-
-    from bench.run import _dtype_of
 
     model = mlxc.load_model(path)
     side = VLSide("mlxc", "ours", model, _dtype_of(model), image=image)
@@ -197,7 +193,7 @@ def measure_arch(
     for s in list(sides):  # a short run first on every side (allocations, kernel set-up)
         try:
             run_once(s, [], 2)
-        except Exception as e:  # noqa: BLE001 - a side that cannot run is a result
+        except Exception as e:  # a side that cannot run is a result
             if s.kind == "ours":
                 raise
             log(f"    {s.name} cannot run {path}: {type(e).__name__}: {e}")
@@ -206,9 +202,7 @@ def measure_arch(
     ours = sides[0]
     # The cell's ids only label the run: each side encodes its own prompt inside the timing.
     cell = Cell("image+decode", [0] * ours.prompt_tokens, decode_tokens + 1)
-    res = measure(
-        sides, cell, repeats=repeats, budget_s=budget_s, warmup=device == "gpu", log=log
-    )
+    res = measure(sides, cell, repeats=repeats, budget_s=budget_s, warmup=device == "gpu", log=log)
     out = {}
     for s in sides:
         r = dict(res[s.name])
@@ -254,14 +248,18 @@ def markdown(result: dict) -> str:
         "",
         f"`{result['command']}`",
         "",
-        f"One prompt with one {w}x{h} image (random pixels), then {n} greedy decode tokens. "
-        "Prefill = the side's prompt tokens / time to the first token (image decoding and "
-        "preprocessing, vision tower, prefill); decode = tokens/s after the first; "
-        f"ratio = mlxc / {peer_name}; peak = own weights + the run's extra peak.",
+        (
+            f"One prompt with one {w}x{h} image (random pixels), then {n} greedy decode tokens. "
+            "Prefill = the side's prompt tokens / time to the first token (image decoding and "
+            "preprocessing, vision tower, prefill); decode = tokens/s after the first; "
+            f"ratio = mlxc / {peer_name}; peak = own weights + the run's extra peak."
+        ),
         "",
-        "| model | params | image tokens | prompt tokens | first token s mlxc / peer | "
-        "prefill tok/s mlxc | peer | ratio | decode tok/s mlxc | peer | ratio | "
-        "peak MiB mlxc / peer |",
+        (
+            "| model | params | image tokens | prompt tokens | first token s mlxc / peer | "
+            "prefill tok/s mlxc | peer | ratio | decode tok/s mlxc | peer | ratio | "
+            "peak MiB mlxc / peer |"
+        ),
         "|" + "---|" * 12,
     ]
     for arch, a in result["archs"].items():
@@ -317,7 +315,9 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     from bench import models
 
-    p = argparse.ArgumentParser(prog="python -m bench.vl_compare", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.vl_compare", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--size", choices=models.VL_SIZES, default=None)
     p.add_argument("--out", default=None, help="results path without suffix (.json/.md added)")
@@ -352,7 +352,8 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     result: dict = {
-        "command": "python -m bench.vl_compare " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m bench.vl_compare "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine(args.device),
         "blas": st.as_dict(),
         "versions": versions(args.peer_path),
