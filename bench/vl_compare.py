@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -46,7 +47,7 @@ from bench.harness import Side
 DEFAULTS = {
     # size: image (height, width), decode tokens, repeats
     "tiny": {"image": (56, 84), "decode_tokens": 4, "repeats": 1},
-    "small": {"image": (336, 336), "decode_tokens": 32, "repeats": 3},
+    "small": {"image": (336, 336), "decode_tokens": 32, "repeats": 5},
     "medium": {"image": (768, 1024), "decode_tokens": 128, "repeats": 5},
 }
 TEXT = "describe the quick brown fox under the soft blue seas"
@@ -210,7 +211,10 @@ def measure_arch(
         r.update(dtype=s.dtype, prompt_tokens=s.prompt_tokens, image_tokens=s.image_tokens)
         out[s.name] = r
     mx.clear_cache()
-    return {"sides": {**out, **failed}}
+    # Same weights, same prompt, greedy: the peers' first tokens should be ours (float32; bf16
+    # rounding may part them after a near tie).
+    same = {k: r["tokens"] == out["mlxc"]["tokens"] for k, r in out.items() if k != "mlxc"}
+    return {"sides": {**out, **failed}, "same_tokens": same}
 
 
 def versions(peer_path: str | None) -> dict:
@@ -258,9 +262,9 @@ def markdown(result: dict) -> str:
         (
             "| model | params | image tokens | prompt tokens | first token s mlxc / peer | "
             "prefill tok/s mlxc | peer | ratio | decode tok/s mlxc | peer | ratio | "
-            "peak MiB mlxc / peer |"
+            "peak MiB mlxc / peer | same tokens |"
         ),
-        "|" + "---|" * 12,
+        "|" + "---|" * 13,
     ]
     for arch, a in result["archs"].items():
         o = a["sides"]["mlxc"]
@@ -288,6 +292,9 @@ def markdown(result: dict) -> str:
                     _fmt(pd),
                     _ratio(o["decode_tps"], pd),
                     f"{_mib(o['peak_bytes'])} / {_mib(ppk)}",
+                    {True: "yes", False: "no"}.get(
+                        next(iter(a.get("same_tokens", {}).values()), None), "—"
+                    ),
                 ]
             )
             + " |"
@@ -303,10 +310,15 @@ def markdown(result: dict) -> str:
             for arch, a in result["archs"].items()
             for k, s in a["sides"].items()
         )
-        + f". Wall {result['wall_s']} s.",
+        + f". Wall {result['wall_s']} s; load average (1, 5, 15 min) at the start "
+        f"{_load(result.get('loadavg_start'))}, at the end {_load(result.get('loadavg_end'))}.",
         "",
     ]
     return "\n".join(lines)
+
+
+def _load(avg) -> str:
+    return "—" if avg is None else " / ".join(f"{x:.1f}" for x in avg)
 
 
 # --- main ------------------------------------------------------------------------------------
@@ -356,7 +368,10 @@ def main(argv: list[str] | None = None) -> None:
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine(args.device),
         "blas": st.as_dict(),
+        # OpenBLAS's DYNAMIC_ARCH may not know a CPU and fall back to slow kernels (Prescott).
+        "env": {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "MLXC_BLAS")},
         "versions": versions(args.peer_path),
+        "loadavg_start": os.getloadavg(),  # a shared machine's other work shows here
         "size": size,
         "settings": {
             "image": [height, width],
@@ -388,6 +403,7 @@ def main(argv: list[str] | None = None) -> None:
                 peer=not args.no_peer,
             )
             result["archs"][arch] = {"params": params, **r}
+    result["loadavg_end"] = os.getloadavg()
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     Path(f"{out}.json").write_text(json.dumps(result, indent=1) + "\n")
     Path(f"{out}.md").write_text(markdown(result))
