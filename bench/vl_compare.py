@@ -51,6 +51,8 @@ DEFAULTS = {
     "medium": {"image": (768, 1024), "decode_tokens": 128, "repeats": 5},
 }
 TEXT = "describe the quick brown fox under the soft blue seas"
+# OpenBLAS's DYNAMIC_ARCH may not know a CPU and fall back to slow kernels (Prescott): recorded.
+ENV = ("OPENBLAS_CORETYPE", "MLXC_BLAS")
 
 
 def _log(msg: str) -> None:
@@ -364,12 +366,12 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     result: dict = {
-        "command": "python -m bench.vl_compare "
+        "command": "".join(f"{k}={os.environ[k]} " for k in ENV if os.environ.get(k))
+        + "python -m bench.vl_compare "
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine(args.device),
         "blas": st.as_dict(),
-        # OpenBLAS's DYNAMIC_ARCH may not know a CPU and fall back to slow kernels (Prescott).
-        "env": {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "MLXC_BLAS")},
+        "env": {k: os.environ.get(k) for k in ENV},
         "versions": versions(args.peer_path),
         "loadavg_start": os.getloadavg(),  # a shared machine's other work shows here
         "size": size,
