@@ -618,6 +618,12 @@ def write_checkpoint(path: Path, arch: str, size: str, seed: int = 0) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     cfg = config(arch, size)
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    write_tensors(path, shapes(cfg), seed)
+    return path
+
+
+def write_tensors(path: Path, named_shapes, seed: int = 0) -> None:
+    """Random bf16 tensors of ``(name, shape)`` pairs as hub-style safetensors shards + index."""
     shard: dict[str, mx.array] = {}
     shard_bytes, files, weight_map = 0, [], {}
 
@@ -630,7 +636,7 @@ def write_checkpoint(path: Path, arch: str, size: str, seed: int = 0) -> Path:
             weight_map.update(dict.fromkeys(shard, name))
             shard, shard_bytes = {}, 0
 
-    for name, shape in shapes(cfg):
+    for name, shape in named_shapes:
         t = _tensor(name, shape, seed)
         mx.eval(t)
         shard[name] = t
@@ -640,7 +646,6 @@ def write_checkpoint(path: Path, arch: str, size: str, seed: int = 0) -> Path:
     flush()
     index = {"metadata": {}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index) + "\n")
-    return path
 
 
 def parameter_count(arch: str, size: str) -> int:
@@ -662,44 +667,437 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_tokenizer(path: Path, vocab_size: int) -> None:
+def write_tokenizer(
+    path: Path,
+    vocab_size: int,
+    specials: tuple[str, ...] = ("<s>", "</s>", "<pad>", "<unk>"),
+    chat_template: str = CHAT_TEMPLATE,
+    named: dict[str, str] | None = None,
+) -> None:
     """A word-level tokenizer with exactly ``vocab_size`` tokens and a chat template.
 
     Every id a random model can emit decodes to a visible word (a BPE trained on a small corpus
     would leave most ids without text, and servers stream nothing for them), and prompts made
     of ordinary English words encode to real ids. Enough for ``mlxc serve`` and
-    ``mlx_lm.server`` to run a random checkpoint; ``tokenizers`` only.
+    ``mlx_lm.server`` to run a random checkpoint; ``tokenizers`` only. ``specials`` get ids 0,
+    1, ... and are matched whole in text (a VL model's image placeholders); ``named``: the
+    tokenizer_config.json roles (bos/eos/pad/unk_token), default the first four specials'.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     from bench.serve_load import WORDS
 
-    specials = ["<s>", "</s>", "<pad>", "<unk>"]
+    named = named or {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    named = {"unk_token": "<unk>", **named}
+    specials = [*dict.fromkeys([*specials, named["unk_token"]])]
     # The words bench.serve_load writes its prompts with, so they encode to real ids.
     words = [*dict.fromkeys(WORDS), "request"]
-    vocab = {w: i for i, w in enumerate(specials + words)}
+    vocab = {w: i for i, w in enumerate(specials + [w for w in words if w not in specials])}
     for i in range(len(vocab), vocab_size):
         vocab[f"w{i}"] = i
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=named["unk_token"]))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     path = Path(path)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
         json.dumps(
             {
                 "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": "<s>",
-                "eos_token": "</s>",
-                "pad_token": "<pad>",
-                "unk_token": "<unk>",
-                "chat_template": CHAT_TEMPLATE,
+                **named,
+                "chat_template": chat_template,
                 "model_max_length": 131072,
             },
             indent=2,
         )
         + "\n"
     )
+
+
+# --- vision-language checkpoints -------------------------------------------------------------
+# Hub-format config.json (transformers-4 keys, as the released checkpoints carry them), hub
+# tensor names, a word-level tokenizer with the family's special tokens and chat template, and
+# the family's preprocessor/processor files. Tensor shapes come from transformers' own classes
+# built on the meta device (no memory, no torch math), renamed to the hub layout.
+
+VL_ARCHS = ("qwen2_vl", "qwen3_vl", "mistral3")
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+# Qwen VL: the chat template of Qwen2-VL-Instruct (images and videos in content parts).
+QWEN_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture "
+    "{{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video "
+    "{{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN_SPECIALS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+QWEN_IDS = {  # config.json's ids of QWEN_SPECIALS
+    "vision_start_token_id": 3,
+    "vision_end_token_id": 4,
+    "image_token_id": 5,
+    "video_token_id": 6,
+}
+# Mistral 3 / Pixtral: [IMG] placeholders in [INST] turns.
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}[INST]"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for block in message['content'] %}{% if block['type'] == 'text' %}{{ block['text'] }}"
+    "{% elif block['type'] == 'image' or block['type'] == 'image_url' %}[IMG]{% endif %}"
+    "{% endfor %}{% endif %}[/INST]{% elif message['role'] == 'assistant' %}"
+    "{{ message['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+MISTRAL_SPECIALS = (
+    "<unk>",
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "[IMG]",
+    "[IMG_BREAK]",
+    "[IMG_END]",
+)
+MISTRAL_IMAGE_TOKEN = MISTRAL_SPECIALS.index("[IMG]")
+
+
+def _qwen2_vl(size: str) -> dict:
+    # Qwen2-VL-2B-Instruct's config.json key for key. medium: its text widths (hidden 1536,
+    # 12 x 128 heads, 2 kv heads, MLP 8960, vocab 151936) with 16 of its 28 layers, and its
+    # whole vision tower (32 blocks of 1280, patch 14); small: hidden 1024, 8 layers, vocab 32k,
+    # a 4-block tower of 512 at the real patch, merge and temporal sizes.
+    small = size == "small"
+    hidden = 1024 if small else 1536
+    return {
+        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 2,
+        **QWEN_IDS,
+        "vision_token_id": 6,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": 4096 if small else 8960,
+        "max_position_embeddings": 32768,
+        "max_window_layers": 8 if small else 16,
+        "model_type": "qwen2_vl",
+        "num_attention_heads": hidden // 128,
+        "num_hidden_layers": 8 if small else 16,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 32768,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.41.2",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vision_config": {
+            "depth": 4 if small else 32,
+            "embed_dim": 512 if small else 1280,
+            "mlp_ratio": 4,
+            "num_heads": 8 if small else 16,
+            "in_chans": 3,
+            "hidden_size": hidden,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "spatial_patch_size": 14,
+            "temporal_patch_size": 2,
+        },
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+        "vocab_size": 32000 if small else 151936,
+    }
+
+
+def _qwen3_vl(size: str) -> dict:
+    # Qwen3-VL-2B-Instruct's config.json key for key. medium: its text widths (hidden 2048,
+    # 16 x 128 heads, 8 kv heads, MLP 6144, vocab 151936) with 16 of its 28 layers and its
+    # whole vision tower (24 blocks of 1024, patch 16, deepstack after blocks 5, 11, 17);
+    # small: hidden 1024, 8 layers, vocab 32k, 4 blocks of 512, deepstack after 1 and 2.
+    small = size == "small"
+    hidden = 1024 if small else 2048
+    return {
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "image_token_id": QWEN_IDS["image_token_id"],
+        "model_type": "qwen3_vl",
+        "text_config": {
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": 0,
+            "dtype": "bfloat16",
+            "eos_token_id": 2,
+            "head_dim": 128,
+            "hidden_act": "silu",
+            "hidden_size": hidden,
+            "initializer_range": 0.02,
+            "intermediate_size": 3072 if small else 6144,
+            "max_position_embeddings": 262144,
+            "model_type": "qwen3_vl_text",
+            "num_attention_heads": hidden // 128,
+            "num_hidden_layers": 8 if small else 16,
+            "num_key_value_heads": 4 if small else 8,
+            "rms_norm_eps": 1e-06,
+            "rope_scaling": {
+                "mrope_interleaved": True,
+                "mrope_section": [24, 20, 20],
+                "rope_type": "default",
+            },
+            "rope_theta": 5000000,
+            "tie_word_embeddings": True,
+            "use_cache": True,
+            "vocab_size": 32000 if small else 151936,
+        },
+        "tie_word_embeddings": True,
+        "transformers_version": "4.57.0.dev0",
+        "video_token_id": QWEN_IDS["video_token_id"],
+        "vision_config": {
+            "deepstack_visual_indexes": [1, 2] if small else [5, 11, 17],
+            "depth": 4 if small else 24,
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_size": 512 if small else 1024,
+            "in_channels": 3,
+            "initializer_range": 0.02,
+            "intermediate_size": 2048 if small else 4096,
+            "model_type": "qwen3_vl",
+            "num_heads": 8 if small else 16,
+            "num_position_embeddings": 2304,
+            "out_hidden_size": hidden,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        "vision_end_token_id": QWEN_IDS["vision_end_token_id"],
+        "vision_start_token_id": QWEN_IDS["vision_start_token_id"],
+    }
+
+
+def _mistral3(size: str) -> dict:
+    # Mistral-Small-3.1-24B-Instruct-2503's config.json key for key. medium: text hidden 3072
+    # with its 32 x 128 heads, 8 kv heads and vocab 131072, MLP 8192, 16 layers, and its whole
+    # Pixtral tower (24 layers of 1024, patch 14, image_size 1540); small: hidden 1024, 8
+    # layers, vocab 32k, 4 tower layers of 512.
+    small = size == "small"
+    return {
+        "architectures": ["Mistral3ForConditionalGeneration"],
+        "image_token_index": MISTRAL_IMAGE_TOKEN,
+        "model_type": "mistral3",
+        "multimodal_projector_bias": False,
+        "projector_hidden_act": "gelu",
+        "spatial_merge_size": 2,
+        "text_config": {
+            "attention_dropout": 0.0,
+            "head_dim": 128,
+            "hidden_act": "silu",
+            "hidden_size": 1024 if small else 3072,
+            "initializer_range": 0.02,
+            "intermediate_size": 3072 if small else 8192,
+            "max_position_embeddings": 131072,
+            "model_type": "mistral",
+            "num_attention_heads": 8 if small else 32,
+            "num_hidden_layers": 8 if small else 16,
+            "num_key_value_heads": 2 if small else 8,
+            "rms_norm_eps": 1e-05,
+            "rope_theta": 1000000000.0,
+            "sliding_window": None,
+            "use_cache": True,
+            "vocab_size": 32000 if small else 131072,
+        },
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.50.0.dev0",
+        "vision_config": {
+            "attention_dropout": 0.0,
+            "head_dim": 64,
+            "hidden_act": "silu",
+            "hidden_size": 512 if small else 1024,
+            "image_size": 1540,
+            "initializer_range": 0.02,
+            "intermediate_size": 2048 if small else 4096,
+            "model_type": "pixtral",
+            "num_attention_heads": 8 if small else 16,
+            "num_channels": 3,
+            "num_hidden_layers": 4 if small else 24,
+            "patch_size": 14,
+            "rope_theta": 10000.0,
+        },
+        "vision_feature_layer": -1,
+    }
+
+
+VL_CONFIGS = {"qwen2_vl": _qwen2_vl, "qwen3_vl": _qwen3_vl, "mistral3": _mistral3}
+# transformers' class per family, and its state-dict prefixes -> the hub checkpoints' names.
+_VL_CLASSES = {
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+    "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration"),
+}
+_HUB_PREFIXES = {
+    "qwen2_vl": {"model.visual.": "visual.", "model.language_model.": "model."},
+    "qwen3_vl": {},  # released with transformers 4.57: the hub already has these names
+    "mistral3": {
+        "model.vision_tower.": "vision_tower.",
+        "model.multi_modal_projector.": "multi_modal_projector.",
+        "model.language_model.": "language_model.model.",
+        "lm_head.": "language_model.lm_head.",
+    },
+}
+
+
+VL_SIZES = ("tiny", *SIZES)
+
+
+def vl_config(arch: str, size: str) -> dict:
+    """``size``: small, medium, or tiny (the tests' size: small's keys, a few hundred wide)."""
+    if arch not in VL_CONFIGS:
+        raise ValueError(f"unknown VL arch {arch!r}; known: {', '.join(VL_ARCHS)}")
+    if size not in VL_SIZES:
+        raise ValueError(f"unknown size {size!r}; known: {', '.join(VL_SIZES)}")
+    if size != "tiny":
+        return VL_CONFIGS[arch](size)
+    cfg = VL_CONFIGS[arch]("small")
+    text, vision = vl_text_config(cfg), cfg["vision_config"]
+    text.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=512)
+    text.update(num_attention_heads=2, num_key_value_heads=2)
+    text.update({"max_window_layers": 2} if "max_window_layers" in text else {})
+    width = {"embed_dim": 64} if arch == "qwen2_vl" else {"hidden_size": 64}
+    vision.update(width, **{"intermediate_size": 128} if arch != "qwen2_vl" else {})
+    depth = "num_hidden_layers" if arch == "mistral3" else "depth"
+    vision.update({depth: 2, "num_attention_heads" if arch == "mistral3" else "num_heads": 1})
+    if arch == "qwen2_vl":
+        vision["hidden_size"] = 256
+    if arch == "qwen3_vl":
+        vision.update(out_hidden_size=256, deepstack_visual_indexes=[0])
+    return cfg
+
+
+def vl_shapes(arch: str, cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """Hub tensor names and shapes of ``cfg``: transformers' model on the meta device."""
+    import torch
+    import transformers
+
+    conf_cls, model_cls = (getattr(transformers, n) for n in _VL_CLASSES[arch])
+    with torch.device("meta"):
+        model = model_cls(conf_cls(**cfg))
+    tied = cfg.get("tie_word_embeddings", False)
+    out = []
+    for name, t in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue  # the hub files of tied models hold no lm_head
+        for old, new in _HUB_PREFIXES[arch].items():
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        out.append((name, tuple(t.shape)))
+    return out
+
+
+def vl_text_config(cfg: dict) -> dict:
+    """The text model's keys: nested in text_config, or at the top (Qwen2-VL)."""
+    return cfg.get("text_config", cfg)
+
+
+def write_pixtral_processor(path: Path, patch: int, merge: int, longest_edge: int) -> None:
+    """Mistral 3's two processor files as the hub ships them (Mistral-Small-3.1)."""
+    pre = {
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": CLIP_MEAN,
+        "image_std": CLIP_STD,
+        "image_processor_type": "PixtralImageProcessor",
+        "patch_size": {"height": patch, "width": patch},
+        "processor_class": "PixtralProcessor",
+        "resample": 3,
+        "rescale_factor": 1 / 255,
+        "size": {"longest_edge": longest_edge},
+    }
+    proc = {
+        "image_break_token": "[IMG_BREAK]",
+        "image_end_token": "[IMG_END]",
+        "image_token": "[IMG]",
+        "patch_size": patch,
+        "processor_class": "PixtralProcessor",
+        "spatial_merge_size": merge,
+    }
+    (Path(path) / "preprocessor_config.json").write_text(json.dumps(pre, indent=2) + "\n")
+    (Path(path) / "processor_config.json").write_text(json.dumps(proc, indent=2) + "\n")
+
+
+def qwen_preprocessor(arch: str, patch: int, min_pixels: int, max_pixels: int) -> dict:
+    """preprocessor_config.json as the hub ships it: Qwen2-VL's top-level min/max_pixels and
+    CLIP mean/std, Qwen3-VL's size {shortest_edge, longest_edge} and mean/std 0.5."""
+    common = {"patch_size": patch, "temporal_patch_size": 2, "merge_size": 2}
+    if arch == "qwen2_vl":
+        return {
+            "min_pixels": min_pixels,
+            "max_pixels": max_pixels,
+            **common,
+            "image_mean": CLIP_MEAN,
+            "image_std": CLIP_STD,
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "processor_class": "Qwen2VLProcessor",
+        }
+    return {
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        **common,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "processor_class": "Qwen3VLProcessor",
+    }
+
+
+def write_vl_checkpoint(path: Path, arch: str, size: str, seed: int = 0) -> Path:
+    """A complete VL checkpoint directory: config.json, bf16 weights in the hub layout, a
+    tokenizer with the family's specials and chat template, and its processor files."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = vl_config(arch, size)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    write_tensors(path, vl_shapes(arch, cfg), seed)
+    vocab = vl_text_config(cfg)["vocab_size"]
+    if arch == "mistral3":
+        named = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+        write_tokenizer(path, vocab, MISTRAL_SPECIALS, MISTRAL_TEMPLATE, named)
+        patch = cfg["vision_config"]["patch_size"]
+        write_pixtral_processor(path, patch, cfg["spatial_merge_size"], 1540)
+    else:
+        named = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+        write_tokenizer(path, vocab, QWEN_SPECIALS, QWEN_TEMPLATE, named)
+        patch = cfg["vision_config"]["patch_size"]
+        # The hub's pixel bounds: Qwen2-VL 56x56 .. 14x14x4x16384; Qwen3-VL 65536 .. 16777216.
+        bounds = (3136, 12845056) if arch == "qwen2_vl" else (65536, 16777216)
+        pre = qwen_preprocessor(arch, patch, *bounds)
+        (path / "preprocessor_config.json").write_text(json.dumps(pre, indent=2) + "\n")
+    return path
+
+
+def vl_parameter_count(arch: str, size: str) -> int:
+    total = 0
+    for _, shape in vl_shapes(arch, vl_config(arch, size)):
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total
 
 
 def main(argv: list[str] | None = None) -> None:

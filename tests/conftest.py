@@ -1,7 +1,16 @@
 """Shared fixtures for the mlxc test-suite (kept minimal)."""
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
+
+import mlxc  # noqa: F401 - before the repository root joins sys.path: its mlxc/ is the CLI only
+
+# The benchmarks (bench/, not installed) build checkpoints the tests reuse; bench never imports
+# tests. Appended, so every installed package comes first.
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 SEED = 1234
 

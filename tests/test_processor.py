@@ -28,66 +28,27 @@ from PIL import Image
 from test_qwen_vision import CONFIGS as QWEN_VISION_CONFIGS
 from test_qwen_vision import TEXT as QWEN_TEXT
 
+from bench.models import (
+    CLIP_MEAN,
+    CLIP_STD,
+    MISTRAL_SPECIALS,
+    MISTRAL_TEMPLATE,
+    QWEN_IDS,
+    QWEN_SPECIALS,
+    QWEN_TEMPLATE,
+    qwen_preprocessor,
+    write_pixtral_processor,
+)
 from mlxc.runtime.checkpoint import pixtral_preprocess as pp
 from mlxc.runtime.checkpoint import processor as proc
 from mlxc.runtime.checkpoint.tokenizer import load_tokenizer
 
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 VOCAB = 288  # >= 8 specials + 256 bytes + a few merges
 
 # --- tokenizers -----------------------------------------------------------------------------
+# The Qwen2-VL and Mistral-Small-3.1 (image part) chat templates and special tokens are the
+# benchmark checkpoints' (bench/models.py).
 
-# Transformers' Qwen2-VL chat template (what the hub tokenizer_config.json holds).
-QWEN_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
-    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture "
-    "{{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}"
-    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video "
-    "{{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-QWEN_SPECIALS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-]
-QWEN_IDS = {
-    "vision_start_token_id": 3,
-    "vision_end_token_id": 4,
-    "image_token_id": 5,
-    "video_token_id": 6,
-}
-# The image part of the Mistral-Small-3.1 template (image and image_url render [IMG]).
-MISTRAL_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}[INST]"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for block in message['content'] %}{% if block['type'] == 'text' %}{{ block['text'] }}"
-    "{% elif block['type'] == 'image' or block['type'] == 'image_url' %}[IMG]{% endif %}"
-    "{% endfor %}{% endif %}[/INST]{% elif message['role'] == 'assistant' %}"
-    "{{ message['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
-)
-MISTRAL_SPECIALS = [
-    "<unk>",
-    "<s>",
-    "</s>",
-    "[INST]",
-    "[/INST]",
-    "[IMG]",
-    "[IMG_BREAK]",
-    "[IMG_END]",
-]
 IMG, IMG_BREAK, IMG_END = 5, 6, 7
 PATCH, MERGE = 4, 2  # pixtral test tower
 
@@ -103,7 +64,7 @@ def write_tokenizer(path, specials, template, **named):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=len(specials) + 256 + 16,
-        special_tokens=specials,
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -144,16 +105,7 @@ _SIZES = {"min_pixels": 16 * 16, "max_pixels": 128 * 128}
 # preprocessor_config.json as the hub ships it per family (patch sizes scaled down to the tiny
 # towers), plus one holding only the sizes.
 QWEN_PREPROCESSOR = {
-    "qwen2_vl": {  # Qwen/Qwen2-VL-*: top-level min/max_pixels
-        **_SIZES,
-        "patch_size": 8,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        "image_mean": CLIP_MEAN,
-        "image_std": CLIP_STD,
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2VLProcessor",
-    },
+    "qwen2_vl": qwen_preprocessor("qwen2_vl", 8, **_SIZES),  # Qwen/Qwen2-VL-*
     "qwen2_5_vl": {  # Qwen/Qwen2.5-VL-*: both forms, as transformers 4.5x wrote them
         **_SIZES,
         "size": {"shortest_edge": _SIZES["min_pixels"], "longest_edge": _SIZES["max_pixels"]},
@@ -168,16 +120,7 @@ QWEN_PREPROCESSOR = {
         "image_processor_type": "Qwen2VLImageProcessorFast",
         "processor_class": "Qwen2_5_VLProcessor",
     },
-    "qwen3_vl": {  # Qwen/Qwen3-VL-*: size {shortest_edge, longest_edge}, mean/std 0.5
-        "size": {"shortest_edge": _SIZES["min_pixels"], "longest_edge": _SIZES["max_pixels"]},
-        "patch_size": 8,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "image_processor_type": "Qwen2VLImageProcessorFast",
-        "processor_class": "Qwen3VLProcessor",
-    },
+    "qwen3_vl": qwen_preprocessor("qwen3_vl", 8, **_SIZES),  # Qwen/Qwen3-VL-*
     "qwen3_vl_moe": {  # sizes only: patch sizes from config.json, Qwen3-VL mean/std
         "size": {"shortest_edge": _SIZES["min_pixels"], "longest_edge": _SIZES["max_pixels"]},
     },
@@ -227,36 +170,7 @@ def write_qwen2_5_vl_3b_files(path):
 def write_mistral_files(path):
     """Tokenizer, chat template and the hub's two pixtral processor files."""
     write_mistral_tokenizer(path)
-    (path / "preprocessor_config.json").write_text(
-        json.dumps(
-            {
-                "do_convert_rgb": True,
-                "do_normalize": True,
-                "do_rescale": True,
-                "do_resize": True,
-                "image_mean": CLIP_MEAN,
-                "image_std": CLIP_STD,
-                "image_processor_type": "PixtralImageProcessor",
-                "patch_size": {"height": PATCH, "width": PATCH},
-                "processor_class": "PixtralProcessor",
-                "resample": 3,
-                "rescale_factor": 1 / 255,
-                "size": {"longest_edge": 40},
-            }
-        )
-    )
-    (path / "processor_config.json").write_text(
-        json.dumps(
-            {
-                "image_break_token": "[IMG_BREAK]",
-                "image_end_token": "[IMG_END]",
-                "image_token": "[IMG]",
-                "patch_size": PATCH,
-                "processor_class": "PixtralProcessor",
-                "spatial_merge_size": MERGE,
-            }
-        )
-    )
+    write_pixtral_processor(path, PATCH, MERGE, longest_edge=40)
 
 
 def mistral_config():
