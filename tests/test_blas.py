@@ -82,6 +82,36 @@ def test_preload_finds_the_installed_blas_and_mlx_binds_to_it():
     assert os.path.basename(st["library"]).split(".so")[0] in bound, bound
 
 
+def test_openblas_kernels_follow_the_instruction_set():
+    avx512 = {"sse3", "avx", "avx2", "fma", "avx512f", "avx512cd", "avx512bw", "avx512dq"}
+    assert blas.openblas_kernels(avx512 | {"avx512vl"}) == "SkylakeX"
+    assert blas.openblas_kernels(avx512) == "Haswell"  # no AVX-512VL: SkylakeX's need it
+    assert blas.openblas_kernels({"sse3", "avx", "avx2", "fma"}) == "Haswell"
+    assert blas.openblas_kernels({"sse3", "avx"}) is None  # OpenBLAS's own choice
+
+
+@installed
+def test_preload_sets_openblas_kernels_unless_the_user_did():
+    code = _PRELOAD_THEN_MATMUL.format(device="cpu") + (
+        "import os; print('CORETYPE', os.environ.get('OPENBLAS_CORETYPE'))"
+    )
+    # This process's own preload set OPENBLAS_CORETYPE: the child must start without it.
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "MLXC_BLAS")}
+    with open("/proc/cpuinfo") as f:
+        flags = set(next((ln for ln in f if ln.startswith("flags")), "").partition(":")[2].split())
+    want = blas.openblas_kernels(flags) if "openblas" in blas._candidates()[0] else None
+    r = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"CORETYPE {want}" in r.stdout
+    if want:
+        assert want in _status_of(r.stdout)["name"]  # OpenBLAS reports the kernels it runs
+    r = _child(code, OPENBLAS_CORETYPE="Haswell")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "CORETYPE Haswell" in r.stdout and "kernels picked" not in r.stdout
+
+
 def test_without_preload_mlx_keeps_its_bundled_reference_blas():
     r = _child("import mlx.core as mx; a = mx.ones((8, 8)); mx.eval(a @ a)", LD_DEBUG="bindings")
     assert r.returncode == 0, r.stderr[-2000:]
