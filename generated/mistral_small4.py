@@ -183,9 +183,8 @@ class LatentAttention(nn.Module):
         k_pe = k_pe[:, None]
         q_pe = self.rope(q_pe, offset=inputs.offset)
         k_pe = self.rope(k_pe, offset=inputs.offset)
-        queries = mx.concatenate([q_nope, q_pe], axis=-1)
         if inputs.attn_scale is not None:
-            queries = queries * inputs.attn_scale
+            q_nope, q_pe = q_nope * inputs.attn_scale, q_pe * inputs.attn_scale
         # The cache keeps one shared head: the latent and the rope key, no values.
         cached, _ = cache.update_and_fetch(mx.concatenate([latent, k_pe], axis=-1))
         mask = inputs.masks[None]
@@ -197,7 +196,6 @@ class LatentAttention(nn.Module):
             # output is expanded. The rope half of each score, q_pe . k_pe, goes in as an
             # additive mask: the fused kernel then sees one query per head and equal key and
             # value widths (kv_lora_rank) instead of falling back for a [rope | latent] key.
-            q_nope, q_pe = mx.split(queries, [self.qk_nope_head_dim], axis=-1)
             rope_scores = (q_pe * self.scale) @ cached[..., self.kv_lora_rank :].swapaxes(-1, -2)
             if isinstance(mask, mx.array):  # None or [..., 1, live_len] for one query
                 rope_scores = mx.where(mask, rope_scores, mx.finfo(rope_scores.dtype).min)
@@ -213,6 +211,7 @@ class LatentAttention(nn.Module):
             k_pe = cached[..., self.kv_lora_rank :]
             k_pe = mx.broadcast_to(k_pe, (*k_nope.shape[:3], self.qk_rope_head_dim))
             keys = mx.concatenate([k_nope, k_pe], axis=-1)
+            queries = mx.concatenate([q_nope, q_pe], axis=-1)
             out = attend(queries, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
