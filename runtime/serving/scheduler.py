@@ -23,8 +23,8 @@ A decode step reads every weight once whatever the batch size, which is what mak
 many streams cheaper than serving them one by one. Prefill runs per sequence in its own
 ``KVCache`` (a prompt batch in a ``BatchCache`` of its own, which joins the decode batch whole
 once evaluated); when its prompt is done, a sequence's caches move into the pool's
-``BatchCache`` (``runtime.model.batch``), which keeps each row's offset, trims and sinks apart. Caches that cannot
-join (model-owned state) decode one forward per sequence.
+``BatchCache`` (``runtime.model.batch``), which keeps each row's offset, trims and sinks
+apart. Caches that cannot join (model-owned state) decode one forward per sequence.
 
 With a prefix cache (``runtime.serving.prefix_cache``, ``prefix_cache_bytes`` > 0), an
 admitted sequence starts from the longest cached prefix of its prompt (its caches resumed, its
