@@ -69,14 +69,13 @@ loader (``runtime/checkpoint/loading.py: quantization``) makes those experts
 
 from __future__ import annotations
 
-import functools
 import re
 from functools import partial
 
 import mlx.core as mx
 from mlx import nn
 
-from mlxc.runtime.model.layers import ACTIVATIONS, MLP, FusedSwiGLU, SwiGLU
+from mlxc.runtime.model.layers import ACTIVATIONS, MLP, FusedSwiGLU, SwiGLU, glu
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -198,7 +197,7 @@ class Experts(nn.Module):
         elif act == "clamped_swiglu":
             self.glu = partial(clamped_swiglu, alpha=swiglu_alpha, limit=swiglu_limit)
         elif act in ACTIVATIONS:
-            self.glu = _gated(ACTIVATIONS[act])
+            self.glu = glu(ACTIVATIONS[act])
         else:
             known = ", ".join([*ACTIVATIONS, "clamped_swiglu"])
             raise ValueError(f"expert act must be one of {known}, got {act!r}")
@@ -229,13 +228,6 @@ class Experts(nn.Module):
         if do_sort:
             return y[inverse].reshape(N, k, -1)
         return y.squeeze(-2)
-
-
-@functools.lru_cache
-def _gated(act):
-    """``act(gate) * up`` as one compiled kernel: a decode step runs it once per MoE layer, and
-    separate kernels for the activation and the product cost a launch each."""
-    return mx.compile(lambda gate, up: act(gate) * up, shapeless=True)
 
 
 # --- routers -------------------------------------------------------------------------------
