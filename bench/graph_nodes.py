@@ -12,9 +12,12 @@ there; otherwise each side would count the casts of its own dtype choice.
 
 On a CPU the fast kernels (``mx.fast.rms_norm``, ``rope``, ``scaled_dot_product_attention``)
 are built from their fallback ops (``Square``, ``Sum``, ``Rsqrt``, ``Cos``, ``Softmax``, ...),
-where a GPU graph holds one ``RMSNorm``, ``RoPE`` or ``ScaledDotProductAttention`` node: CPU
-counts are higher than a GPU's by those, equally on both sides, and a change's difference
-(a matmul fused away, a cast dropped) is the same on either device.
+where a GPU graph holds one ``RMSNorm``, ``RoPE`` or ``ScaledDotProductAttention`` node. So the
+step is built twice: as the CPU runs it (``cpu_graph`` in the JSON), and under
+``fast_kernels``, which swaps each ``mx.fast`` call for one stand-in node with the call's
+output shape and inputs: those counts (``kernels``, ``views``, ``by_primitive``) are the ones
+the tables report, the kernels a GPU launches, give or take a fast kernel that launches two
+(MLX's two-pass attention for long keys).
 
 Each primitive is classed as a **kernel** (launches work on the device) or a **view** (shares
 its input's buffer, launches nothing). The classes come from MLX 0.32's GPU backend,
@@ -30,6 +33,7 @@ reshape that does copy at run time is undercounted here. Everything else (``AsTy
 
     python -m bench.graph_nodes --out bench/results/graph-nodes-cpu
     python -m bench.graph_nodes --arch llama --arch qwen3 --out /tmp/nodes
+    python -m bench.graph_nodes --bits 4 --out bench/results/graph-nodes-cpu-q4
 
 An architecture mlx-lm cannot build is reported as skipped with mlx-lm's error.
 """
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import re
@@ -96,7 +101,78 @@ def summary(counts: collections.Counter) -> dict:
     }
 
 
-def mlxc_step(path: str) -> collections.Counter:
+# --- the fast kernels, one node each --------------------------------------------------------
+
+# Element-wise primitives no model step uses, standing in for one fast kernel each while a
+# step's graph is built under ``fast_kernels`` (renamed in the counts).
+STAND_INS = {
+    "ArcTanh": "fast.rope",
+    "ArcSinh": "fast.rms_norm",
+    "ArcCosh": "fast.layer_norm",
+    "ErfInv": "fast.scaled_dot_product_attention",
+}
+
+
+def _stand_in(op, like, *deps):
+    """One ``op`` node shaped as ``like`` whose result depends on every array in ``deps``."""
+    import mlx.core as mx
+
+    deps = [d for d in deps if isinstance(d, mx.array)]
+    out = op(like)
+    return mx.depends([out], deps)[0] if deps else out
+
+
+@contextlib.contextmanager
+def fast_kernels():
+    """Build graphs as a GPU runs them: each ``mx.fast`` call one node (a GPU launches one
+    kernel for it), where a CPU graph holds the ops of its fallback. For counting only: the
+    values are not the model's."""
+    import mlx.core as mx
+
+    fast = mx.fast
+    saved = {n: getattr(fast, n) for n in ("rope", "rms_norm", "layer_norm")}
+    saved["scaled_dot_product_attention"] = fast.scaled_dot_product_attention
+
+    def rope(x, dims, *, offset=0, freqs=None, **_):
+        return _stand_in(mx.arctanh, x, offset, freqs)
+
+    def rms_norm(x, weight, eps, **_):
+        return _stand_in(mx.arcsinh, x, weight)
+
+    def layer_norm(x, weight, bias, eps, **_):
+        return _stand_in(mx.arccosh, x, weight, bias)
+
+    def sdpa(q, k, v, *, scale, mask=None, sinks=None, **_):
+        like = mx.broadcast_to(q[..., :1], (*q.shape[:-1], v.shape[-1]))
+        return _stand_in(mx.erfinv, like, k, v, mask, sinks)
+
+    fast.rope, fast.rms_norm, fast.layer_norm = rope, rms_norm, layer_norm
+    fast.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(fast, name, fn)
+
+
+def step_counts(step, state) -> dict:
+    """Counts of one decode step ``step()`` (it appends one token to the cache): on the CPU
+    graph, then (the first evaluated with ``state()``, so the second does not reach into it)
+    with each fast kernel one node."""
+    import mlx.core as mx
+
+    out = step()
+    cpu = count(out)
+    if any(name in cpu for name in STAND_INS):
+        raise RuntimeError(f"a model step uses a stand-in primitive: {sorted(cpu)}")
+    mx.eval(out, state())
+    with fast_kernels():
+        fast = count(step())
+    fast = collections.Counter({STAND_INS.get(k, k): v for k, v in fast.items()})
+    return {"cpu_graph": summary(cpu), **summary(fast)}
+
+
+def mlxc_step(path: str) -> dict:
     import mlx.core as mx
 
     from mlxc import load_model
@@ -108,10 +184,13 @@ def mlxc_step(path: str) -> collections.Counter:
     y = mx.argmax(model(ids, cache=cache, last_only=True)[:, -1, :], axis=-1)
     mx.eval(y, cache_arrays(cache))
     # What generate_tokens' step builds: the last position's logits of one new token.
-    return count(model(y[:, None], cache=cache, last_only=True)[:, -1, :])
+    return step_counts(
+        lambda: model(y[:, None], cache=cache, last_only=True)[:, -1, :],
+        lambda: cache_arrays(cache),
+    )
 
 
-def mlx_lm_step(path: str) -> collections.Counter:
+def mlx_lm_step(path: str) -> dict:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model as peer_load
@@ -124,19 +203,27 @@ def mlx_lm_step(path: str) -> collections.Counter:
     y = mx.argmax(model(ids, cache=cache)[:, -1, :], axis=-1)
     mx.eval(y, [c.state for c in cache])
     # What mlx_lm.generate's step builds before sampling.
-    return count(model(y[:, None], cache=cache)[:, -1, :])
+    return step_counts(
+        lambda: model(y[:, None], cache=cache)[:, -1, :], lambda: [c.state for c in cache]
+    )
 
 
-def measure(arch: str, size: str, log=print) -> dict:
+def measure(arch: str, size: str, bits: int | None = None, log=print) -> dict:
+    """``bits``: the checkpoint quantised by ``mlxc convert`` (group 64) first; both sides
+    load that one."""
     from bench import models
+    from mlxc.runtime.checkpoint.convert import convert
 
     cfg = models.config(arch, size)
     row: dict = {"layers": cfg.get("num_hidden_layers")}
     with tempfile.TemporaryDirectory(prefix="mlxc-nodes-") as tmp:
         path = str(models.write_checkpoint(Path(tmp) / "m", arch, size))
-        row["mlxc"] = summary(mlxc_step(path))
+        if bits is not None:
+            convert(path, Path(tmp) / "q", quantize=True, bits=bits, group_size=64)
+            path = str(Path(tmp) / "q")
+        row["mlxc"] = mlxc_step(path)
         try:
-            row["mlx-lm"] = summary(mlx_lm_step(path))
+            row["mlx-lm"] = mlx_lm_step(path)
         except Exception as e:  # noqa: BLE001 - an architecture or config mlx-lm does not build
             row["mlx-lm"] = None
             row["skipped"] = f"mlx-lm: {type(e).__name__}: {e}"[:300]
@@ -150,38 +237,35 @@ def measure(arch: str, size: str, log=print) -> dict:
 
 def markdown(result: dict) -> str:
     title = (
-        f"### Graph nodes per decode token: {result['size']} ({result['device']}, "
+        f"### Graph nodes per decode token: {result['size']}"
+        + (f", {result['bits']}-bit" if result.get("bits") else "")
+        + f" ({result['device']}, "
         f"mlx {result['mlx']}, mlx-lm {result['mlx_lm']})"
     )
     about = (
         f"One batch-1 decode step after a {PROMPT_TOKENS}-token prompt, the forward's logits "
-        "(`python -m bench.graph_nodes`). Kernels: primitives that launch device work; views: "
-        "reshapes, transposes, slices, broadcasts (no launch). On a CPU the fast kernels "
-        "(rms_norm, rope, attention) count as their fallback ops."
+        "(`python -m bench.graph_nodes`). Kernels: primitives that launch device work, each "
+        "`mx.fast` call (rms_norm, rope, attention) one, as a GPU runs it; views: reshapes, "
+        "transposes, slices, broadcasts (no launch). CPU graph: the kernels of the graph the "
+        "CPU runs, where each fast call is its fallback ops."
     )
     header = (
         "| arch | layers | mlxc kernels | mlx-lm kernels | mlxc / mlx-lm | mlxc kernels / layer "
-        "| mlxc views | mlx-lm views |"
+        "| mlxc views | mlx-lm views | CPU graph mlxc / mlx-lm |"
     )
-    lines = [
-        title,
-        "",
-        about,
-        "",
-        header,
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    lines = [title, "", about, "", header, "| --- |" + " ---: |" * 8]
     for arch, row in result["archs"].items():
         ours, peer = row["mlxc"], row["mlx-lm"]
         per_layer = f"{ours['kernels'] / row['layers']:.1f}" if row["layers"] else "-"
+        cpu = ours["cpu_graph"]["kernels"]
         if peer:
             ratio = f"{ours['kernels'] / peer['kernels']:.2f}"
-            cells = [str(peer["kernels"]), ratio, per_layer, str(ours["views"]), str(peer["views"])]
+            cells = [peer["kernels"], ratio, per_layer, ours["views"], peer["views"]]
+            cells.append(f"{cpu} / {peer['cpu_graph']['kernels']}")
         else:
-            cells = ["skipped", "-", per_layer, str(ours["views"]), "-"]
-        lines.append(
-            f"| {arch} | {row['layers']} | {ours['kernels']} | " + " | ".join(cells) + " |"
-        )
+            cells = ["skipped", "-", per_layer, ours["views"], "-", f"{cpu} / -"]
+        cells = [row["layers"], ours["kernels"], *cells]
+        lines.append(f"| {arch} | " + " | ".join(map(str, cells)) + " |")
     skipped = {a: r["skipped"] for a, r in result["archs"].items() if r.get("skipped")}
     if skipped:
         lines += ["", *(f"- {a}: {why}" for a, why in skipped.items())]
@@ -198,6 +282,10 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     # mlxc first: on a Linux CPU it loads an optimised BLAS before MLX is imported.
     import mlxc  # noqa: F401, I001
@@ -208,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", action="append", choices=models.ARCHS, help="default: all")
     p.add_argument("--size", default="small", choices=models.SIZES)
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    p.add_argument("--bits", type=int, choices=[4, 8], help="quantise the checkpoint first")
     p.add_argument("--out", required=True, help="write OUT.json and OUT.md")
     args = p.parse_args(argv)
 
@@ -217,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     result = {
         "size": args.size,
+        "bits": args.bits,
         "device": mx.device_info().get("device_name", args.device),
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
@@ -224,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         "archs": {},
     }
     for arch in args.arch or models.ARCHS:
-        result["archs"][arch] = measure(arch, args.size, log=lambda s: print(s, file=sys.stderr))
+        result["archs"][arch] = measure(arch, args.size, args.bits, log=_stderr)
         # Written after every arch: a long run keeps what it finished.
         Path(f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")
         Path(f"{args.out}.md").write_text(markdown(result))
