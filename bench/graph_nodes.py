@@ -209,18 +209,21 @@ def mlx_lm_step(path: str) -> dict:
 
 
 def measure(arch: str, size: str, bits: int | None = None, log=print) -> dict:
-    """``bits``: the checkpoint quantised by ``mlxc convert`` (group 64) first; both sides
-    load that one."""
+    """``bits``: the checkpoint quantised by mlx-lm's convert (group 64) first; both sides
+    load that one (mlx-lm does not read the stacked experts ``mlxc convert`` writes)."""
+    from mlx_lm import convert
+
     from bench import models
-    from mlxc.runtime.checkpoint.convert import convert
 
     cfg = models.config(arch, size)
     row: dict = {"layers": cfg.get("num_hidden_layers")}
     with tempfile.TemporaryDirectory(prefix="mlxc-nodes-") as tmp:
         path = str(models.write_checkpoint(Path(tmp) / "m", arch, size))
         if bits is not None:
-            convert(path, Path(tmp) / "q", quantize=True, bits=bits, group_size=64)
-            path = str(Path(tmp) / "q")
+            models.write_tokenizer(Path(path), cfg["vocab_size"])  # mlx-lm's convert reads it
+            q = str(Path(tmp) / "q")
+            convert(path, mlx_path=q, quantize=True, q_bits=bits, q_group_size=64)
+            path = q
         row["mlxc"] = mlxc_step(path)
         try:
             row["mlx-lm"] = mlx_lm_step(path)
@@ -296,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", action="append", choices=models.ARCHS, help="default: all")
     p.add_argument("--size", default="small", choices=models.SIZES)
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
-    p.add_argument("--bits", type=int, choices=[4, 8], help="quantise the checkpoint first")
+    p.add_argument("--bits", type=int, choices=[4, 8], help="quantise the checkpoint (mlx-lm)")
     p.add_argument("--out", required=True, help="write OUT.json and OUT.md")
     args = p.parse_args(argv)
 
