@@ -46,6 +46,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -208,11 +209,28 @@ def mlx_lm_step(path: str) -> dict:
     )
 
 
-def measure(arch: str, size: str, bits: int | None = None, log=print) -> dict:
-    """``bits``: the checkpoint quantised by mlx-lm's convert (group 64) first; both sides
-    load that one (mlx-lm does not read the stacked experts ``mlxc convert`` writes)."""
-    from mlx_lm import convert
+def _quantized(path: str, out: str, cfg: dict, bits: int, row: dict) -> str:
+    """``path`` quantised (group 64) into ``out``: by mlx-lm's convert (mlx-lm does not read
+    the stacked experts ``mlxc convert`` writes), or by mlxc's where mlx-lm's cannot (it reads
+    the config through transformers); ``row["quantised_by"]`` says which."""
+    from mlx_lm import convert as lm_convert
 
+    from bench import models
+    from mlxc.runtime.checkpoint.convert import convert
+
+    models.write_tokenizer(Path(path), cfg["vocab_size"])  # mlx-lm's convert reads it
+    try:
+        lm_convert(path, mlx_path=out, quantize=True, q_bits=bits, q_group_size=64)
+        row["quantised_by"] = "mlx-lm"
+    except Exception as e:  # noqa: BLE001 - a config transformers does not read
+        shutil.rmtree(out, ignore_errors=True)
+        convert(path, out, quantize=True, bits=bits, group_size=64)
+        row["quantised_by"] = f"mlxc (mlx-lm's convert: {type(e).__name__}: {e})"[:200]
+    return out
+
+
+def measure(arch: str, size: str, bits: int | None = None, log=print) -> dict:
+    """``bits``: the checkpoint quantised first (``_quantized``); both sides load that one."""
     from bench import models
 
     cfg = models.config(arch, size)
@@ -220,10 +238,7 @@ def measure(arch: str, size: str, bits: int | None = None, log=print) -> dict:
     with tempfile.TemporaryDirectory(prefix="mlxc-nodes-") as tmp:
         path = str(models.write_checkpoint(Path(tmp) / "m", arch, size))
         if bits is not None:
-            models.write_tokenizer(Path(path), cfg["vocab_size"])  # mlx-lm's convert reads it
-            q = str(Path(tmp) / "q")
-            convert(path, mlx_path=q, quantize=True, q_bits=bits, q_group_size=64)
-            path = q
+            path = _quantized(path, str(Path(tmp) / "q"), cfg, bits, row)
         row["mlxc"] = mlxc_step(path)
         try:
             row["mlx-lm"] = mlx_lm_step(path)
@@ -272,6 +287,9 @@ def markdown(result: dict) -> str:
     skipped = {a: r["skipped"] for a, r in result["archs"].items() if r.get("skipped")}
     if skipped:
         lines += ["", *(f"- {a}: {why}" for a, why in skipped.items())]
+    by = {a: r["quantised_by"] for a, r in result["archs"].items() if r.get("quantised_by")}
+    if by:
+        lines += ["", "Quantised by:", "", *(f"- {a}: {who}" for a, who in by.items())]
     lines += ["", "Kernels by primitive (mlxc / mlx-lm), where they differ:", ""]
     for arch, row in result["archs"].items():
         ours = row["mlxc"]["by_primitive"]
