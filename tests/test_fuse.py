@@ -3,9 +3,9 @@
 Loading fuses them by default, so every oracle test against transformers runs the fused
 model; here the fused model's logits and greedy tokens equal the unfused model's (the
 checkpoint's own layout, ``load_model(fuse=False)``) on a float checkpoint with q/k/v biases
-(qwen2) and on 4-bit ones with q/k norms (qwen3), converted by mlxc and by mlx-lm; files keep
-the hub names; parts that differ in quantisation stay apart; unfuse gives the parts back
-exactly. Sharding a fused model: tests/test_tensor_parallel.py ("llama fused", "qwen3 fused
+(qwen2), on stacked experts with biases (gpt_oss) and on 4-bit ones with q/k norms (qwen3),
+converted by mlxc and by mlx-lm; files keep the hub names; parts that differ in quantisation
+stay apart; unfuse gives the parts back exactly. Sharding a fused model: tests/test_tensor_parallel.py ("llama fused", "qwen3 fused
 8-bit").
 """
 
@@ -38,7 +38,7 @@ def names(model) -> list[str]:
 def check_fused_equals_unfused(path: Path) -> None:
     fused, parts = mlxc.load_model(path), mlxc.load_model(path, fuse=False)
     assert any(".self_attn.qkv_proj." in k for k in names(fused))
-    assert any(".mlp.gate_up_proj." in k for k in names(fused))
+    assert any(".gate_up_proj." in k for k in names(fused))
     assert not any(k.split(".")[-2] in ("q_proj", "gate_proj") for k in names(fused))
     assert not any("qkv_proj" in k or "gate_up_proj" in k for k in names(parts))
     ids = mx.array(IDS)
@@ -50,6 +50,12 @@ def check_fused_equals_unfused(path: Path) -> None:
 
 def test_float_checkpoint_with_qkv_biases(tmp_path):
     check_fused_equals_unfused(ck.make_qwen2(tmp_path / "qwen2"))
+
+
+def test_experts_with_biases_and_clamped_swiglu(tmp_path):
+    """gpt_oss: q/k/v biases, sinks, yarn, a sliding window, and stacked experts whose gate
+    and up (with their biases) become one gather matmul."""
+    check_fused_equals_unfused(ck.make_gpt_oss(tmp_path / "gpt_oss"))
 
 
 @pytest.fixture(scope="module")

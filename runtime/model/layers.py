@@ -43,35 +43,45 @@ def glu(act):
 # replaces, each named as the checkpoint names it), holds the fused attribute as None, and
 # runs the parts while it is None. ``fuse`` concatenates the parts' outputs once the weights
 # (and any quantisation) are in: a quantised linear's weight, scales and biases all run along
-# the outputs on axis 0 (groups run along the inputs), so they concatenate there too.
+# the outputs (groups run along the inputs), so they concatenate there too; stacked experts
+# ``[E, out, in]`` concatenate per expert.
 # Checkpoints keep the parts' names; ``unfuse`` gives the parts back (tensor parallelism
 # splits each part by its own heads or width).
 
 
-# What each linear computes, forward: a rank's share of a tensor-parallel linear is the plain
-# kind on its slice (the sharded class adds only an all-reduce of gradients).
-_LINEARS = {
-    nn.Linear: "float",
-    AllToShardedLinear: "float",
-    nn.QuantizedLinear: "quantized",
-    QuantizedAllToShardedLinear: "quantized",
-}
+# A rank's share of a tensor-parallel linear computes, forward, as the plain kind on its slice
+# (the sharded class adds only an all-reduce of gradients): parts fuse across the two.
+_PLAIN = {AllToShardedLinear: nn.Linear, QuantizedAllToShardedLinear: nn.QuantizedLinear}
+_QUANT = ("group_size", "bits", "mode")
 
 
 def _fusible(parts: list) -> bool:
-    """Whether ``parts`` can be one linear: all float, or all quantised alike, same inputs."""
+    """Whether ``parts`` can be one linear: one kind (plain, quantised alike, stacked experts),
+    the same parameters and inputs."""
     first = parts[0]
-    kind = _LINEARS.get(type(first))
-    keys = set(first.parameters())
+    kind, keys = _PLAIN.get(type(first), type(first)), set(first.parameters())
+    if "weight" not in keys:
+        return False
     for p in parts:
-        if kind is None or _LINEARS.get(type(p)) != kind or set(p.parameters()) != keys:
+        if _PLAIN.get(type(p), type(p)) is not kind or set(p.parameters()) != keys:
             return False
-        if any(p[k].shape[1:] != first[k].shape[1:] or p[k].dtype != first[k].dtype for k in keys):
+        if any(_without_outputs(p, k) != _without_outputs(first, k) for k in keys):
             return False
-        quant = ("group_size", "bits", "mode")
-        if kind == "quantized" and any(getattr(p, a) != getattr(first, a) for a in quant):
+        if any(getattr(p, a, None) != getattr(first, a, None) for a in _QUANT):
             return False
     return True
+
+
+def _outputs_axis(name: str) -> int:
+    """The axis of a linear's parameter that runs along its outputs: a bias ``[..., out]``; a
+    weight, its scales and biases ``[..., out, in]`` (``[E, out, in]`` for stacked experts)."""
+    return -1 if name == "bias" else -2
+
+
+def _without_outputs(layer: nn.Module, name: str) -> tuple:
+    shape = list(layer[name].shape)
+    del shape[_outputs_axis(name)]
+    return (*shape, layer[name].dtype)
 
 
 def _like(layer: nn.Module, params: dict[str, mx.array]) -> nn.Module:
@@ -93,9 +103,12 @@ def fuse(model: nn.Module) -> nn.Module:
                 continue
             if not _fusible(layers):
                 continue
-            params = {k: mx.concatenate([p[k] for p in layers]) for k in layers[0].parameters()}
+            params = {
+                k: mx.concatenate([p[k] for p in layers], axis=_outputs_axis(k))
+                for k in layers[0].parameters()
+            }
             fused = _like(layers[0], params)
-            sizes = [p.weight.shape[0] for p in layers]  # outputs of each part, for unfuse
+            sizes = [p.weight.shape[-2] for p in layers]  # outputs of each part, for unfuse
             module.__dict__.setdefault("fused_sizes", {})[name] = sizes
             for p in parts:
                 del module[p]
@@ -114,7 +127,9 @@ def unfuse(model: nn.Module) -> bool:
                 continue
             sizes = module.__dict__["fused_sizes"].pop(name)
             cuts = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
-            pieces = {k: mx.split(v, cuts, axis=0) for k, v in fused.parameters().items()}
+            pieces = {
+                k: mx.split(v, cuts, axis=_outputs_axis(k)) for k, v in fused.parameters().items()
+            }
             for i, p in enumerate(parts):
                 setattr(module, p, _like(fused, {k: v[i] for k, v in pieces.items()}))
             del module[name]

@@ -69,6 +69,7 @@ loader (``runtime/checkpoint/loading.py: quantization``) makes those experts
 
 from __future__ import annotations
 
+import functools
 import re
 from functools import partial
 
@@ -169,8 +170,11 @@ class Experts(nn.Module):
     ``act``: a name of ``layers.ACTIVATIONS`` (``glu = act(gate) * up``: SwiGLU for silu) or
     ``clamped_swiglu`` (gpt_oss, with ``swiglu_alpha`` and ``swiglu_limit``). ``bias``: every
     expert linear has a bias. ``gated=False``: no gate, ``down(act(up(x)))`` (nemotron_h's
-    relu2 experts).
+    relu2 experts). Loading fuses gate and up into one gather matmul (``layers.fuse``:
+    ``gate_up_proj``, ``[E, 2I, H]``).
     """
+
+    fusions = (("gate_up_proj", ("gate_proj", "up_proj")),)  # (fused, its parts)
 
     def __init__(
         self,
@@ -189,6 +193,7 @@ class Experts(nn.Module):
         if gated:
             self.gate_proj = ExpertLinear(hidden, intermediate, num_experts, bias)
         self.up_proj = ExpertLinear(hidden, intermediate, num_experts, bias)
+        self.gate_up_proj = None  # gate_proj | up_proj, set by layers.fuse
         self.down_proj = ExpertLinear(intermediate, hidden, num_experts, bias)
         if not gated and act not in ACTIVATIONS:
             raise ValueError(f"ungated expert act must be one of {', '.join(ACTIVATIONS)}")
@@ -220,7 +225,10 @@ class Experts(nn.Module):
         else:
             x = x[:, None, None, :]  # [N, 1, 1, H] broadcasts against indices [N, k]
             idx = indices
-        if "gate_proj" in self:
+        if self.gate_up_proj is not None:
+            gate, up = mx.split(self.gate_up_proj(x, idx, do_sort), 2, axis=-1)
+            h = self.glu(gate, up)
+        elif "gate_proj" in self:
             h = self.glu(self.gate_proj(x, idx, do_sort), self.up_proj(x, idx, do_sort))
         else:
             h = self.act(self.up_proj(x, idx, do_sort))
@@ -267,8 +275,13 @@ def route(
     best one (``max``: deepseek_v2 ``group_limited_greedy``).
     """
     scores = logits.astype(mx.float32)
-    scores = mx.softmax(scores, axis=-1) if scoring == "softmax" else mx.sigmoid(scores)
-    choice = scores if bias is None else scores + bias.astype(mx.float32)
+    if scoring == "softmax":
+        scores = mx.softmax(scores, axis=-1)
+        choice = scores if bias is None else scores + bias.astype(mx.float32)
+    elif bias is None:
+        scores = choice = mx.sigmoid(scores)
+    else:
+        scores, choice = _sigmoid_and_biased(scores, bias.astype(mx.float32))
     if n_group > 1 and topk_group < n_group:
         grouped = mx.unflatten(choice, -1, (n_group, -1))  # [N, G, E/G]
         if group_score == "top2":
@@ -286,11 +299,29 @@ def route(
     weights = mx.take_along_axis(scores, inds, axis=-1)
     if norm_topk_prob:
         # softmax weights are positive; sigmoid ones may all be tiny
+        eps = 0.0 if scoring == "softmax" else 1e-20
         total = weights.sum(axis=-1, keepdims=True)
-        weights = weights / (total if scoring == "softmax" else total + 1e-20)
-    if routed_scaling_factor != 1.0:  # a decode step pays a kernel per operation
+        weights = _normalised(eps, routed_scaling_factor)(weights, total)
+    elif routed_scaling_factor != 1.0:  # a decode step pays a kernel per operation
         weights = weights * routed_scaling_factor
     return inds, weights
+
+
+# A decode step pays a kernel launch per operation: the routers' element-wise chains run as
+# one compiled kernel each.
+
+
+@mx.compile
+def _sigmoid_and_biased(logits: mx.array, bias: mx.array) -> tuple[mx.array, mx.array]:
+    """Sigmoid scores and the biased scores experts are chosen by, in one kernel."""
+    scores = mx.sigmoid(logits)
+    return scores, scores + bias
+
+
+@functools.lru_cache
+def _normalised(eps: float, factor: float):
+    """``weights / (total + eps) * factor`` as one kernel."""
+    return mx.compile(lambda weights, total: weights / (total + eps) * factor, shapeless=True)
 
 
 # --- the block -----------------------------------------------------------------------------
