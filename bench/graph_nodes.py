@@ -34,6 +34,7 @@ reshape that does copy at run time is undercounted here. Everything else (``AsTy
     python -m bench.graph_nodes --out bench/results/graph-nodes-cpu
     python -m bench.graph_nodes --arch llama --arch qwen3 --out /tmp/nodes
     python -m bench.graph_nodes --bits 4 --out bench/results/graph-nodes-cpu-q4
+    python -m bench.graph_nodes --compare BEFORE.json AFTER.json --out bench/results/compare
 
 An architecture mlx-lm cannot build is reported as skipped with mlx-lm's error.
 """
@@ -303,6 +304,31 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compare_markdown(before: dict, after: dict) -> str:
+    """Before/after table of two results (``--compare``): kernels per token of each side."""
+    bits = f", {after['bits']}-bit" if after.get("bits") else ""
+    title = (
+        f"### Kernels per decode token, before and after: {after['size']}{bits} "
+        f"({after['device']}, mlx {after['mlx']}, mlx-lm {after['mlx_lm']})"
+    )
+    header = (
+        "| arch | mlxc before | mlxc after | change | per layer before -> after | mlx-lm "
+        "| mlxc / mlx-lm before -> after |"
+    )
+    lines = [title, "", header, "| --- |" + " ---: |" * 6]
+    for arch, row in after["archs"].items():
+        old = before["archs"].get(arch)
+        if old is None:
+            continue
+        b, a, n = old["mlxc"]["kernels"], row["mlxc"]["kernels"], row["layers"]
+        peer = row["mlx-lm"]["kernels"] if row["mlx-lm"] else None
+        ratios = f"{b / peer:.2f} -> {a / peer:.2f}" if peer else "-"
+        cells = [b, a, f"{a - b:+d} ({(a - b) / b:+.0%})", f"{b / n:.1f} -> {a / n:.1f}"]
+        cells += [peer if peer else "skipped", ratios]
+        lines.append(f"| {arch} | " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
@@ -319,7 +345,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--bits", type=int, choices=[4, 8], help="quantise the checkpoint (mlx-lm)")
     p.add_argument("--out", required=True, help="write OUT.json and OUT.md")
+    p.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("BEFORE", "AFTER"),
+        help="measure nothing: write OUT.md, the before/after table of two result JSONs",
+    )
     args = p.parse_args(argv)
+    if args.compare:
+        before, after = (json.loads(Path(f).read_text()) for f in args.compare)
+        text = compare_markdown(before, after)
+        Path(f"{args.out}.md").write_text(text)
+        print(text)
+        return 0
 
     import mlx.core as mx
     import mlx_lm
