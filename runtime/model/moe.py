@@ -70,6 +70,7 @@ loader (``runtime/checkpoint/loading.py: quantization``) makes those experts
 from __future__ import annotations
 
 import functools
+import math
 import re
 from functools import partial
 
@@ -91,6 +92,16 @@ def _add_bias(layer: nn.Module, y: mx.array, indices: mx.array) -> mx.array:
     return y + mx.expand_dims(layer["bias"][indices], -2).astype(y.dtype)
 
 
+@functools.lru_cache(maxsize=64)
+def _rows(batch: tuple[int, ...]) -> mx.array:
+    """``gather_mm``'s ``lhs_indices`` for an ``x`` of batch shape ``batch``: each row its own
+    (what MLX builds when none is given, with an ``Arange`` kernel per call), made once per
+    shape and kept evaluated, so a decode step's expert matmuls launch no index kernels."""
+    rows = mx.arange(math.prod(batch), dtype=mx.uint32).reshape(batch)
+    mx.eval(rows)
+    return rows
+
+
 class ExpertLinear(nn.Module):
     """``E`` linears stacked as ``weight [E, out, in]`` (+ ``bias [E, out]``); each row of ``x``
     goes to its expert."""
@@ -109,11 +120,18 @@ class ExpertLinear(nn.Module):
             y = mx.gather_mm(
                 x.astype(mx.float32),
                 w.astype(mx.float32),
+                lhs_indices=_rows(x.shape[:-2]),
                 rhs_indices=indices,
                 sorted_indices=sorted_indices,
             ).astype(x.dtype)
         else:
-            y = mx.gather_mm(x, w, rhs_indices=indices, sorted_indices=sorted_indices)
+            y = mx.gather_mm(
+                x,
+                w,
+                lhs_indices=_rows(x.shape[:-2]),
+                rhs_indices=indices,
+                sorted_indices=sorted_indices,
+            )
         return _add_bias(self, y, indices)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine"):
@@ -146,6 +164,7 @@ class QuantizedExpertLinear(nn.Module):
             self["weight"],
             self["scales"],
             self.get("biases"),
+            lhs_indices=_rows(x.shape[:-2]),
             rhs_indices=indices,
             transpose=True,
             group_size=self.group_size,
