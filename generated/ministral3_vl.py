@@ -96,6 +96,10 @@ class ModelArgs:
 class Attention(nn.Module):
     """Grouped-query attention with RoPE, over its sliding window where it has one."""
 
+    # Loading fuses q, k and v into one matmul (layers.fuse): a decode step is bound by kernel
+    # launches. The checkpoint keeps the three; a model built, not loaded, runs them apart.
+    fusions = (("qkv_proj", ("q_proj", "k_proj", "v_proj")),)  # (fused, its parts)
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         dim = args.hidden_size
@@ -108,6 +112,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.qkv_proj = None  # q_proj | k_proj | v_proj, set by layers.fuse
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
         self.rope = make_rope(self.head_dim, args.rope, traditional=False)
 
@@ -118,14 +123,19 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, cache: KVCache, inputs: AttentionInputs) -> mx.array:
         """``inputs``: what attention reads from the cache, resolved once per forward."""
         B, L, _ = x.shape
-        queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
-        keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
-        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
-        queries = queries.transpose(0, 2, 1, 3)
-        keys = keys.transpose(0, 2, 1, 3)
-        values = values.transpose(0, 2, 1, 3)
-        queries = self.rope(queries, offset=inputs.offset)
-        keys = self.rope(keys, offset=inputs.offset)
+        if self.qkv_proj is not None:  # one matmul; the splits by heads are views
+            qkv = self.qkv_proj(x).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
+            qk_heads = self.n_heads + self.n_kv_heads
+            # The q and k heads lie side by side: one rope turns both.
+            qk = self.rope(qkv[:, :qk_heads], offset=inputs.offset)
+            queries, keys, values = qk[:, : self.n_heads], qk[:, self.n_heads :], qkv[:, qk_heads:]
+        else:
+            queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
+            keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+            values = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+            queries = self.rope(queries.transpose(0, 2, 1, 3), offset=inputs.offset)
+            keys = self.rope(keys.transpose(0, 2, 1, 3), offset=inputs.offset)
+            values = values.transpose(0, 2, 1, 3)
         if inputs.attn_scale is not None:  # None: llama_4_scaling_beta unset or 0
             queries = queries * inputs.attn_scale
         keys, values = cache.update_and_fetch(keys, values)

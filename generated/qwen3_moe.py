@@ -109,6 +109,10 @@ class ModelArgs:
 class Attention(nn.Module):
     """Grouped-query attention with RoPE, over its sliding window where it has one."""
 
+    # Loading fuses q, k and v into one matmul (layers.fuse): a decode step is bound by kernel
+    # launches. The checkpoint keeps the three; a model built, not loaded, runs them apart.
+    fusions = (("qkv_proj", ("q_proj", "k_proj", "v_proj")),)  # (fused, its parts)
+
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
         dim = args.hidden_size
@@ -130,6 +134,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=args.attention_bias)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
         self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=args.attention_bias)
+        self.qkv_proj = None  # q_proj | k_proj | v_proj, set by layers.fuse
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=args.attention_bias)
         self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
@@ -142,9 +147,15 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, cache: KVCache, inputs: AttentionInputs) -> mx.array:
         """``inputs``: what attention reads from the cache, resolved once per forward."""
         B, L, _ = x.shape
-        queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
-        keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
-        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:  # one matmul; the split by heads is a view
+            qkv = self.qkv_proj(x).reshape(B, L, -1, self.head_dim)
+            queries, keys, values = mx.split(
+                qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=2
+            )
+        else:
+            queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
+            keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+            values = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
         queries = self.q_norm(queries)
         keys = self.k_norm(keys)
         queries = queries.transpose(0, 2, 1, 3)

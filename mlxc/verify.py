@@ -34,7 +34,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxc.compiler import build
 from mlxc.runtime.checkpoint.user_specs import load_source
-from mlxc.runtime.model import masks
+from mlxc.runtime.model import layers, masks
 from mlxc.runtime.model.batch import BatchCache
 from mlxc.runtime.model.cache import (
     KVQuant,
@@ -187,6 +187,7 @@ def verify_module(
     args = module.ModelArgs.from_config(config)
     model = module.Model(args)
     randomize(model)
+    layers.fuse(model)  # as loading does: the schedule runs the model that is served
     vocab = model(mx.array([[0]])).shape[-1]
     rng = np.random.default_rng(1)
     vision, image = None, None

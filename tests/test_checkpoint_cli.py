@@ -41,7 +41,7 @@ def test_writes_a_checkpoint_that_loads_strictly(mine, tmp_path):
     model, tokenizer = mlxc.load(tmp_path / "out", specs=mine.parent)  # strict
     # Real variance: N(0, 1/fan_in) matrices, norm scales around 1.
     layer = model.model.layers[0]
-    q = np.array(layer.self_attn.q_proj.weight)
+    q = np.array(layer.self_attn.qkv_proj.weight)  # q|k|v, fused at load: all N(0, 1/fan_in)
     assert abs(q.std() * np.sqrt(q.shape[1]) - 1) < 0.1
     norm = np.array(layer.input_layernorm.weight)
     assert abs(norm.mean() - 1) < 0.05 and 0.05 < norm.std() < 0.2

@@ -67,7 +67,8 @@ def test_sharded_logits_equal_unsharded_for_every_spec():
     reported = [line.split()[1].rstrip(":") for line in lines]
     assert all(s in reported for s in specs), out
     assert not [line for line in lines if line.startswith("FAIL")], out
-    for case in ("llama 8-bit", "qwen3_moe 8-bit", "llama sharded load", "sampling"):
+    cases = ("llama 8-bit", "qwen3_moe 8-bit", "llama sharded load", "sampling", "llama fused")
+    for case in (*cases, "qwen3 fused 8-bit"):
         assert f"ok   {case}:" in proc.stdout, out
 
 

@@ -28,7 +28,7 @@ from mlxc import verify as V
 from mlxc.compiler import build, lint
 from mlxc.runtime.checkpoint.loading import load_model
 from mlxc.runtime.checkpoint.user_specs import load_source
-from mlxc.runtime.model import parallel
+from mlxc.runtime.model import layers, parallel
 from mlxc.runtime.serving.distributed import agree_on_seed, same_on_every_rank
 from mlxc.runtime.serving.sample import make_sampler
 
@@ -44,13 +44,18 @@ def schedule_logits(model, chunks, vision) -> list[mx.array]:
     return out
 
 
-def compare(module, config: dict, image_token: str | None, group, quantize: bool = False):
-    """Largest difference between the sharded and the unsharded model's logits."""
+def compare(
+    module, config: dict, image_token: str | None, group, quantize: bool = False, fuse=False
+):
+    """Largest difference between the sharded and the unsharded model's logits; ``fuse``: the
+    model's projections fused as loading fuses them (``layers.fuse``) before either run."""
     args = module.ModelArgs.from_config(config)
     model = module.Model(args)
     V.randomize(model)
     if quantize:
         nn.quantize(model, group_size=32, bits=8)
+    if fuse and not fused(layers.fuse(model)):
+        raise AssertionError("nothing fused")
     vocab = model(mx.array([[0]])).shape[-1]
     rng = np.random.default_rng(1)
     vision, image = None, None
@@ -63,8 +68,15 @@ def compare(module, config: dict, image_token: str | None, group, quantize: bool
     model.shard(group)
     if not n_parameters(model) < before:
         raise AssertionError("shard() split nothing")
+    if fuse and not fused(model):
+        raise AssertionError("shard() left the model unfused")
     sharded = schedule_logits(model, chunks, vision)
     return max(mx.abs(a - b).max().item() for a, b in zip(whole, sharded))
+
+
+def fused(model) -> bool:
+    names = [k for k, _ in tree_flatten(model.parameters())]
+    return any(".qkv_proj." in k for k in names) and any(".gate_up_proj." in k for k in names)
 
 
 def n_parameters(model) -> int:
@@ -150,8 +162,8 @@ def main() -> int:
         if group.rank() == 0:
             print(line, flush=True)
 
-    def logits_case(module, config, image_token, quantize=False):
-        err = compare(module, config, image_token, group, quantize)
+    def logits_case(module, config, image_token, quantize=False, fuse=False):
+        err = compare(module, config, image_token, group, quantize, fuse)
         if not err <= ATOL:
             raise AssertionError(f"sharded logits differ from unsharded by {err:.2e}")
         return f"max |sharded - unsharded| {err:.1e}"
@@ -164,6 +176,9 @@ def main() -> int:
         modules[spec.name] = (module, dict(spec.tiny_config))
     llama, config = modules["llama"]
     report("llama 8-bit", logits_case, llama, config, None, True)
+    # Fused q|k|v and gate|up (as loaded): shard splits each part by its own heads or width.
+    report("llama fused", logits_case, llama, config, None, False, True)
+    report("qwen3 fused 8-bit", logits_case, *modules["qwen3"], None, True, True)
     # Quantised experts (each rank's share of an expert's width holds whole groups of 32) and
     # a quantised latent attention.
     moe, moe_config = modules["qwen3_moe"]

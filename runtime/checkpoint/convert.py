@@ -214,7 +214,7 @@ def convert(
             "instead"
         )
     target = dtype or _source_dtype(model_dir, config)
-    model = load_model(model_dir, dtype=target)
+    model = load_model(model_dir, dtype=target, fuse=False)  # the checkpoint's names
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
 
     new_config = dict(config)

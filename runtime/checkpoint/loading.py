@@ -29,6 +29,7 @@ from mlx.utils import tree_flatten
 
 from mlxc.runtime import blas
 from mlxc.runtime.checkpoint import fp8
+from mlxc.runtime.model import layers
 from mlxc.runtime.model.config import ConfigError, context_length, lookup, recording_reads
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -413,6 +414,7 @@ def load_model(
     dtype: mx.Dtype | str | None = None,
     specs: Specs = None,
     group: mx.distributed.Group | None = None,
+    fuse: bool = True,
 ) -> nn.Module:
     """Build the generated model for the checkpoint at ``path`` and load its weights.
 
@@ -422,8 +424,10 @@ def load_model(
     memory next to the built-in ones (:func:`registry`; ``user_specs.SpecError`` on lint
     findings). ``group``: a distributed group of more than one rank: the model is sharded over
     it (tensor parallelism, the generated ``Model.shard``) before any weight is read, so each
-    rank keeps only its share. Raises :class:`CheckpointError` on any problem with the
-    checkpoint.
+    rank keeps only its share. ``fuse``: once loaded, projections of one input become one
+    matmul (``runtime.model.layers.fuse``: q/k/v, gate/up); off, the model holds the
+    checkpoint's own layout (``mlxc convert`` writes that). Raises :class:`CheckpointError` on
+    any problem with the checkpoint.
     """
     path = Path(path)
     blas.log_status()  # once per process: which CPU BLAS MLX uses, or how to get a fast one
@@ -460,7 +464,8 @@ def load_model(
     if group is not None and group.size() > 1:
         model.load_weights(list(weights.items()), strict=True)  # lazy: nothing read yet
         del weights  # the whole tensors live on only in the graphs of their slices
-        return _shard_and_read(model, group, files, path / "config.json")
+        model = _shard_and_read(model, group, files, path / "config.json")
+        return layers.fuse(model) if fuse else model
     try:
         # Read every tensor before the model sees any (loads are lazy: a read can fail here).
         mx.eval(list(weights.values()))
@@ -469,9 +474,10 @@ def load_model(
         raise CheckpointError(f"cannot read the weights: {_find_unreadable(files, e)}") from e
 
     model.load_weights(list(weights.items()), strict=True)
+    del weights
     model.eval()
     mx.eval(model.parameters())
-    return model
+    return layers.fuse(model) if fuse else model
 
 
 def _shard_and_read(

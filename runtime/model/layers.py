@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx import nn
+from mlx.nn.layers.distributed import AllToShardedLinear, QuantizedAllToShardedLinear
 
 from mlxc.runtime.model import masks
 from mlxc.runtime.model.cache import QuantizedKV
@@ -23,6 +26,116 @@ ACTIVATIONS = {
     "relu": nn.relu,
     "relu2": relu2,
 }
+
+
+@functools.lru_cache
+def glu(act):
+    """``act(gate) * up`` as one compiled kernel: a decode step runs it once per gated MLP,
+    and separate kernels for the activation and the product cost a launch each."""
+    return mx.compile(lambda gate, up: act(gate) * up, shapeless=True)
+
+
+# --- projections fused at load ---------------------------------------------------------------
+#
+# One decode step of one sequence is bound by kernel launches, not by weight reads: three
+# [dim, *] matmuls of one input cost three launches where one [dim, q + k + v] matmul does
+# the same work. A module declares ``fusions`` (pairs: a fused attribute and the linears it
+# replaces, each named as the checkpoint names it), holds the fused attribute as None, and
+# runs the parts while it is None. ``fuse`` concatenates the parts' outputs once the weights
+# (and any quantisation) are in: a quantised linear's weight, scales and biases all run along
+# the outputs (groups run along the inputs), so they concatenate there too; stacked experts
+# ``[E, out, in]`` concatenate per expert.
+# Checkpoints keep the parts' names; ``unfuse`` gives the parts back (tensor parallelism
+# splits each part by its own heads or width).
+
+
+# A rank's share of a tensor-parallel linear computes, forward, as the plain kind on its slice
+# (the sharded class adds only an all-reduce of gradients): parts fuse across the two.
+_PLAIN = {AllToShardedLinear: nn.Linear, QuantizedAllToShardedLinear: nn.QuantizedLinear}
+_QUANT = ("group_size", "bits", "mode")
+
+
+def _fusible(parts: list) -> bool:
+    """Whether ``parts`` can be one linear: one kind (plain, quantised alike, stacked experts),
+    the same parameters and inputs."""
+    first = parts[0]
+    kind, keys = _PLAIN.get(type(first), type(first)), set(first.parameters())
+    if "weight" not in keys:
+        return False
+    for p in parts:
+        if _PLAIN.get(type(p), type(p)) is not kind or set(p.parameters()) != keys:
+            return False
+        if any(_without_outputs(p, k) != _without_outputs(first, k) for k in keys):
+            return False
+        if any(getattr(p, a, None) != getattr(first, a, None) for a in _QUANT):
+            return False
+    return True
+
+
+def _outputs_axis(name: str) -> int:
+    """The axis of a linear's parameter that runs along its outputs: a bias ``[..., out]``; a
+    weight, its scales and biases ``[..., out, in]`` (``[E, out, in]`` for stacked experts)."""
+    return -1 if name == "bias" else -2
+
+
+def _without_outputs(layer: nn.Module, name: str) -> tuple:
+    shape = list(layer[name].shape)
+    del shape[_outputs_axis(name)]
+    return (*shape, layer[name].dtype)
+
+
+def _like(layer: nn.Module, params: dict[str, mx.array]) -> nn.Module:
+    """A linear of ``layer``'s type and settings holding ``params``."""
+    out = copy.copy(layer)
+    out.__dict__["_no_grad"] = set(layer._no_grad)  # copy.copy would share the frozen set
+    for k, v in params.items():
+        out[k] = v
+    return out
+
+
+def fuse(model: nn.Module) -> nn.Module:
+    """Fuse the ``fusions`` of every submodule of ``model``, in place (parts that differ in
+    type or quantisation stay apart). Returns ``model``."""
+    for _, module in model.named_modules():
+        for name, parts in getattr(module, "fusions", ()):
+            layers = [module.get(p) for p in parts]
+            if module.get(name) is not None or any(p is None for p in layers):
+                continue
+            if not _fusible(layers):
+                continue
+            params = {
+                k: mx.concatenate([p[k] for p in layers], axis=_outputs_axis(k))
+                for k in layers[0].parameters()
+            }
+            fused = _like(layers[0], params)
+            sizes = [p.weight.shape[-2] for p in layers]  # outputs of each part, for unfuse
+            module.__dict__.setdefault("fused_sizes", {})[name] = sizes
+            for p in parts:
+                del module[p]
+            setattr(module, name, fused)
+            mx.eval(fused.parameters())  # one layer's parts at a time, not the model's copy
+    return model
+
+
+def unfuse(model: nn.Module) -> bool:
+    """Split every fused projection of ``model`` back into its parts, in place (as the
+    checkpoint names them). Returns whether any was fused."""
+    any_fused = False
+    for _, module in model.named_modules():
+        for name, parts in getattr(module, "fusions", ()):
+            if (fused := module.get(name)) is None:
+                continue
+            sizes = module.__dict__["fused_sizes"].pop(name)
+            cuts = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
+            pieces = {
+                k: mx.split(v, cuts, axis=_outputs_axis(k)) for k, v in fused.parameters().items()
+            }
+            for i, p in enumerate(parts):
+                setattr(module, p, _like(fused, {k: v[i] for k, v in pieces.items()}))
+            del module[name]
+            setattr(module, name, None)
+            any_fused = True
+    return any_fused
 
 
 @dataclass
@@ -150,17 +263,25 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """``down(act(gate(x)) * up(x))`` with Hugging Face parameter names."""
+    """``down(act(gate(x)) * up(x))`` with Hugging Face parameter names; gate and up run as
+    one matmul once loading fuses them (``fuse``: ``gate_up_proj``)."""
+
+    fusions = (("gate_up_proj", ("gate_proj", "up_proj")),)  # (fused, its parts)
 
     def __init__(self, dim: int, hidden: int, bias: bool = False, act: str = "silu") -> None:
         super().__init__()
         self.gate_proj = nn.Linear(dim, hidden, bias=bias)
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.gate_up_proj = None  # gate_proj | up_proj, set by fuse
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
-        self.act = ACTIVATIONS[act]
+        self.glu = glu(ACTIVATIONS[act])
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.glu(gate, up))
 
 
 class FusedSwiGLU(nn.Module):
@@ -171,11 +292,11 @@ class FusedSwiGLU(nn.Module):
         super().__init__()
         self.input_linear = nn.Linear(dim, 2 * hidden, bias=bias)
         self.output_linear = nn.Linear(hidden, dim, bias=bias)
-        self.act = ACTIVATIONS[act]
+        self.glu = glu(ACTIVATIONS[act])
 
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = mx.split(self.input_linear(x), 2, axis=-1)
-        return self.output_linear(self.act(gate) * up)
+        return self.output_linear(self.glu(gate, up))
 
 
 class MLP(nn.Module):

@@ -70,13 +70,14 @@ loader (``runtime/checkpoint/loading.py: quantization``) makes those experts
 from __future__ import annotations
 
 import functools
+import math
 import re
 from functools import partial
 
 import mlx.core as mx
 from mlx import nn
 
-from mlxc.runtime.model.layers import ACTIVATIONS, MLP, FusedSwiGLU, SwiGLU
+from mlxc.runtime.model.layers import ACTIVATIONS, MLP, FusedSwiGLU, SwiGLU, glu
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -89,6 +90,16 @@ def _add_bias(layer: nn.Module, y: mx.array, indices: mx.array) -> mx.array:
     if "bias" not in layer:
         return y
     return y + mx.expand_dims(layer["bias"][indices], -2).astype(y.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _rows(batch: tuple[int, ...]) -> mx.array:
+    """``gather_mm``'s ``lhs_indices`` for an ``x`` of batch shape ``batch``: each row its own
+    (what MLX builds when none is given, with an ``Arange`` kernel per call), made once per
+    shape and kept evaluated, so a decode step's expert matmuls launch no index kernels."""
+    rows = mx.arange(math.prod(batch), dtype=mx.uint32).reshape(batch)
+    mx.eval(rows)
+    return rows
 
 
 class ExpertLinear(nn.Module):
@@ -109,11 +120,18 @@ class ExpertLinear(nn.Module):
             y = mx.gather_mm(
                 x.astype(mx.float32),
                 w.astype(mx.float32),
+                lhs_indices=_rows(x.shape[:-2]),
                 rhs_indices=indices,
                 sorted_indices=sorted_indices,
             ).astype(x.dtype)
         else:
-            y = mx.gather_mm(x, w, rhs_indices=indices, sorted_indices=sorted_indices)
+            y = mx.gather_mm(
+                x,
+                w,
+                lhs_indices=_rows(x.shape[:-2]),
+                rhs_indices=indices,
+                sorted_indices=sorted_indices,
+            )
         return _add_bias(self, y, indices)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine"):
@@ -146,6 +164,7 @@ class QuantizedExpertLinear(nn.Module):
             self["weight"],
             self["scales"],
             self.get("biases"),
+            lhs_indices=_rows(x.shape[:-2]),
             rhs_indices=indices,
             transpose=True,
             group_size=self.group_size,
@@ -170,8 +189,11 @@ class Experts(nn.Module):
     ``act``: a name of ``layers.ACTIVATIONS`` (``glu = act(gate) * up``: SwiGLU for silu) or
     ``clamped_swiglu`` (gpt_oss, with ``swiglu_alpha`` and ``swiglu_limit``). ``bias``: every
     expert linear has a bias. ``gated=False``: no gate, ``down(act(up(x)))`` (nemotron_h's
-    relu2 experts).
+    relu2 experts). Loading fuses gate and up into one gather matmul (``layers.fuse``:
+    ``gate_up_proj``, ``[E, 2I, H]``).
     """
+
+    fusions = (("gate_up_proj", ("gate_proj", "up_proj")),)  # (fused, its parts)
 
     def __init__(
         self,
@@ -190,6 +212,7 @@ class Experts(nn.Module):
         if gated:
             self.gate_proj = ExpertLinear(hidden, intermediate, num_experts, bias)
         self.up_proj = ExpertLinear(hidden, intermediate, num_experts, bias)
+        self.gate_up_proj = None  # gate_proj | up_proj, set by layers.fuse
         self.down_proj = ExpertLinear(intermediate, hidden, num_experts, bias)
         if not gated and act not in ACTIVATIONS:
             raise ValueError(f"ungated expert act must be one of {', '.join(ACTIVATIONS)}")
@@ -198,7 +221,7 @@ class Experts(nn.Module):
         elif act == "clamped_swiglu":
             self.glu = partial(clamped_swiglu, alpha=swiglu_alpha, limit=swiglu_limit)
         elif act in ACTIVATIONS:
-            self.glu = _gated(ACTIVATIONS[act])
+            self.glu = glu(ACTIVATIONS[act])
         else:
             known = ", ".join([*ACTIVATIONS, "clamped_swiglu"])
             raise ValueError(f"expert act must be one of {known}, got {act!r}")
@@ -221,7 +244,10 @@ class Experts(nn.Module):
         else:
             x = x[:, None, None, :]  # [N, 1, 1, H] broadcasts against indices [N, k]
             idx = indices
-        if "gate_proj" in self:
+        if self.gate_up_proj is not None:
+            gate, up = mx.split(self.gate_up_proj(x, idx, do_sort), 2, axis=-1)
+            h = self.glu(gate, up)
+        elif "gate_proj" in self:
             h = self.glu(self.gate_proj(x, idx, do_sort), self.up_proj(x, idx, do_sort))
         else:
             h = self.act(self.up_proj(x, idx, do_sort))
@@ -229,13 +255,6 @@ class Experts(nn.Module):
         if do_sort:
             return y[inverse].reshape(N, k, -1)
         return y.squeeze(-2)
-
-
-@functools.lru_cache
-def _gated(act):
-    """``act(gate) * up`` as one compiled kernel: a decode step runs it once per MoE layer, and
-    separate kernels for the activation and the product cost a launch each."""
-    return mx.compile(lambda gate, up: act(gate) * up, shapeless=True)
 
 
 # --- routers -------------------------------------------------------------------------------
@@ -275,8 +294,13 @@ def route(
     best one (``max``: deepseek_v2 ``group_limited_greedy``).
     """
     scores = logits.astype(mx.float32)
-    scores = mx.softmax(scores, axis=-1) if scoring == "softmax" else mx.sigmoid(scores)
-    choice = scores if bias is None else scores + bias.astype(mx.float32)
+    if scoring == "softmax":
+        scores = mx.softmax(scores, axis=-1)
+        choice = scores if bias is None else scores + bias.astype(mx.float32)
+    elif bias is None:
+        scores = choice = mx.sigmoid(scores)
+    else:
+        scores, choice = _sigmoid_and_biased(scores, bias.astype(mx.float32))
     if n_group > 1 and topk_group < n_group:
         grouped = mx.unflatten(choice, -1, (n_group, -1))  # [N, G, E/G]
         if group_score == "top2":
@@ -294,11 +318,29 @@ def route(
     weights = mx.take_along_axis(scores, inds, axis=-1)
     if norm_topk_prob:
         # softmax weights are positive; sigmoid ones may all be tiny
+        eps = 0.0 if scoring == "softmax" else 1e-20
         total = weights.sum(axis=-1, keepdims=True)
-        weights = weights / (total if scoring == "softmax" else total + 1e-20)
-    if routed_scaling_factor != 1.0:  # a decode step pays a kernel per operation
+        weights = _normalised(eps, routed_scaling_factor)(weights, total)
+    elif routed_scaling_factor != 1.0:  # a decode step pays a kernel per operation
         weights = weights * routed_scaling_factor
     return inds, weights
+
+
+# A decode step pays a kernel launch per operation: the routers' element-wise chains run as
+# one compiled kernel each.
+
+
+@mx.compile
+def _sigmoid_and_biased(logits: mx.array, bias: mx.array) -> tuple[mx.array, mx.array]:
+    """Sigmoid scores and the biased scores experts are chosen by, in one kernel."""
+    scores = mx.sigmoid(logits)
+    return scores, scores + bias
+
+
+@functools.lru_cache
+def _normalised(eps: float, factor: float):
+    """``weights / (total + eps) * factor`` as one kernel."""
+    return mx.compile(lambda weights, total: weights / (total + eps) * factor, shapeless=True)
 
 
 # --- the block -----------------------------------------------------------------------------

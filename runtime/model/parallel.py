@@ -16,6 +16,8 @@ from mlx import nn
 from mlx.nn.layers.distributed import shard_inplace, shard_linear
 from mlx.utils import tree_flatten, tree_map
 
+from mlxc.runtime.model import layers
+
 
 class ShardError(ValueError):
     """A model whose sizes do not divide over the group's ranks."""
@@ -79,7 +81,19 @@ def _kv_head_slice(layer: nn.Module, heads: int, keep: int) -> None:
     )
 
 
-def shard(
+def shard(module: nn.Module, group: mx.distributed.Group, **split) -> None:
+    """Split ``module`` over the ranks of ``group``, in place, as :func:`split_module` says. Projections
+    fused at load (``layers.fuse``: q|k|v, gate|up) are split back into their parts first, so
+    each part splits by its own heads or width, and fused again after."""
+    if group.size() == 1:
+        return
+    fused = layers.unfuse(module)
+    split_module(module, group, **split)
+    if fused:
+        layers.fuse(module)
+
+
+def split_module(
     module: nn.Module,
     group: mx.distributed.Group,
     *,
@@ -93,7 +107,7 @@ def shard(
     widths: tuple[str, ...] = (),
     reduces: bool = False,
 ) -> None:
-    """Split ``module`` over the ranks of ``group``, in place.
+    """Split ``module``, unfused, over the ranks of ``group``, in place.
 
     ``by_output`` / ``by_input``: linears split by output (``all-to-sharded``) or by input
     (``sharded-to-all``, which all-reduces its output), quantised ones included;

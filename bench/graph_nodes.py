@@ -1,0 +1,385 @@
+"""Primitives per decode token: the lazy graph of one batch-1 decode step, mlxc against mlx-lm.
+
+On the H200 single-stream decode is bound by kernel launches (~3.6 us each, ~1,100-1,400 per
+token), not by weight reads, so the number of kernels a step launches is what to cut. This
+counts them without a GPU: for each ``bench.models`` architecture both sides load the *same*
+checkpoint, prefill a short prompt, evaluate it, then build (not evaluate) one decode step's
+forward for one token; ``mx.export_to_dot`` writes that lazy graph and every primitive node in
+it (a ``shape=rectangle`` node, labelled with the primitive's name) is counted once, by name.
+The forward's logits are the output: sampling is left out (the same on both sides). On a CPU
+mlx-lm's model is cast to float32 (``set_dtype``), as mlxc computes a bf16 checkpoint in float32
+there; otherwise each side would count the casts of its own dtype choice.
+
+On a CPU the fast kernels (``mx.fast.rms_norm``, ``rope``, ``scaled_dot_product_attention``)
+are built from their fallback ops (``Square``, ``Sum``, ``Rsqrt``, ``Cos``, ``Softmax``, ...),
+where a GPU graph holds one ``RMSNorm``, ``RoPE`` or ``ScaledDotProductAttention`` node. So the
+step is built twice: as the CPU runs it (``cpu_graph`` in the JSON), and under
+``fast_kernels``, which swaps each ``mx.fast`` call for one stand-in node with the call's
+output shape and inputs: those counts (``kernels``, ``views``, ``by_primitive``) are the ones
+the tables report, the kernels a GPU launches, give or take a fast kernel that launches two
+(MLX's two-pass attention for long keys).
+
+Each primitive is classed as a **kernel** (launches work on the device) or a **view** (shares
+its input's buffer, launches nothing). The classes come from MLX 0.32's GPU backend,
+``mlx/backend/gpu/primitives.cpp``: ``AsStrided``, ``Broadcast``, ``BroadcastAxes``,
+``Depends``, ``ExpandDims``, ``NumberOfElements``, ``Split``, ``Squeeze``, ``StopGradient``
+and ``Transpose`` only call the shared-buffer ``eval`` there; ``Slice`` is a strided view
+(``slice_gpu``: ``shared_buffer_slice``); ``Reshape``, ``Flatten`` and ``Unflatten`` share
+the buffer unless ``prepare_reshape`` finds strides that force a copy, and ``Contiguous`` and
+``View`` unless their input is not row contiguous: those five are counted as views, so a
+reshape that does copy at run time is undercounted here. Everything else (``AsType``,
+``Copy``, ``Concatenate``, ``SliceUpdate``, matmuls, the fast kernels, element-wise ops, and
+``Compiled``: one fused kernel of an ``mx.compile``'d function) is a kernel.
+
+    python -m bench.graph_nodes --out bench/results/graph-nodes-cpu
+    python -m bench.graph_nodes --arch llama --arch qwen3 --out /tmp/nodes
+    python -m bench.graph_nodes --bits 4 --out bench/results/graph-nodes-cpu-q4
+    python -m bench.graph_nodes --compare BEFORE.json AFTER.json --out bench/results/compare
+
+An architecture mlx-lm cannot build is reported as skipped with mlx-lm's error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+# Primitives that launch nothing (see the module docstring for where each comes from).
+VIEWS = frozenset(
+    {
+        "AsStrided",
+        "Broadcast",
+        "BroadcastAxes",
+        "Contiguous",
+        "Depends",
+        "ExpandDims",
+        "Flatten",
+        "NumberOfElements",
+        "Reshape",
+        "Slice",
+        "Split",
+        "Squeeze",
+        "StopGradient",
+        "Transpose",
+        "Unflatten",
+        "View",
+    }
+)
+PROMPT_TOKENS = 16
+_NODE = re.compile(r'\[label ="([^"]*)", shape=rectangle\]')
+
+
+def count(*outputs) -> collections.Counter:
+    """Primitive name -> nodes in the lazy graph of ``outputs`` (nothing is evaluated)."""
+    import mlx.core as mx
+
+    fd, path = tempfile.mkstemp(suffix=".dot")
+    os.close(fd)
+    try:
+        mx.export_to_dot(path, *outputs)
+        text = Path(path).read_text()
+    finally:
+        os.remove(path)
+    # A label may carry the primitive's settings after its name (e.g. "Compiled..."): the name
+    # is its first word.
+    return collections.Counter(re.split(r"[^A-Za-z0-9_]", m)[0] for m in _NODE.findall(text))
+
+
+def summary(counts: collections.Counter) -> dict:
+    kernels = {k: v for k, v in counts.items() if k not in VIEWS}
+    return {
+        "total": sum(counts.values()),
+        "kernels": sum(kernels.values()),
+        "views": sum(v for k, v in counts.items() if k in VIEWS),
+        "by_primitive": dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))),
+    }
+
+
+# --- the fast kernels, one node each --------------------------------------------------------
+
+# Element-wise primitives no model step uses, standing in for one fast kernel each while a
+# step's graph is built under ``fast_kernels`` (renamed in the counts).
+STAND_INS = {
+    "ArcTanh": "fast.rope",
+    "ArcSinh": "fast.rms_norm",
+    "ArcCosh": "fast.layer_norm",
+    "ErfInv": "fast.scaled_dot_product_attention",
+}
+
+
+def _stand_in(op, like, *deps):
+    """One ``op`` node shaped as ``like`` whose result depends on every array in ``deps``."""
+    import mlx.core as mx
+
+    deps = [d for d in deps if isinstance(d, mx.array)]
+    out = op(like)
+    return mx.depends([out], deps)[0] if deps else out
+
+
+@contextlib.contextmanager
+def fast_kernels():
+    """Build graphs as a GPU runs them: each ``mx.fast`` call one node (a GPU launches one
+    kernel for it), where a CPU graph holds the ops of its fallback. For counting only: the
+    values are not the model's."""
+    import mlx.core as mx
+
+    fast = mx.fast
+    saved = {n: getattr(fast, n) for n in ("rope", "rms_norm", "layer_norm")}
+    saved["scaled_dot_product_attention"] = fast.scaled_dot_product_attention
+
+    def rope(x, dims, *, offset=0, freqs=None, **_):
+        return _stand_in(mx.arctanh, x, offset, freqs)
+
+    def rms_norm(x, weight, eps, **_):
+        return _stand_in(mx.arcsinh, x, weight)
+
+    def layer_norm(x, weight, bias, eps, **_):
+        return _stand_in(mx.arccosh, x, weight, bias)
+
+    def sdpa(q, k, v, *, scale, mask=None, sinks=None, **_):
+        like = mx.broadcast_to(q[..., :1], (*q.shape[:-1], v.shape[-1]))
+        return _stand_in(mx.erfinv, like, k, v, mask, sinks)
+
+    fast.rope, fast.rms_norm, fast.layer_norm = rope, rms_norm, layer_norm
+    fast.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(fast, name, fn)
+
+
+def step_counts(step, state) -> dict:
+    """Counts of one decode step ``step()`` (it appends one token to the cache): on the CPU
+    graph, then (the first evaluated with ``state()``, so the second does not reach into it)
+    with each fast kernel one node."""
+    import mlx.core as mx
+
+    out = step()
+    cpu = count(out)
+    if any(name in cpu for name in STAND_INS):
+        raise RuntimeError(f"a model step uses a stand-in primitive: {sorted(cpu)}")
+    mx.eval(out, state())
+    with fast_kernels():
+        fast = count(step())
+    fast = collections.Counter({STAND_INS.get(k, k): v for k, v in fast.items()})
+    return {"cpu_graph": summary(cpu), **summary(fast)}
+
+
+def mlxc_step(path: str) -> dict:
+    import mlx.core as mx
+
+    from mlxc import load_model
+    from mlxc.runtime.model.cache import cache_arrays
+
+    model = load_model(path)
+    cache = model.make_cache()
+    ids = mx.array([list(range(10, 10 + PROMPT_TOKENS))])
+    y = mx.argmax(model(ids, cache=cache, last_only=True)[:, -1, :], axis=-1)
+    mx.eval(y, cache_arrays(cache))
+    # What generate_tokens' step builds: the last position's logits of one new token.
+    return step_counts(
+        lambda: model(y[:, None], cache=cache, last_only=True)[:, -1, :],
+        lambda: cache_arrays(cache),
+    )
+
+
+def mlx_lm_step(path: str) -> dict:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model as peer_load
+
+    model, _ = peer_load(Path(path))
+    if mx.default_device() == mx.cpu:
+        model.set_dtype(mx.float32)  # as mlxc computes a bf16 checkpoint on a CPU
+    cache = make_prompt_cache(model)
+    ids = mx.array([list(range(10, 10 + PROMPT_TOKENS))])
+    y = mx.argmax(model(ids, cache=cache)[:, -1, :], axis=-1)
+    mx.eval(y, [c.state for c in cache])
+    # What mlx_lm.generate's step builds before sampling.
+    return step_counts(
+        lambda: model(y[:, None], cache=cache)[:, -1, :], lambda: [c.state for c in cache]
+    )
+
+
+def _quantized(path: str, out: str, cfg: dict, bits: int, row: dict) -> str:
+    """``path`` quantised (group 64) into ``out``: by mlx-lm's convert (mlx-lm does not read
+    the stacked experts ``mlxc convert`` writes), or by mlxc's where mlx-lm's cannot (it reads
+    the config through transformers); ``row["quantised_by"]`` says which."""
+    from mlx_lm import convert as lm_convert
+
+    from bench import models
+    from mlxc.runtime.checkpoint.convert import convert
+
+    models.write_tokenizer(Path(path), cfg["vocab_size"])  # mlx-lm's convert reads it
+    try:
+        lm_convert(path, mlx_path=out, quantize=True, q_bits=bits, q_group_size=64)
+        row["quantised_by"] = "mlx-lm"
+    except Exception as e:  # noqa: BLE001 - a config transformers does not read
+        shutil.rmtree(out, ignore_errors=True)
+        convert(path, out, quantize=True, bits=bits, group_size=64)
+        row["quantised_by"] = f"mlxc (mlx-lm's convert: {type(e).__name__}: {e})"[:200]
+    return out
+
+
+def measure(arch: str, size: str, bits: int | None = None, log=print) -> dict:
+    """``bits``: the checkpoint quantised first (``_quantized``); both sides load that one."""
+    from bench import models
+
+    cfg = models.config(arch, size)
+    row: dict = {"layers": cfg.get("num_hidden_layers")}
+    with tempfile.TemporaryDirectory(prefix="mlxc-nodes-") as tmp:
+        path = str(models.write_checkpoint(Path(tmp) / "m", arch, size))
+        if bits is not None:
+            path = _quantized(path, str(Path(tmp) / "q"), cfg, bits, row)
+        row["mlxc"] = mlxc_step(path)
+        try:
+            row["mlx-lm"] = mlx_lm_step(path)
+        except Exception as e:  # noqa: BLE001 - an architecture or config mlx-lm does not build
+            row["mlx-lm"] = None
+            row["skipped"] = f"mlx-lm: {type(e).__name__}: {e}"[:300]
+    peer = row["mlx-lm"]
+    log(
+        f"{arch:14s} mlxc {row['mlxc']['kernels']:5d} kernels ({row['mlxc']['total']} nodes)"
+        + (f"   mlx-lm {peer['kernels']:5d} ({peer['total']})" if peer else "   mlx-lm skipped")
+    )
+    return row
+
+
+def markdown(result: dict) -> str:
+    title = (
+        f"### Graph nodes per decode token: {result['size']}"
+        + (f", {result['bits']}-bit" if result.get("bits") else "")
+        + f" ({result['device']}, "
+        f"mlx {result['mlx']}, mlx-lm {result['mlx_lm']})"
+    )
+    about = (
+        f"One batch-1 decode step after a {PROMPT_TOKENS}-token prompt, the forward's logits "
+        "(`python -m bench.graph_nodes`). Kernels: primitives that launch device work, each "
+        "`mx.fast` call (rms_norm, rope, attention) one, as a GPU runs it; views: reshapes, "
+        "transposes, slices, broadcasts (no launch). CPU graph: the kernels of the graph the "
+        "CPU runs, where each fast call is its fallback ops."
+    )
+    header = (
+        "| arch | layers | mlxc kernels | mlx-lm kernels | mlxc / mlx-lm | mlxc kernels / layer "
+        "| mlxc views | mlx-lm views | CPU graph mlxc / mlx-lm |"
+    )
+    lines = [title, "", about, "", header, "| --- |" + " ---: |" * 8]
+    for arch, row in result["archs"].items():
+        ours, peer = row["mlxc"], row["mlx-lm"]
+        per_layer = f"{ours['kernels'] / row['layers']:.1f}" if row["layers"] else "-"
+        cpu = ours["cpu_graph"]["kernels"]
+        if peer:
+            ratio = f"{ours['kernels'] / peer['kernels']:.2f}"
+            cells = [peer["kernels"], ratio, per_layer, ours["views"], peer["views"]]
+            cells.append(f"{cpu} / {peer['cpu_graph']['kernels']}")
+        else:
+            cells = ["skipped", "-", per_layer, ours["views"], "-", f"{cpu} / -"]
+        cells = [row["layers"], ours["kernels"], *cells]
+        lines.append(f"| {arch} | " + " | ".join(map(str, cells)) + " |")
+    skipped = {a: r["skipped"] for a, r in result["archs"].items() if r.get("skipped")}
+    if skipped:
+        lines += ["", *(f"- {a}: {why}" for a, why in skipped.items())]
+    by = {a: r["quantised_by"] for a, r in result["archs"].items() if r.get("quantised_by")}
+    if by:
+        lines += ["", "Quantised by:", "", *(f"- {a}: {who}" for a, who in by.items())]
+    lines += ["", "Kernels by primitive (mlxc / mlx-lm), where they differ:", ""]
+    for arch, row in result["archs"].items():
+        ours = row["mlxc"]["by_primitive"]
+        peer = (row["mlx-lm"] or {}).get("by_primitive", {})
+        diff = [
+            f"{k} {ours.get(k, 0)}/{peer.get(k, 0)}"
+            for k in sorted(set(ours) | set(peer))
+            if k not in VIEWS and ours.get(k, 0) != peer.get(k, 0)
+        ]
+        lines.append(f"- {arch}: {', '.join(diff) if diff else 'the same'}")
+    return "\n".join(lines) + "\n"
+
+
+def compare_markdown(before: dict, after: dict) -> str:
+    """Before/after table of two results (``--compare``): kernels per token of each side."""
+    bits = f", {after['bits']}-bit" if after.get("bits") else ""
+    title = (
+        f"### Kernels per decode token, before and after: {after['size']}{bits} "
+        f"({after['device']}, mlx {after['mlx']}, mlx-lm {after['mlx_lm']})"
+    )
+    header = (
+        "| arch | mlxc before | mlxc after | change | per layer before -> after | mlx-lm "
+        "| mlxc / mlx-lm before -> after |"
+    )
+    lines = [title, "", header, "| --- |" + " ---: |" * 6]
+    for arch, row in after["archs"].items():
+        old = before["archs"].get(arch)
+        if old is None:
+            continue
+        b, a, n = old["mlxc"]["kernels"], row["mlxc"]["kernels"], row["layers"]
+        peer = row["mlx-lm"]["kernels"] if row["mlx-lm"] else None
+        ratios = f"{b / peer:.2f} -> {a / peer:.2f}" if peer else "-"
+        cells = [b, a, f"{a - b:+d} ({(a - b) / b:+.0%})", f"{b / n:.1f} -> {a / n:.1f}"]
+        cells += [peer if peer else "skipped", ratios]
+        lines.append(f"| {arch} | " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    # mlxc first: on a Linux CPU it loads an optimised BLAS before MLX is imported.
+    import mlxc  # noqa: F401, I001
+
+    from bench import models
+
+    p = argparse.ArgumentParser(prog="python -m bench.graph_nodes", description=__doc__)
+    p.add_argument("--arch", action="append", choices=models.ARCHS, help="default: all")
+    p.add_argument("--size", default="small", choices=models.SIZES)
+    p.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    p.add_argument("--bits", type=int, choices=[4, 8], help="quantise the checkpoint (mlx-lm)")
+    p.add_argument("--out", required=True, help="write OUT.json and OUT.md")
+    p.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("BEFORE", "AFTER"),
+        help="measure nothing: write OUT.md, the before/after table of two result JSONs",
+    )
+    args = p.parse_args(argv)
+    if args.compare:
+        before, after = (json.loads(Path(f).read_text()) for f in args.compare)
+        text = compare_markdown(before, after)
+        Path(f"{args.out}.md").write_text(text)
+        print(text)
+        return 0
+
+    import mlx.core as mx
+    import mlx_lm
+
+    mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
+    result = {
+        "size": args.size,
+        "bits": args.bits,
+        "device": mx.device_info().get("device_name", args.device),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "prompt_tokens": PROMPT_TOKENS,
+        "archs": {},
+    }
+    for arch in args.arch or models.ARCHS:
+        result["archs"][arch] = measure(arch, args.size, args.bits, log=_stderr)
+        # Written after every arch: a long run keeps what it finished.
+        Path(f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")
+        Path(f"{args.out}.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
