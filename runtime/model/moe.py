@@ -330,7 +330,7 @@ def route(
 # one compiled kernel each.
 
 
-@mx.compile
+@partial(mx.compile, shapeless=True)  # element-wise: one trace whatever the batch size
 def _sigmoid_and_biased(logits: mx.array, bias: mx.array) -> tuple[mx.array, mx.array]:
     """Sigmoid scores and the biased scores experts are chosen by, in one kernel."""
     scores = mx.sigmoid(logits)

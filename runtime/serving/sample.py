@@ -244,7 +244,7 @@ def _logprobs(raw: mx.array, tokens: mx.array, rows: Sequence[RowSampler]):
 
 def sample_rows(logits: mx.array, rows: Sequence[RowSampler]) -> Sampled:
     """One token for each row of ``logits [B, V]``, row ``b`` sampled as ``rows[b]`` asks."""
-    if all(r.greedy and not (r.adjusts or r.logprobs or r.counts_tokens) for r in rows):
+    if all(r.greedy and not (r.adjusts or r.logprobs) for r in rows):
         return Sampled(greedy(logits), None, None, None, [])  # the argmax needs no float32 copy
     raw = logits.astype(mx.float32)
     x = adjust_logits(raw, rows)

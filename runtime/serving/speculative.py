@@ -263,10 +263,6 @@ def speculative_tokens(
     eos = set(eos_token_ids)
 
     def _run() -> Iterator[int]:
-        def forward(ids: list[int] | mx.array, **kwargs) -> mx.array:
-            ids = ids if isinstance(ids, mx.array) else mx.array([ids], dtype=mx.int32)
-            return model(ids, cache=cache, **kwargs)
-
         # Prefill exactly as generate_tokens does (the same chunks, a trim after each).
         def trim() -> None:
             enforce_max_kv(trimmable, max_kv_size, kv_sink)
@@ -293,7 +289,8 @@ def speculative_tokens(
             k = min(num_draft_tokens, max_tokens - emitted - 1)
             drafts, q = drafter.propose(history, k, temp, rng)
             with decode_bound(trimmable, max_kv_size, kv_sink):
-                logits = forward([history[-1], *drafts])[0]
+                ids = mx.array([[history[-1], *drafts]], dtype=mx.int32)
+                logits = model(ids, cache=cache)[0]
             if temp == 0:
                 new = greedy_accept(mx.argmax(logits, -1).tolist(), drafts)
             else:
