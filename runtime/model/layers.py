@@ -10,7 +10,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx.nn.layers.distributed import AllToShardedLinear, QuantizedAllToShardedLinear
 
-from mlxc.runtime.model import masks
+from mlxc.runtime.model import cuda_attention, masks
 from mlxc.runtime.model.cache import QuantizedKV
 
 
@@ -174,7 +174,10 @@ def attend(
     nothing (gpt-oss).
     """
     masks.check(mask, queries.shape[-2], keys.shape[-2])
-    if isinstance(keys, QuantizedKV):
+    quantized = isinstance(keys, QuantizedKV)
+    if cuda_attention.applies(queries, values.shape[-1], mask, quantized):
+        return cuda_attention.attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    if quantized:
         if queries.shape[-2] <= QUANTIZED_MATMUL_QUERIES and packed_attention():
             return quantized_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         # A prefill chunk: its L x T scores would be materialised; dequantising the live keys
@@ -191,11 +194,11 @@ QUANTIZED_MATMUL_QUERIES = 8
 
 
 def packed_attention() -> bool:
-    """Whether ``attend`` reads quantised keys packed (``quantized_attention``) on this device:
-    on the CPU and Metal. MLX 0.32.4's CUDA ``quantized_matmul`` gave wrong scores for batched
-    64-wide quantised keys (max error ~30 on N(0, 1) inputs, or NaN; H200, 2026-12-01), and
-    one stream's packed step was slower than the fused kernel on float keys there (172 against
-    92 us at 2048 keys), so CUDA dequantises: the resident KV stays quantised."""
+    """Whether ``attend`` reads quantised keys packed through ``quantized_attention`` on this
+    device: on the CPU and Metal. MLX 0.32.4's CUDA ``quantized_matmul`` gave wrong scores for
+    batched 64-wide quantised keys (max error ~30 on N(0, 1) inputs, or NaN; H200,
+    2026-12-01), so CUDA reads them packed through ``cuda_attention`` (its head dims) or
+    dequantises: the resident KV stays quantised."""
     return mx.default_device() == mx.cpu or mx.metal.is_available()
 
 

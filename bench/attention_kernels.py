@@ -1,0 +1,196 @@
+"""Attention for a few queries per row on CUDA: ``runtime.model.cuda_attention`` against MLX's
+own ``scaled_dot_product_attention`` on the same inputs, in one run.
+
+Three cases, each where mlxc's forwards meet a slow path of MLX 0.32's CUDA attention:
+
+- ``ragged``: a decode batch of rows of different lengths (one query per row, a boolean
+  ``key_valid`` mask). MLX has no fused kernel for an array mask with one query and runs
+  matmul, mask and softmax separately. The same batch with equal rows and no mask (MLX's
+  cuDNN decode) is the ``ceiling`` column: what attention would cost if the rows were equal.
+- ``verify``: ``K + 1`` queries with the causal mask at a key length that grows every step (a
+  speculative verification): MLX's cuDNN path builds a graph per key length.
+- ``kv4``: one query against 4-bit keys and values. CUDA mlxc dequantised the live keys
+  every step before this kernel (``layers.attend``); the ``ceiling`` is MLX on bf16 keys.
+
+Each cell evaluates ``--steps`` times, after warm-up, a forward's worth of calls (16, the medium
+llama's layers) at one key length, the next evaluation at a longer one (as decode steps go, so
+graph builds per shape are in), and reports the median microseconds per call; the shapes are
+the medium llama's attention (32 query heads, 8 KV heads, head dim 64).
+
+    python -m bench.attention_kernels --out bench/results/attention-kernels-gpu-h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from mlxc.runtime.model import cuda_attention
+from mlxc.runtime.model.cache import KVQuant
+
+HQ, HKV, D = 32, 8, 64
+SCALE = D**-0.5
+
+
+LAYERS = 16  # calls per evaluation, as the medium llama's forward makes
+
+
+def _time(fn, steps: int) -> float:
+    """Median microseconds per call over ``steps`` evaluations of LAYERS calls each (a
+    forward's worth: the launches overlap as in a model; each evaluation's key length is new)."""
+    for i in range(3):
+        mx.eval([fn(i) for _ in range(LAYERS)])
+    times = []
+    for i in range(steps):
+        t = time.perf_counter()
+        mx.eval([fn(i + 3) for _ in range(LAYERS)])
+        times.append(time.perf_counter() - t)
+    return 1e6 * statistics.median(times) / LAYERS
+
+
+def _buffers(B: int, T: int):
+    cap = (T + 256 + 255) // 256 * 256  # a cache buffer grown in steps of 256, as mlx-lm's
+    k = mx.random.normal((B, HKV, cap, D)).astype(mx.bfloat16)
+    v = mx.random.normal((B, HKV, cap, D)).astype(mx.bfloat16)
+    q = mx.random.normal((B, HQ, 8, D)).astype(mx.bfloat16)
+    mx.eval(k, v, q)
+    return q, k, v
+
+
+def ragged(B: int, T: int, steps: int) -> dict:
+    q, k, v = _buffers(B, T)
+    q1 = q[:, :, :1]
+    rng = np.random.default_rng(0)
+    pad = rng.integers(0, T // 2, B)
+    masks = [
+        mx.array(np.arange(T + i)[None] >= pad[:, None])[:, None, None, :] for i in range(steps + 3)
+    ]
+    mx.eval(masks)
+
+    def sl(i):
+        return k[:, :, : T + i], v[:, :, : T + i]
+
+    return {
+        "ceiling": _time(
+            lambda i: mx.fast.scaled_dot_product_attention(q1, *sl(i), scale=SCALE), steps
+        ),
+        "mlx": _time(
+            lambda i: mx.fast.scaled_dot_product_attention(q1, *sl(i), scale=SCALE, mask=masks[i]),
+            steps,
+        ),
+        "mlxc": _time(
+            lambda i: cuda_attention.attention(q1, *sl(i), scale=SCALE, mask=masks[i]), steps
+        ),
+    }
+
+
+def verify(B: int, T: int, L: int, steps: int) -> dict:
+    q, k, v = _buffers(B, T)
+    qL = q[:, :, :L]
+
+    def sl(i):  # the key length moves on by about the accepted drafts each step
+        return k[:, :, : T + 2 * i], v[:, :, : T + 2 * i]
+
+    return {
+        "ceiling": _time(
+            lambda i: mx.fast.scaled_dot_product_attention(q[:, :, :1], *sl(i), scale=SCALE), steps
+        ),
+        "mlx": _time(
+            lambda i: mx.fast.scaled_dot_product_attention(qL, *sl(i), scale=SCALE, mask="causal"),
+            steps,
+        ),
+        "mlxc": _time(
+            lambda i: cuda_attention.attention(qL, *sl(i), scale=SCALE, mask="causal"), steps
+        ),
+    }
+
+
+def kv4(B: int, T: int, steps: int) -> dict:
+    q, k, v = _buffers(B, T)
+    q1 = q[:, :, :1]
+    quant = KVQuant(bits=4, group_size=64)
+    kq, vq = quant.quantize(k), quant.quantize(v)
+    mx.eval(kq.parts, vq.parts)
+
+    def sl(i):
+        return kq[:, :, : T + i], vq[:, :, : T + i]
+
+    def dequantised(i):
+        kk, vv = sl(i)
+        return mx.fast.scaled_dot_product_attention(
+            q1, kk.dequantize(), vv.dequantize(), scale=SCALE
+        )
+
+    return {
+        "ceiling": _time(
+            lambda i: mx.fast.scaled_dot_product_attention(
+                q1, k[:, :, : T + i], v[:, :, : T + i], scale=SCALE
+            ),
+            steps,
+        ),
+        "mlx": _time(dequantised, steps),
+        "mlxc": _time(
+            lambda i: cuda_attention.attention(q1, *sl(i), scale=SCALE, mask=None), steps
+        ),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if not cuda_attention.available():
+        raise SystemExit(
+            "bench.attention_kernels needs MLX's CUDA backend (the kernels are CUDA's)"
+        )
+    rows = []
+    for B, T in [(1, 2048), (16, 256), (16, 2048), (64, 512)]:
+        rows.append(
+            {"case": "ragged", "batch": B, "keys": T, "queries": 1, **ragged(B, T, args.steps)}
+        )
+    for B, T, L in [(1, 512, 3), (1, 2048, 5), (8, 1024, 3)]:
+        rows.append(
+            {"case": "verify", "batch": B, "keys": T, "queries": L, **verify(B, T, L, args.steps)}
+        )
+    for B, T in [(1, 2048), (16, 1024)]:
+        rows.append({"case": "kv4", "batch": B, "keys": T, "queries": 1, **kv4(B, T, args.steps)})
+    for r in rows:
+        r["mlx_over_mlxc"] = r["mlx"] / r["mlxc"]
+        r["mlxc_over_ceiling"] = r["mlxc"] / r["ceiling"]
+        print(json.dumps(r), flush=True)
+    meta = {"device": str(mx.default_device()), "mlx": mx.__version__, "host": platform.node()}
+    with open(args.out + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    lines = [
+        "# Attention kernels: mlxc's CUDA kernel against MLX's, microseconds per call",
+        "",
+        (
+            f"MLX {meta['mlx']}, {meta['device']}; 32 query heads, 8 KV heads, head dim 64, bf16;"
+            " median per call of 16-call evaluations. `ceiling`: MLX with no mask on equal rows (ragged), one"
+            " query (verify), bf16 keys (kv4)."
+        ),
+        "",
+        "| case | batch | keys | queries | ceiling | MLX | mlxc | MLX / mlxc | mlxc / ceiling |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['case']} | {r['batch']} | {r['keys']} | {r['queries']} | {r['ceiling']:.1f} |"
+            f" {r['mlx']:.1f} | {r['mlxc']:.1f} | {r['mlx_over_mlxc']:.2f}x |"
+            f" {r['mlxc_over_ceiling']:.2f}x |"
+        )
+    with open(args.out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

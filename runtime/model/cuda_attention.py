@@ -1,0 +1,354 @@
+"""Attention for a few queries per row on CUDA, where MLX 0.32's own kernels stop.
+
+MLX's CUDA ``scaled_dot_product_attention`` has two fast paths: cuDNN, and a vector kernel for
+one to three queries per row. Neither takes an array mask for a one-query forward (MLX then
+falls back to separate matmul, mask and softmax kernels), and for two or more queries cuDNN
+builds a graph per shape, keyed by the key length, which changes every step. Three of mlxc's
+forwards land there:
+
+- a decode batch whose rows have different lengths (the server, always): one query per row,
+  a boolean ``key_valid`` mask (``runtime.model.batch``);
+- a speculative verification forward: ``K + 1`` queries, a causal mask, a key length that
+  moves on by the accepted tokens every step;
+- a decode step on quantised keys and values (``--kv-bits``): MLX's CUDA ``quantized_matmul``
+  is not used there (``layers.packed_attention``), so the live keys were dequantised per step.
+
+``attention`` is one kernel (two when the keys are split across blocks) for all three: rows
+and heads of any strides, GQA without broadcasting the keys, a boolean mask of any broadcast
+shape or a bottom-right causal one, attention sinks, and keys and values read either as floats
+or packed (4 or 8 bits, MLX's affine layout) and dequantised in registers. ``applies`` says
+when ``layers.attend`` takes it. The kernels compile once per (dtype, head dim, queries, mask
+kind, quantisation) and never per length: lengths and strides are arguments.
+
+Checked against MLX's own attention on the H200 by ``tests/test_cuda_attention.py`` (it
+skips without CUDA: CI has none) and timed against it by ``bench/attention_kernels.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import mlx.core as mx
+
+# The most queries per row the kernel takes (a verification forward of up to 7 drafts).
+MAX_QUERIES = 8
+HEAD_DIMS = (64, 128)
+WARPS = 4  # warps per block; each walks its own keys of the block's chunk
+
+_HEADER = """
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+// Element e of a row of D values: a float one, or MLX's affine packing (values low bits
+// first in uint32 words, one scale and bias per GS elements).
+template <typename P, typename S, int BITS, int GS>
+__device__ __forceinline__ float element(
+    const P* row, const S* scales, const S* biases, int e, long long es, long long gs_stride) {
+  if constexpr (BITS == 0) {
+    return static_cast<float>(row[e * es]);
+  } else {
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(row);
+    uint32_t w = words[(e * BITS) / 32];
+    uint32_t q = (w >> ((e * BITS) % 32)) & ((1u << BITS) - 1u);
+    int g = e / GS;
+    return static_cast<float>(scales[g * gs_stride]) * static_cast<float>(q) +
+        static_cast<float>(biases[g * gs_stride]);
+  }
+}
+// N contiguous elements (N * sizeof(P) bytes, so aligned: rows start on whole head dims).
+template <typename P, int N>
+__device__ __forceinline__ void load_floats(const P* p, float* out) {
+  struct alignas(N * sizeof(P)) Vec { P x[N]; };
+  const Vec v = *reinterpret_cast<const Vec*>(p);
+  for (int j = 0; j < N; ++j) out[j] = static_cast<float>(v.x[j]);
+}
+// A 4-d index with broadcasting: a dimension of size 1 has stride 0.
+__device__ __forceinline__ long long at4(
+    const mlx::core::cu::Shape& shape, const mlx::core::cu::Strides& strides, int a, int b, int c, int d) {
+  return (shape[0] == 1 ? 0 : a * strides[0]) + (shape[1] == 1 ? 0 : b * strides[1]) +
+      (shape[2] == 1 ? 0 : c * strides[2]) + (shape[3] == 1 ? 0 : d * strides[3]);
+}
+"""
+
+# One block per (row, query head, chunk of keys); WARPS warps, each a key at a time, its 32
+# lanes splitting the head dim. Online softmax per warp and query, merged across the warps in
+# shared memory; with one chunk the block writes the output, else its partial sums.
+_CHUNK_SOURCE = """
+  constexpr int DPL = D / 32;
+  constexpr float LOG2E = 1.4426950408889634f;
+  const float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
+  const int chunk = blockIdx.x, n_chunks = gridDim.x;
+  const int Hq = q_shape[1], Hkv = k_shape[1], Tk = k_shape[2];
+  const int b = blockIdx.y / Hq, h = blockIdx.y % Hq, kvh = h / (Hq / Hkv);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float sc = scale[0] * LOG2E;
+
+  float qr[L][DPL];
+  for (int l = 0; l < L; ++l)
+    for (int j = 0; j < DPL; ++j)
+      qr[l][j] = static_cast<float>(
+          q[b * q_strides[0] + h * q_strides[1] + l * q_strides[2] +
+            (lane * DPL + j) * q_strides[3]]) * sc;
+
+  float m[L], s[L], acc[L][DPL];
+  for (int l = 0; l < L; ++l) {
+    m[l] = NEG_INF; s[l] = 0.f;
+    for (int j = 0; j < DPL; ++j) acc[l][j] = 0.f;
+  }
+  const int per_chunk = (Tk + n_chunks - 1) / n_chunks;
+  const int start = chunk * per_chunk, end = min(Tk, start + per_chunk);
+  const auto* krow = k + b * k_strides[0] + kvh * k_strides[1];
+  const auto* vrow = v + b * v_strides[0] + kvh * v_strides[1];
+  const auto* ksc = k_scales + b * k_scales_strides[0] + kvh * k_scales_strides[1];
+  const auto* kbi = k_biases + b * k_biases_strides[0] + kvh * k_biases_strides[1];
+  const auto* vsc = v_scales + b * v_scales_strides[0] + kvh * v_scales_strides[1];
+  const auto* vbi = v_biases + b * v_biases_strides[0] + kvh * v_biases_strides[1];
+  // Float rows with a contiguous head dim (every cache's): one vector load per lane.
+  const bool contiguous = BITS == 0 && k_strides[3] == 1 && v_strides[3] == 1 &&
+      k_strides[2] % DPL == 0 && v_strides[2] % DPL == 0 &&
+      (reinterpret_cast<uintptr_t>(krow) | reinterpret_cast<uintptr_t>(vrow)) %
+          (DPL * sizeof(KT)) == 0;
+  for (int t = start + warp; t < end; t += WARPS) {
+    float kr[DPL], vr[DPL];
+    if (contiguous) {
+      load_floats<KT, DPL>(krow + t * k_strides[2] + lane * DPL, kr);
+      load_floats<KT, DPL>(vrow + t * v_strides[2] + lane * DPL, vr);
+    } else {
+      for (int j = 0; j < DPL; ++j) {
+        int e = lane * DPL + j;
+        kr[j] = element<KT, S, BITS, GS>(krow + t * k_strides[2], ksc + t * k_scales_strides[2],
+            kbi + t * k_biases_strides[2], e, k_strides[3], k_scales_strides[3]);
+        vr[j] = element<KT, S, BITS, GS>(vrow + t * v_strides[2], vsc + t * v_scales_strides[2],
+            vbi + t * v_biases_strides[2], e, v_strides[3], v_scales_strides[3]);
+      }
+    }
+    for (int l = 0; l < L; ++l) {
+      bool use = true;  // the same for every lane of the warp
+      if constexpr (MASK == 1) use = t <= Tk - L + l;
+      if constexpr (MASK == 2) use = mask[at4(mask_shape, mask_strides, b, h, l, t)];
+      if (!use) continue;
+      float d = 0.f;
+      for (int j = 0; j < DPL; ++j) d += qr[l][j] * kr[j];
+      d = warp_sum(d);
+      float mn = fmaxf(m[l], d);
+      float f = exp2f(m[l] - mn), p = exp2f(d - mn);
+      s[l] = s[l] * f + p;
+      for (int j = 0; j < DPL; ++j) acc[l][j] = acc[l][j] * f + p * vr[j];
+      m[l] = mn;
+    }
+  }
+
+  __shared__ float wm[WARPS][L], ws[WARPS][L], wacc[WARPS][L][D];
+  for (int l = 0; l < L; ++l) {
+    if (lane == 0) { wm[warp][l] = m[l]; ws[warp][l] = s[l]; }
+    for (int j = 0; j < DPL; ++j) wacc[warp][l][lane * DPL + j] = acc[l][j];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < L * D; i += blockDim.x) {
+    const int l = i / D, e = i % D;
+    float M = NEG_INF;
+    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, wm[w][l]);
+    float tot = 0.f, a = 0.f;
+    for (int w = 0; w < WARPS; ++w) {
+      if (wm[w][l] == NEG_INF) continue;  // this warp saw no key the query may attend to
+      float f = exp2f(wm[w][l] - M);
+      tot += ws[w][l] * f;
+      a += wacc[w][l][e] * f;
+    }
+    const long long row = (static_cast<long long>(blockIdx.y) * L + l);
+    /*WRITE*/
+  }
+"""
+
+# One block per (row, query head, query), one thread per output element: the chunks' partial
+# sums merged.
+_MERGE_SOURCE = """
+  constexpr float LOG2E = 1.4426950408889634f;
+  const float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
+  const int n_chunks = part_max_shape[1];
+  const long long row = blockIdx.y;
+  const int e = threadIdx.x;
+  float M = NEG_INF;
+  for (int c = 0; c < n_chunks; ++c) M = fmaxf(M, part_max[row * n_chunks + c]);
+  float tot = 0.f, a = 0.f;
+  for (int c = 0; c < n_chunks; ++c) {
+    const float mc = part_max[row * n_chunks + c];
+    if (mc == NEG_INF) continue;
+    const float f = exp2f(mc - M);
+    tot += part_sum[row * n_chunks + c] * f;
+    a += part_acc[(row * n_chunks + c) * D + e] * f;
+  }
+  if constexpr (SINKS) {
+    const int h = (row / L) % HEADS;
+    const float sk = static_cast<float>(sinks[h]) * LOG2E;
+    const float M2 = fmaxf(M, sk);
+    const float f = exp2f(M - M2);
+    a *= f; tot = tot * f + exp2f(sk - M2);
+  }
+  out[row * D + e] = static_cast<T>(tot > 0.f ? a / tot : 0.f);
+"""
+
+# What a block does with its merged sums: the output (one chunk), or partial sums to merge.
+_WRITE_PARTIAL = """
+    part_acc[(row * n_chunks + chunk) * D + e] = a;
+    if (e == 0) { part_max[row * n_chunks + chunk] = M; part_sum[row * n_chunks + chunk] = tot; }
+"""
+_WRITE_OUT = """
+    if constexpr (SINKS) {
+      const float sk = static_cast<float>(sinks[h]) * LOG2E;
+      const float M2 = fmaxf(M, sk);
+      const float f = exp2f(M - M2);  // 0 when no key was attended to
+      a *= f; tot = tot * f + exp2f(sk - M2);
+    }
+    out[row * D + e] = static_cast<T>(tot > 0.f ? a / tot : 0.f);
+"""
+
+_INPUTS = ["q", "k", "v", "k_scales", "k_biases", "v_scales", "v_biases", "mask", "sinks", "scale"]
+
+
+@functools.cache
+def _chunk_kernel(chunked: bool):
+    outputs = ["part_acc", "part_max", "part_sum"] if chunked else ["out"]
+    return mx.fast.cuda_kernel(
+        name="mlxc_attention_chunked" if chunked else "mlxc_attention",
+        input_names=_INPUTS,
+        output_names=outputs,
+        source=_CHUNK_SOURCE.replace("/*WRITE*/", _WRITE_PARTIAL if chunked else _WRITE_OUT),
+        header=_HEADER,
+        ensure_row_contiguous=False,
+    )
+
+
+@functools.cache
+def _merge_kernel():
+    return mx.fast.cuda_kernel(
+        name="mlxc_attention_merge",
+        input_names=["part_acc", "part_max", "part_sum", "sinks"],
+        output_names=["out"],
+        source=_MERGE_SOURCE,
+        ensure_row_contiguous=True,
+    )
+
+
+def available() -> bool:
+    """Whether the kernels can run: MLX's CUDA backend, on the default device."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def applies(
+    queries: mx.array, values_dim: int, mask: mx.array | str | None, quantized: bool
+) -> bool:
+    """Whether ``layers.attend`` should take ``attention`` for these queries on this device:
+    where MLX has no fused kernel (one query with an array mask, or quantised keys) or builds
+    a graph per key length (two or more queries), for the head dims and dtypes it is built
+    for."""
+    L, D = queries.shape[-2], queries.shape[-1]
+    if not (1 <= L <= MAX_QUERIES and D == values_dim and D in HEAD_DIMS):
+        return False
+    if queries.dtype not in (mx.bfloat16, mx.float16, mx.float32):
+        return False
+    if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
+        return False  # additive masks (MLA's rope scores) stay with MLX
+    if L == 1 and not isinstance(mask, mx.array) and not quantized:
+        return False  # MLX's own decode kernels (cuDNN, vector) are exact and fast here
+    return available()
+
+
+def _chunks(blocks: int, n_keys: int) -> int:
+    """Chunks of keys per (row, query head): enough blocks to fill the GPU (about four per SM
+    of an H200) and at most ~512 keys per block; no fewer than 64 keys per block."""
+    wanted = max(math.ceil(528 / blocks), math.ceil(n_keys / 512))
+    return max(1, min(wanted, math.ceil(n_keys / 64)))
+
+
+def attention(
+    queries: mx.array,
+    keys,
+    values,
+    *,
+    scale: float,
+    mask: mx.array | str | None,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """``softmax(scale * q k^T + mask) v`` for ``queries [B, Hq, L, D]`` (L <= MAX_QUERIES)
+    against ``keys``/``values`` ``[B, Hkv, T, D]``, float arrays or ``QuantizedKV``; ``mask``:
+    None, ``"causal"`` (queries last) or a boolean array broadcastable to ``[B, Hq, L, T]``.
+    Returns ``[B, Hq, L, D]`` in the queries' dtype."""
+    B, Hq, L, D = queries.shape
+    quantized = not isinstance(keys, mx.array)
+    if quantized:
+        k, k_scales, k_biases = keys.parts
+        v, v_scales, v_biases = values.parts
+        bits, group = keys.quant.bits, keys.quant.group_size
+        scale_dtype = k_scales.dtype
+        n_keys = k.shape[2]
+    else:
+        k, v = keys, values
+        k_scales = k_biases = v_scales = v_biases = _dummy(queries.dtype)
+        bits, group, scale_dtype = 0, 1, queries.dtype
+        n_keys = k.shape[2]
+    if isinstance(mask, mx.array):
+        kind = 2
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    else:
+        kind = 1 if mask == "causal" else 0
+        mask = _dummy(mx.bool_, ndim=4)
+    has_sinks = sinks is not None
+    sink_arr = sinks if has_sinks else _dummy(queries.dtype)
+    n_chunks = _chunks(B * Hq, n_keys)
+    chunked = n_chunks > 1
+    template = [
+        ("T", queries.dtype),
+        ("KT", k.dtype),
+        ("S", scale_dtype),
+        ("D", D),
+        ("L", L),
+        ("MASK", kind),
+        ("BITS", bits),
+        ("GS", group),
+        ("WARPS", WARPS),
+        ("SINKS", has_sinks),
+    ]
+    rows = B * Hq * L
+    inputs = [queries, k, v, k_scales, k_biases, v_scales, v_biases, mask, sink_arr]
+    inputs.append(_scalar(scale))
+    if not chunked:
+        (out,) = _chunk_kernel(False)(
+            inputs=inputs,
+            template=template,
+            grid=(WARPS * 32, B * Hq, 1),
+            threadgroup=(WARPS * 32, 1, 1),
+            output_shapes=[(B, Hq, L, D)],
+            output_dtypes=[queries.dtype],
+        )
+        return out
+    part_acc, part_max, part_sum = _chunk_kernel(True)(
+        inputs=inputs,
+        template=template,
+        grid=(n_chunks * WARPS * 32, B * Hq, 1),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(rows, n_chunks, D), (rows, n_chunks), (rows, n_chunks)],
+        output_dtypes=[mx.float32] * 3,
+    )
+    (out,) = _merge_kernel()(
+        inputs=[part_acc, part_max, part_sum, sink_arr],
+        template=[("T", queries.dtype), ("D", D), ("L", L), ("HEADS", Hq), ("SINKS", has_sinks)],
+        grid=(D, rows, 1),
+        threadgroup=(D, 1, 1),
+        output_shapes=[(B, Hq, L, D)],
+        output_dtypes=[queries.dtype],
+    )
+    return out
+
+
+@functools.cache
+def _dummy(dtype: mx.Dtype, ndim: int = 1) -> mx.array:
+    """A one-element stand-in for an input a kernel variant does not read."""
+    return mx.zeros((1,) * ndim, dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _scalar(x: float) -> mx.array:
+    return mx.array([x], mx.float32)

@@ -1,0 +1,136 @@
+"""``runtime.model.cuda_attention`` against MLX's own attention, on CUDA only.
+
+CI has no GPU, so these skip there; they ran on the lent H200 (``bench/results/`` names the
+run). The oracle is ``mx.fast.scaled_dot_product_attention`` on the CPU stream in float32, on
+the same bf16 (or dequantised) inputs: the kernel accumulates in float32 and rounds once to
+bf16, so it should agree to bf16's half-ulp at |out| < 2 (4e-3) plus float32 summation order;
+1e-2 absolute leaves room for that and catches any wrong key, mask column or weight (those
+move outputs by ~0.1 on these inputs).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxc.runtime.model import cuda_attention, layers
+from mlxc.runtime.model.cache import KVQuant
+
+pytestmark = pytest.mark.skipif(
+    not cuda_attention.available(), reason="the kernels run on MLX's CUDA backend only"
+)
+
+TOL = 1e-2
+
+
+def _inputs(B, Hq, Hkv, L, T, D, seed):
+    key = mx.random.key(seed)
+    k1, k2, k3 = mx.random.split(key, 3)
+    # Queries as attention layers make them: [B, L, H, D] transposed (not row-contiguous).
+    q = mx.random.normal((B, L, Hq, D), key=k1).astype(mx.bfloat16).transpose(0, 2, 1, 3)
+    # Keys and values as slices of a larger cache buffer (strided views).
+    cap = T + 37
+    kb = mx.random.normal((B, Hkv, cap, D), key=k2).astype(mx.bfloat16)
+    vb = mx.random.normal((B, Hkv, cap, D), key=k3).astype(mx.bfloat16)
+    return q, kb[:, :, :T], vb[:, :, :T]
+
+
+def _ragged_valid(B, T, L, seed):
+    """``[B, 1, 1, T]`` as ``BatchKVCache.key_valid`` makes it: a pad, a sink and a gap per row."""
+    rng = np.random.default_rng(seed)
+    col = np.arange(T)[None]
+    pad = rng.integers(0, max(1, T // 3), B)[:, None]
+    sink = rng.integers(0, 4, B)[:, None]
+    gap = rng.integers(0, max(1, T // 4), B)[:, None]
+    valid = (col >= pad) & ~((col >= pad + sink) & (col < pad + sink + gap))
+    valid[:, T - L :] = True  # the new tokens
+    return mx.array(valid)[:, None, None, :]
+
+
+def _oracle(q, k, v, scale, mask, sinks=None):
+    f = [x.astype(mx.float32) for x in (q, k, v)]
+    if sinks is not None:
+        sinks = sinks.astype(mx.float32)
+    out = mx.fast.scaled_dot_product_attention(
+        *f, scale=scale, mask=mask, sinks=sinks, stream=mx.cpu
+    )
+    return np.array(out)
+
+
+def _check(out, want):
+    got = np.array(out.astype(mx.float32))
+    assert got.shape == want.shape
+    err = np.abs(got - want).max()
+    assert err < TOL, f"max error {err}"
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("B,Hq,Hkv", [(1, 8, 2), (5, 4, 4)])
+@pytest.mark.parametrize("T", [9, 300, 3000])
+def test_ragged_decode(B, Hq, Hkv, T, D):
+    q, k, v = _inputs(B, Hq, Hkv, 1, T, D, seed=T + D)
+    mask = _ragged_valid(B, T, 1, seed=T)
+    scale = D**-0.5
+    assert cuda_attention.applies(q, D, mask, quantized=False)
+    _check(cuda_attention.attention(q, k, v, scale=scale, mask=mask), _oracle(q, k, v, scale, mask))
+
+
+@pytest.mark.parametrize("L", [2, 3, 8])
+@pytest.mark.parametrize("T", [8, 700])
+def test_verify_causal(L, T):
+    """A verification forward: L queries last, the string causal mask, and the array form a
+    prompt batch gives (causal and ragged rows)."""
+    B, Hq, Hkv, D = 2, 8, 2, 64
+    q, k, v = _inputs(B, Hq, Hkv, L, T, D, seed=L * T)
+    scale = D**-0.5
+    causal = mx.array(np.tril(np.ones((L, T), bool), T - L))
+    _check(
+        cuda_attention.attention(q, k, v, scale=scale, mask="causal"),
+        _oracle(q, k, v, scale, causal),
+    )
+    both = causal & _ragged_valid(B, T, L, seed=L)
+    _check(cuda_attention.attention(q, k, v, scale=scale, mask=both), _oracle(q, k, v, scale, both))
+
+
+@pytest.mark.parametrize("T", [40, 2000])
+def test_sinks(T):
+    B, Hq, Hkv, D = 3, 8, 4, 64
+    q, k, v = _inputs(B, Hq, Hkv, 1, T, D, seed=T)
+    sinks = (mx.random.normal((Hq,), key=mx.random.key(7)) * 2).astype(mx.bfloat16)
+    mask = _ragged_valid(B, T, 1, seed=1)
+    scale = D**-0.5
+    _check(
+        cuda_attention.attention(q, k, v, scale=scale, mask=mask, sinks=sinks),
+        _oracle(q, k, v, scale, mask, sinks),
+    )
+
+
+@pytest.mark.parametrize("bits,group", [(4, 64), (4, 32), (8, 64)])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("T", [50, 2500])
+def test_quantized(bits, group, D, T):
+    """Packed keys and values, read as ``QuantizedKV`` slices; the oracle attends to their
+    dequantised floats (the same values the kernel expands in registers)."""
+    B, Hq, Hkv = 2, 8, 2
+    q, k, v = _inputs(B, Hq, Hkv, 1, T + 5, D, seed=bits + D + T)
+    quant = KVQuant(bits=bits, group_size=group)
+    kq, vq = quant.quantize(k)[:, :, :T], quant.quantize(v)[:, :, :T]
+    scale = D**-0.5
+    for mask in (None, _ragged_valid(B, T, 1, seed=3)):
+        assert cuda_attention.applies(q, D, mask, quantized=True)
+        got = cuda_attention.attention(q, kq, vq, scale=scale, mask=mask)
+        _check(got, _oracle(q, kq.dequantize(), vq.dequantize(), scale, mask))
+
+
+def test_attend_routes_here_only_where_mlx_has_no_fast_path():
+    q, k, v = _inputs(2, 8, 2, 1, 64, 64, seed=0)
+    mask = _ragged_valid(2, 64, 1, seed=0)
+    assert cuda_attention.applies(q, 64, mask, quantized=False)
+    assert not cuda_attention.applies(q, 64, None, quantized=False)  # MLX's decode kernels
+    assert not cuda_attention.applies(q, 64, mask.astype(mx.bfloat16), quantized=False)
+    q96 = mx.zeros((2, 8, 1, 96), mx.bfloat16)
+    assert not cuda_attention.applies(q96, 96, mask, quantized=False)
+    # And attend's answer is the kernel's.
+    out = layers.attend(q, k, v, scale=0.125, mask=mask)
+    _check(out, _oracle(q, k, v, 0.125, mask))
