@@ -368,6 +368,7 @@ def generate(
     from mlxc.runtime.checkpoint.loading import CheckpointError, load_checkpoint
     from mlxc.runtime.checkpoint.processor import ImageInputError, load_image
     from mlxc.runtime.checkpoint.tokenizer import StreamingDetokenizer, encode_prompt
+    from mlxc.runtime.model import cuda_attention
     from mlxc.runtime.model.cache import KVQuantError, check_kv_quant
     from mlxc.runtime.serving.distributed import agree_on_seed, same_on_every_rank, world
 
@@ -446,6 +447,8 @@ def generate(
         check_kv_quant(model, kv_quant)
     except (CheckpointError, KVQuantError) as e:
         raise _OneLineError(str(e), 1) from e
+    if kv_quant is not None:
+        cuda_attention.warm(model, (1,), kv_quant)  # packed decode steps' kernels (CUDA only)
 
     if group is not None and seed is None:
         agree_on_seed(group)  # the ranks must draw the same tokens

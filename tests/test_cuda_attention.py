@@ -76,8 +76,8 @@ def test_ragged_decode(B, Hq, Hkv, T, D):
     _check(cuda_attention.attention(q, k, v, scale=scale, mask=mask), _oracle(q, k, v, scale, mask))
 
 
-@pytest.mark.parametrize("L", [2, 3, 8])
-@pytest.mark.parametrize("T", [8, 700])
+@pytest.mark.parametrize("L", [2, 3, 9, 16])
+@pytest.mark.parametrize("T", [20, 700])
 def test_verify_causal(L, T):
     """A verification forward: L queries last, the string causal mask, and the array form a
     prompt batch gives (causal and ragged rows)."""

@@ -17,8 +17,14 @@ forwards land there:
 and heads of any strides, GQA without broadcasting the keys, a boolean mask of any broadcast
 shape or a bottom-right causal one, attention sinks, and keys and values read either as floats
 or packed (4 or 8 bits, MLX's affine layout) and dequantised in registers. ``applies`` says
-when ``layers.attend`` takes it. The kernels compile once per (dtype, head dim, queries, mask
-kind, quantisation) and never per length: lengths and strides are arguments.
+when ``layers.attend`` takes it.
+
+MLX compiles a custom kernel (NVRTC) the first time each variant runs in a process, a second or
+more each, and keeps no disk cache for them: a server that met them at its first ragged batch
+stalled every stream for ~5 s (H200, 2026-12-01). So variants are few (dtype, head dim,
+queries, packing; lengths, strides, the mask kind and sinks are arguments) and ``warm``
+compiles a model's before it serves: the scheduler at start, speculation before its prefill,
+a quantised cache when made.
 
 Checked against MLX's own attention on the H200 by ``tests/test_cuda_attention.py`` (it
 skips without CUDA: CI has none) and timed against it by ``bench/attention_kernels.py``.
@@ -31,8 +37,8 @@ import math
 
 import mlx.core as mx
 
-# The most queries per row the kernel takes (a verification forward of up to 7 drafts).
-MAX_QUERIES = 8
+# The most queries per row the kernel takes (a verification forward of up to 15 drafts).
+MAX_QUERIES = 16
 HEAD_DIMS = (64, 128)
 WARPS = 4  # warps per block; each walks its own keys of the block's chunk
 
@@ -74,8 +80,11 @@ __device__ __forceinline__ long long at4(
 
 # One block per (row, query head, chunk of keys); WARPS warps, each a key at a time, its 32
 # lanes splitting the head dim. Online softmax per warp and query, merged across the warps in
-# shared memory; with one chunk the block writes the output, else its partial sums.
-_CHUNK_SOURCE = """
+# shared memory; with one chunk the block writes the output, else its partial sums. The mask
+# kind, the sinks and the chunking are run-time flags (``flags``: scale, mask kind, sinks):
+# every variant is a JIT compile of a second or more, so only what shapes registers (dtypes,
+# head dim, queries, packing) is a template argument.
+_SOURCE = """
   constexpr int DPL = D / 32;
   constexpr float LOG2E = 1.4426950408889634f;
   const float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
@@ -83,7 +92,9 @@ _CHUNK_SOURCE = """
   const int Hq = q_shape[1], Hkv = k_shape[1], Tk = k_shape[2];
   const int b = blockIdx.y / Hq, h = blockIdx.y % Hq, kvh = h / (Hq / Hkv);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const float sc = scale[0] * LOG2E;
+  const float sc = flags[0] * LOG2E;
+  const int mask_kind = static_cast<int>(flags[1]);  // 0 none, 1 causal, 2 boolean array
+  const bool has_sinks = flags[2] != 0.f;
 
   float qr[L][DPL];
   for (int l = 0; l < L; ++l)
@@ -126,8 +137,8 @@ _CHUNK_SOURCE = """
     }
     for (int l = 0; l < L; ++l) {
       bool use = true;  // the same for every lane of the warp
-      if constexpr (MASK == 1) use = t <= Tk - L + l;
-      if constexpr (MASK == 2) use = mask[at4(mask_shape, mask_strides, b, h, l, t)];
+      if (mask_kind == 1) use = t <= Tk - L + l;
+      else if (mask_kind == 2) use = mask[at4(mask_shape, mask_strides, b, h, l, t)];
       if (!use) continue;
       float d = 0.f;
       for (int j = 0; j < DPL; ++j) d += qr[l][j] * kr[j];
@@ -158,7 +169,18 @@ _CHUNK_SOURCE = """
       a += wacc[w][l][e] * f;
     }
     const long long row = (static_cast<long long>(blockIdx.y) * L + l);
-    /*WRITE*/
+    if (n_chunks > 1) {
+      part_acc[(row * n_chunks + chunk) * D + e] = a;
+      if (e == 0) { part_max[row * n_chunks + chunk] = M; part_sum[row * n_chunks + chunk] = tot; }
+      continue;
+    }
+    if (has_sinks) {
+      const float sk = static_cast<float>(sinks[h]) * LOG2E;
+      const float M2 = fmaxf(M, sk);
+      const float f = exp2f(M - M2);  // 0 when no key was attended to
+      a *= f; tot = tot * f + exp2f(sk - M2);
+    }
+    out[row * D + e] = static_cast<T>(tot > 0.f ? a / tot : 0.f);
   }
 """
 
@@ -170,6 +192,7 @@ _MERGE_SOURCE = """
   const int n_chunks = part_max_shape[1];
   const long long row = blockIdx.y;
   const int e = threadIdx.x;
+  const int heads = static_cast<int>(flags[3]);
   float M = NEG_INF;
   for (int c = 0; c < n_chunks; ++c) M = fmaxf(M, part_max[row * n_chunks + c]);
   float tot = 0.f, a = 0.f;
@@ -180,8 +203,8 @@ _MERGE_SOURCE = """
     tot += part_sum[row * n_chunks + c] * f;
     a += part_acc[(row * n_chunks + c) * D + e] * f;
   }
-  if constexpr (SINKS) {
-    const int h = (row / L) % HEADS;
+  if (flags[2] != 0.f) {
+    const int h = (row / L) % heads;
     const float sk = static_cast<float>(sinks[h]) * LOG2E;
     const float M2 = fmaxf(M, sk);
     const float f = exp2f(M - M2);
@@ -190,32 +213,16 @@ _MERGE_SOURCE = """
   out[row * D + e] = static_cast<T>(tot > 0.f ? a / tot : 0.f);
 """
 
-# What a block does with its merged sums: the output (one chunk), or partial sums to merge.
-_WRITE_PARTIAL = """
-    part_acc[(row * n_chunks + chunk) * D + e] = a;
-    if (e == 0) { part_max[row * n_chunks + chunk] = M; part_sum[row * n_chunks + chunk] = tot; }
-"""
-_WRITE_OUT = """
-    if constexpr (SINKS) {
-      const float sk = static_cast<float>(sinks[h]) * LOG2E;
-      const float M2 = fmaxf(M, sk);
-      const float f = exp2f(M - M2);  // 0 when no key was attended to
-      a *= f; tot = tot * f + exp2f(sk - M2);
-    }
-    out[row * D + e] = static_cast<T>(tot > 0.f ? a / tot : 0.f);
-"""
-
-_INPUTS = ["q", "k", "v", "k_scales", "k_biases", "v_scales", "v_biases", "mask", "sinks", "scale"]
+_INPUTS = ["q", "k", "v", "k_scales", "k_biases", "v_scales", "v_biases", "mask", "sinks", "flags"]
 
 
 @functools.cache
-def _chunk_kernel(chunked: bool):
-    outputs = ["part_acc", "part_max", "part_sum"] if chunked else ["out"]
+def _kernel():
     return mx.fast.cuda_kernel(
-        name="mlxc_attention_chunked" if chunked else "mlxc_attention",
+        name="mlxc_attention",
         input_names=_INPUTS,
-        output_names=outputs,
-        source=_CHUNK_SOURCE.replace("/*WRITE*/", _WRITE_PARTIAL if chunked else _WRITE_OUT),
+        output_names=["out", "part_acc", "part_max", "part_sum"],
+        source=_SOURCE,
         header=_HEADER,
         ensure_row_contiguous=False,
     )
@@ -225,7 +232,7 @@ def _chunk_kernel(chunked: bool):
 def _merge_kernel():
     return mx.fast.cuda_kernel(
         name="mlxc_attention_merge",
-        input_names=["part_acc", "part_max", "part_sum", "sinks"],
+        input_names=["part_acc", "part_max", "part_sum", "sinks", "flags"],
         output_names=["out"],
         source=_MERGE_SOURCE,
         ensure_row_contiguous=True,
@@ -271,11 +278,13 @@ def attention(
     scale: float,
     mask: mx.array | str | None,
     sinks: mx.array | None = None,
+    chunks: int | None = None,
 ) -> mx.array:
     """``softmax(scale * q k^T + mask) v`` for ``queries [B, Hq, L, D]`` (L <= MAX_QUERIES)
     against ``keys``/``values`` ``[B, Hkv, T, D]``, float arrays or ``QuantizedKV``; ``mask``:
     None, ``"causal"`` (queries last) or a boolean array broadcastable to ``[B, Hq, L, T]``.
-    Returns ``[B, Hq, L, D]`` in the queries' dtype."""
+    ``chunks``: blocks per (row, head) along the keys (default: by the shapes). Returns
+    ``[B, Hq, L, D]`` in the queries' dtype."""
     B, Hq, L, D = queries.shape
     quantized = not isinstance(keys, mx.array)
     if quantized:
@@ -295,46 +304,39 @@ def attention(
     else:
         kind = 1 if mask == "causal" else 0
         mask = _dummy(mx.bool_, ndim=4)
-    has_sinks = sinks is not None
-    sink_arr = sinks if has_sinks else _dummy(queries.dtype)
-    n_chunks = _chunks(B * Hq, n_keys)
-    chunked = n_chunks > 1
+    sink_arr = _dummy(queries.dtype) if sinks is None else sinks
+    flags = _flags(scale, kind, sinks is not None, Hq)
+    n_chunks = chunks or _chunks(B * Hq, n_keys)
+    rows = B * Hq * L
     template = [
         ("T", queries.dtype),
         ("KT", k.dtype),
         ("S", scale_dtype),
         ("D", D),
         ("L", L),
-        ("MASK", kind),
         ("BITS", bits),
         ("GS", group),
         ("WARPS", WARPS),
-        ("SINKS", has_sinks),
     ]
-    rows = B * Hq * L
-    inputs = [queries, k, v, k_scales, k_biases, v_scales, v_biases, mask, sink_arr]
-    inputs.append(_scalar(scale))
-    if not chunked:
-        (out,) = _chunk_kernel(False)(
-            inputs=inputs,
-            template=template,
-            grid=(WARPS * 32, B * Hq, 1),
-            threadgroup=(WARPS * 32, 1, 1),
-            output_shapes=[(B, Hq, L, D)],
-            output_dtypes=[queries.dtype],
-        )
-        return out
-    part_acc, part_max, part_sum = _chunk_kernel(True)(
-        inputs=inputs,
+    # With one chunk the block writes ``out``; with more, the partial sums (the other
+    # outputs are then one-element stand-ins, allocated and never written).
+    if n_chunks == 1:
+        shapes = [(B, Hq, L, D), (1,), (1,), (1,)]
+    else:
+        shapes = [(1,), (rows, n_chunks, D), (rows, n_chunks), (rows, n_chunks)]
+    out, part_acc, part_max, part_sum = _kernel()(
+        inputs=[queries, k, v, k_scales, k_biases, v_scales, v_biases, mask, sink_arr, flags],
         template=template,
         grid=(n_chunks * WARPS * 32, B * Hq, 1),
         threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(rows, n_chunks, D), (rows, n_chunks), (rows, n_chunks)],
-        output_dtypes=[mx.float32] * 3,
+        output_shapes=shapes,
+        output_dtypes=[queries.dtype, mx.float32, mx.float32, mx.float32],
     )
+    if n_chunks == 1:
+        return out
     (out,) = _merge_kernel()(
-        inputs=[part_acc, part_max, part_sum, sink_arr],
-        template=[("T", queries.dtype), ("D", D), ("L", L), ("HEADS", Hq), ("SINKS", has_sinks)],
+        inputs=[part_acc, part_max, part_sum, sink_arr, flags],
+        template=[("T", queries.dtype), ("D", D), ("L", L)],
         grid=(D, rows, 1),
         threadgroup=(D, 1, 1),
         output_shapes=[(B, Hq, L, D)],
@@ -350,5 +352,52 @@ def _dummy(dtype: mx.Dtype, ndim: int = 1) -> mx.array:
 
 
 @functools.lru_cache(maxsize=64)
-def _scalar(x: float) -> mx.array:
-    return mx.array([x], mx.float32)
+def _flags(scale: float, mask_kind: int, sinks: bool, heads: int) -> mx.array:
+    """The kernels' run-time flags, one small array per attention configuration."""
+    return mx.array([scale, mask_kind, float(sinks), heads], mx.float32)
+
+
+def warm(model, queries: tuple[int, ...] = (1,), quant=None) -> None:
+    """Compile the kernels ``model``'s attention layers will take for these query counts, on
+    float keys and (``quant``) packed ones, so the first forward that needs them does not wait
+    for NVRTC. A no-op off CUDA; each variant compiles once per process."""
+    if not available():
+        return
+    dtype = _activation_dtype(model)
+    for head_dim in sorted(_head_dims(model)):
+        for n in queries:
+            if 1 <= n <= MAX_QUERIES and head_dim in HEAD_DIMS:
+                _warm(dtype, head_dim, n, quant)
+
+
+@functools.cache
+def _warm(dtype: mx.Dtype, head_dim: int, n_queries: int, quant) -> None:
+    q = mx.zeros((1, 2, n_queries, head_dim), dtype)
+    k = mx.zeros((1, 1, 128, head_dim), dtype)
+    outs = []
+    for keys in (k, None if quant is None else quant.quantize(k)):
+        if keys is not None:
+            for chunks in (1, 2):  # both the one-block write and the merge
+                outs.append(attention(q, keys, keys, scale=1.0, mask="causal", chunks=chunks))
+    mx.eval(outs)
+
+
+def _head_dims(model) -> set[int]:
+    """Head dims of the layers ``layers.attend`` serves with float keys and values alike (the
+    generated GQA attention's ``head_dim`` beside ``n_kv_heads``)."""
+    return {
+        m.head_dim
+        for _, m in model.named_modules()
+        if isinstance(getattr(m, "head_dim", None), int) and hasattr(m, "n_kv_heads")
+    }
+
+
+def _activation_dtype(model) -> mx.Dtype:
+    """The dtype attention computes in: the first floating parameter's (a quantised
+    model's scales are in it)."""
+    from mlx.utils import tree_flatten
+
+    for _, p in tree_flatten(model.parameters()):
+        if mx.issubdtype(p.dtype, mx.floating):
+            return p.dtype
+    return mx.float32

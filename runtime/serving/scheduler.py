@@ -55,6 +55,7 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
+from mlxc.runtime.model import cuda_attention
 from mlxc.runtime.model.batch import BatchCache
 from mlxc.runtime.model.cache import (
     KVQuant,
@@ -391,6 +392,8 @@ class Scheduler:
                 if self._load is not None:
                     self.model = self._load()
                 check_kv_quant(self.model, self.pool.kv_quant)
+                # Before serving: the ragged decode batch's kernels (CUDA only).
+                cuda_attention.warm(self.model, (1,), self.pool.kv_quant)
                 self.pool.model = self.model
             except BaseException as e:  # noqa: BLE001 - start() re-raises it
                 errors.append(e)

@@ -27,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
+from mlxc.runtime.model import cuda_attention
 from mlxc.runtime.model.cache import (
     KVQuant,
     cache_arrays,
@@ -258,6 +259,7 @@ def speculative_tokens(
     stats = SpecStats() if stats is None else stats
     cache = make_caches(model, kv_quant)
     prepare_rewind(model, cache, num_draft_tokens)
+    cuda_attention.warm(model, (1, num_draft_tokens + 1), kv_quant)  # the verify's kernels
     trimmable = caches_to_trim(model, cache)
     rng = np.random.default_rng(seed)
     eos = set(eos_token_ids)
