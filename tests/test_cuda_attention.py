@@ -10,14 +10,16 @@ move outputs by ~0.1 on these inputs).
 
 from __future__ import annotations
 
+import checkpoints as ckpt
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxc.runtime.checkpoint.loading import load_model
 from mlxc.runtime.model import cuda_attention, layers
 from mlxc.runtime.model.cache import KVQuant
 
-pytestmark = pytest.mark.skipif(
+cuda_only = pytest.mark.skipif(
     not cuda_attention.available(), reason="the kernels run on MLX's CUDA backend only"
 )
 
@@ -65,6 +67,7 @@ def _check(out, want):
     assert err < TOL, f"max error {err}"
 
 
+@cuda_only
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("B,Hq,Hkv", [(1, 8, 2), (5, 4, 4)])
 @pytest.mark.parametrize("T", [9, 300, 3000])
@@ -76,6 +79,7 @@ def test_ragged_decode(B, Hq, Hkv, T, D):
     _check(cuda_attention.attention(q, k, v, scale=scale, mask=mask), _oracle(q, k, v, scale, mask))
 
 
+@cuda_only
 @pytest.mark.parametrize("L", [2, 3, 9, 16])
 @pytest.mark.parametrize("T", [20, 700])
 def test_verify_causal(L, T):
@@ -93,6 +97,7 @@ def test_verify_causal(L, T):
     _check(cuda_attention.attention(q, k, v, scale=scale, mask=both), _oracle(q, k, v, scale, both))
 
 
+@cuda_only
 @pytest.mark.parametrize("T", [40, 2000])
 def test_sinks(T):
     B, Hq, Hkv, D = 3, 8, 4, 64
@@ -106,6 +111,7 @@ def test_sinks(T):
     )
 
 
+@cuda_only
 @pytest.mark.parametrize("bits,group", [(4, 64), (4, 32), (8, 64)])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("T", [50, 2500])
@@ -123,6 +129,7 @@ def test_quantized(bits, group, D, T):
         _check(got, _oracle(q, kq.dequantize(), vq.dequantize(), scale, mask))
 
 
+@cuda_only
 def test_attend_routes_here_only_where_mlx_has_no_fast_path():
     q, k, v = _inputs(2, 8, 2, 1, 64, 64, seed=0)
     mask = _ragged_valid(2, 64, 1, seed=0)
@@ -134,3 +141,15 @@ def test_attend_routes_here_only_where_mlx_has_no_fast_path():
     # And attend's answer is the kernel's.
     out = layers.attend(q, k, v, scale=0.125, mask=mask)
     _check(out, _oracle(q, k, v, 0.125, mask))
+
+
+def test_warm_finds_the_models_attention(tmp_path):
+    """``warm`` compiles for the head dims and dtype the model's attention layers run in (read
+    off the generated modules); on a machine without CUDA it does nothing. Runs everywhere."""
+    ckpt.make_llama(tmp_path / "m", head_dim=32, num_attention_heads=4, num_key_value_heads=2)
+    model = load_model(tmp_path / "m", dtype=mx.bfloat16)
+    assert cuda_attention._head_dims(model) == {32}
+    assert cuda_attention._activation_dtype(model) == mx.bfloat16
+    if not cuda_attention.available():
+        cuda_attention.warm(model, (1, 4), KVQuant(bits=4, group_size=32))
+        assert cuda_attention._warm.cache_info().currsize == 0

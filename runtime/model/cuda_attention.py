@@ -78,35 +78,43 @@ __device__ __forceinline__ long long at4(
 }
 """
 
-# One block per (row, query head, chunk of keys); WARPS warps, each a key at a time, its 32
-# lanes splitting the head dim. Online softmax per warp and query, merged across the warps in
-# shared memory; with one chunk the block writes the output, else its partial sums. The mask
-# kind, the sinks and the chunking are run-time flags (``flags``: scale, mask kind, sinks):
+# One block per (row, KV head, tile of R query rows, chunk of keys). A KV head's query rows
+# (its G = Hq / Hkv heads times L queries) share each key and value the block loads: GQA
+# reads the cache once per KV head, not once per query head. WARPS warps walk the chunk's keys
+# U at a time (the U loads in flight together hide the memory latency), their 32 lanes
+# splitting the head dim; online softmax per warp and row, merged across the warps in shared
+# memory. With one chunk the block writes the output, else its partial sums. The mask kind,
+# the sinks and the chunking are run-time flags (``flags``: scale, mask kind, sinks, heads):
 # every variant is a JIT compile of a second or more, so only what shapes registers (dtypes,
-# head dim, queries, packing) is a template argument.
+# head dim, queries, rows per tile, packing) is a template argument.
 _SOURCE = """
   constexpr int DPL = D / 32;
+  constexpr int U = 4;
   constexpr float LOG2E = 1.4426950408889634f;
   const float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
   const int chunk = blockIdx.x, n_chunks = gridDim.x;
   const int Hq = q_shape[1], Hkv = k_shape[1], Tk = k_shape[2];
-  const int b = blockIdx.y / Hq, h = blockIdx.y % Hq, kvh = h / (Hq / Hkv);
+  const int G = Hq / Hkv, n_rows = G * L, tiles = (n_rows + R - 1) / R;
+  const int tile = blockIdx.y % tiles, kvh = (blockIdx.y / tiles) % Hkv;
+  const int b = blockIdx.y / (tiles * Hkv);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const float sc = flags[0] * LOG2E;
   const int mask_kind = static_cast<int>(flags[1]);  // 0 none, 1 causal, 2 boolean array
   const bool has_sinks = flags[2] != 0.f;
 
-  float qr[L][DPL];
-  for (int l = 0; l < L; ++l)
-    for (int j = 0; j < DPL; ++j)
-      qr[l][j] = static_cast<float>(
-          q[b * q_strides[0] + h * q_strides[1] + l * q_strides[2] +
+  // Row r of the tile: query head h = kvh * G + g, query l (rows past n_rows idle).
+  int rh[R], rl[R];
+  float qr[R][DPL], m[R], s[R], acc[R][DPL];
+  for (int r = 0; r < R; ++r) {
+    const int rr = min(tile * R + r, n_rows - 1);
+    rh[r] = kvh * G + rr / L; rl[r] = rr % L;
+    for (int j = 0; j < DPL; ++j) {
+      qr[r][j] = static_cast<float>(
+          q[b * q_strides[0] + rh[r] * q_strides[1] + rl[r] * q_strides[2] +
             (lane * DPL + j) * q_strides[3]]) * sc;
-
-  float m[L], s[L], acc[L][DPL];
-  for (int l = 0; l < L; ++l) {
-    m[l] = NEG_INF; s[l] = 0.f;
-    for (int j = 0; j < DPL; ++j) acc[l][j] = 0.f;
+      acc[r][j] = 0.f;
+    }
+    m[r] = NEG_INF; s[r] = 0.f;
   }
   const int per_chunk = (Tk + n_chunks - 1) / n_chunks;
   const int start = chunk * per_chunk, end = min(Tk, start + per_chunk);
@@ -121,61 +129,72 @@ _SOURCE = """
       k_strides[2] % DPL == 0 && v_strides[2] % DPL == 0 &&
       (reinterpret_cast<uintptr_t>(krow) | reinterpret_cast<uintptr_t>(vrow)) %
           (DPL * sizeof(KT)) == 0;
-  for (int t = start + warp; t < end; t += WARPS) {
-    float kr[DPL], vr[DPL];
-    if (contiguous) {
-      load_floats<KT, DPL>(krow + t * k_strides[2] + lane * DPL, kr);
-      load_floats<KT, DPL>(vrow + t * v_strides[2] + lane * DPL, vr);
-    } else {
-      for (int j = 0; j < DPL; ++j) {
-        int e = lane * DPL + j;
-        kr[j] = element<KT, S, BITS, GS>(krow + t * k_strides[2], ksc + t * k_scales_strides[2],
-            kbi + t * k_biases_strides[2], e, k_strides[3], k_scales_strides[3]);
-        vr[j] = element<KT, S, BITS, GS>(vrow + t * v_strides[2], vsc + t * v_scales_strides[2],
-            vbi + t * v_biases_strides[2], e, v_strides[3], v_scales_strides[3]);
+  for (int t0 = start + warp * U; t0 < end; t0 += WARPS * U) {
+    float kr[U][DPL], vr[U][DPL];
+    for (int u = 0; u < U; ++u) {
+      const int t = min(t0 + u, end - 1);  // past the end: a valid key, never used
+      if (contiguous) {
+        load_floats<KT, DPL>(krow + t * k_strides[2] + lane * DPL, kr[u]);
+        load_floats<KT, DPL>(vrow + t * v_strides[2] + lane * DPL, vr[u]);
+      } else {
+        for (int j = 0; j < DPL; ++j) {
+          const int e = lane * DPL + j;
+          kr[u][j] = element<KT, S, BITS, GS>(krow + t * k_strides[2],
+              ksc + t * k_scales_strides[2], kbi + t * k_biases_strides[2], e, k_strides[3],
+              k_scales_strides[3]);
+          vr[u][j] = element<KT, S, BITS, GS>(vrow + t * v_strides[2],
+              vsc + t * v_scales_strides[2], vbi + t * v_biases_strides[2], e, v_strides[3],
+              v_scales_strides[3]);
+        }
       }
     }
-    for (int l = 0; l < L; ++l) {
-      bool use = true;  // the same for every lane of the warp
-      if (mask_kind == 1) use = t <= Tk - L + l;
-      else if (mask_kind == 2) use = mask[at4(mask_shape, mask_strides, b, h, l, t)];
-      if (!use) continue;
-      float d = 0.f;
-      for (int j = 0; j < DPL; ++j) d += qr[l][j] * kr[j];
-      d = warp_sum(d);
-      float mn = fmaxf(m[l], d);
-      float f = exp2f(m[l] - mn), p = exp2f(d - mn);
-      s[l] = s[l] * f + p;
-      for (int j = 0; j < DPL; ++j) acc[l][j] = acc[l][j] * f + p * vr[j];
-      m[l] = mn;
+    for (int u = 0; u < U; ++u) {
+      const int t = t0 + u;
+      if (t >= end) break;
+      for (int r = 0; r < R; ++r) {
+        bool use = true;  // the same for every lane of the warp
+        if (mask_kind == 1) use = t <= Tk - L + rl[r];
+        else if (mask_kind == 2) use = mask[at4(mask_shape, mask_strides, b, rh[r], rl[r], t)];
+        if (!use) continue;
+        float d = 0.f;
+        for (int j = 0; j < DPL; ++j) d += qr[r][j] * kr[u][j];
+        d = warp_sum(d);
+        const float mn = fmaxf(m[r], d);
+        const float f = exp2f(m[r] - mn), p = exp2f(d - mn);
+        s[r] = s[r] * f + p;
+        for (int j = 0; j < DPL; ++j) acc[r][j] = acc[r][j] * f + p * vr[u][j];
+        m[r] = mn;
+      }
     }
   }
 
-  __shared__ float wm[WARPS][L], ws[WARPS][L], wacc[WARPS][L][D];
-  for (int l = 0; l < L; ++l) {
-    if (lane == 0) { wm[warp][l] = m[l]; ws[warp][l] = s[l]; }
-    for (int j = 0; j < DPL; ++j) wacc[warp][l][lane * DPL + j] = acc[l][j];
+  __shared__ float wm[WARPS][R], ws[WARPS][R], wacc[WARPS][R][D];
+  for (int r = 0; r < R; ++r) {
+    if (lane == 0) { wm[warp][r] = m[r]; ws[warp][r] = s[r]; }
+    for (int j = 0; j < DPL; ++j) wacc[warp][r][lane * DPL + j] = acc[r][j];
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < L * D; i += blockDim.x) {
-    const int l = i / D, e = i % D;
+  for (int i = threadIdx.x; i < R * D; i += blockDim.x) {
+    const int r = i / D, e = i % D;
+    if (tile * R + r >= n_rows) continue;
     float M = NEG_INF;
-    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, wm[w][l]);
+    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, wm[w][r]);
     float tot = 0.f, a = 0.f;
     for (int w = 0; w < WARPS; ++w) {
-      if (wm[w][l] == NEG_INF) continue;  // this warp saw no key the query may attend to
-      float f = exp2f(wm[w][l] - M);
-      tot += ws[w][l] * f;
-      a += wacc[w][l][e] * f;
+      if (wm[w][r] == NEG_INF) continue;  // this warp saw no key the row may attend to
+      const float f = exp2f(wm[w][r] - M);
+      tot += ws[w][r] * f;
+      a += wacc[w][r][e] * f;
     }
-    const long long row = (static_cast<long long>(blockIdx.y) * L + l);
+    // The output's row: [B, Hq, L] flattened.
+    const long long row = (static_cast<long long>(b) * Hq + rh[r]) * L + rl[r];
     if (n_chunks > 1) {
       part_acc[(row * n_chunks + chunk) * D + e] = a;
       if (e == 0) { part_max[row * n_chunks + chunk] = M; part_sum[row * n_chunks + chunk] = tot; }
       continue;
     }
     if (has_sinks) {
-      const float sk = static_cast<float>(sinks[h]) * LOG2E;
+      const float sk = static_cast<float>(sinks[rh[r]]) * LOG2E;
       const float M2 = fmaxf(M, sk);
       const float f = exp2f(M - M2);  // 0 when no key was attended to
       a *= f; tot = tot * f + exp2f(sk - M2);
@@ -263,11 +282,14 @@ def applies(
     return available()
 
 
+# Query rows per block, at most: registers hold each row's query and sums.
+MAX_ROWS = 8
+
+
 def _chunks(blocks: int, n_keys: int) -> int:
-    """Chunks of keys per (row, query head): enough blocks to fill the GPU (about four per SM
-    of an H200) and at most ~512 keys per block; no fewer than 64 keys per block."""
-    wanted = max(math.ceil(528 / blocks), math.ceil(n_keys / 512))
-    return max(1, min(wanted, math.ceil(n_keys / 64)))
+    """Chunks of keys per block of rows: about 2,048 blocks in all (16 resident per SM of an
+    H200, 64 warps: enough to hide the loads' latency), no fewer than 64 keys per block."""
+    return max(1, min(math.ceil(2048 / blocks), math.ceil(n_keys / 64)))
 
 
 def attention(
@@ -306,7 +328,11 @@ def attention(
         mask = _dummy(mx.bool_, ndim=4)
     sink_arr = _dummy(queries.dtype) if sinks is None else sinks
     flags = _flags(scale, kind, sinks is not None, Hq)
-    n_chunks = chunks or _chunks(B * Hq, n_keys)
+    n_kv = k.shape[1]
+    rows_per_kv = Hq // n_kv * L
+    R = min(rows_per_kv, MAX_ROWS)
+    blocks = B * n_kv * math.ceil(rows_per_kv / R)
+    n_chunks = chunks or _chunks(blocks, n_keys)
     rows = B * Hq * L
     template = [
         ("T", queries.dtype),
@@ -314,6 +340,7 @@ def attention(
         ("S", scale_dtype),
         ("D", D),
         ("L", L),
+        ("R", R),
         ("BITS", bits),
         ("GS", group),
         ("WARPS", WARPS),
@@ -327,7 +354,7 @@ def attention(
     out, part_acc, part_max, part_sum = _kernel()(
         inputs=[queries, k, v, k_scales, k_biases, v_scales, v_biases, mask, sink_arr, flags],
         template=template,
-        grid=(n_chunks * WARPS * 32, B * Hq, 1),
+        grid=(n_chunks * WARPS * 32, blocks, 1),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=shapes,
         output_dtypes=[queries.dtype, mx.float32, mx.float32, mx.float32],
