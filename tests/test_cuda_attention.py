@@ -144,11 +144,12 @@ def test_attend_routes_here_only_where_mlx_has_no_fast_path():
 
 
 def test_warm_finds_the_models_attention(tmp_path):
-    """``warm`` compiles for the head dims and dtype the model's attention layers run in (read
-    off the generated modules); on a machine without CUDA it does nothing. Runs everywhere."""
+    """``warm`` compiles for the head counts, head dim and dtype the model's attention layers
+    run with (read off the generated modules: the rows per block, a template argument, follow
+    from the heads); on a machine without CUDA it does nothing. Runs everywhere."""
     ckpt.make_llama(tmp_path / "m", head_dim=32, num_attention_heads=4, num_key_value_heads=2)
     model = load_model(tmp_path / "m", dtype=mx.bfloat16)
-    assert cuda_attention._head_dims(model) == {32}
+    assert cuda_attention._attention_shapes(model) == {(4, 2, 32)}
     assert cuda_attention._activation_dtype(model) == mx.bfloat16
     if not cuda_attention.available():
         cuda_attention.warm(model, (1, 4), KVQuant(bits=4, group_size=32))

@@ -391,16 +391,17 @@ def warm(model, queries: tuple[int, ...] = (1,), quant=None) -> None:
     if not available():
         return
     dtype = _activation_dtype(model)
-    for head_dim in sorted(_head_dims(model)):
+    for heads, kv_heads, head_dim in sorted(_attention_shapes(model)):
         for n in queries:
             if 1 <= n <= MAX_QUERIES and head_dim in HEAD_DIMS:
-                _warm(dtype, head_dim, n, quant)
+                _warm(dtype, heads, kv_heads, head_dim, n, quant)
 
 
 @functools.cache
-def _warm(dtype: mx.Dtype, head_dim: int, n_queries: int, quant) -> None:
-    q = mx.zeros((1, 2, n_queries, head_dim), dtype)
-    k = mx.zeros((1, 1, 128, head_dim), dtype)
+def _warm(dtype: mx.Dtype, heads: int, kv_heads: int, head_dim: int, n_queries: int, quant):
+    # The layer's own head counts: rows per block (a template argument) follow from them.
+    q = mx.zeros((1, heads, n_queries, head_dim), dtype)
+    k = mx.zeros((1, kv_heads, 128, head_dim), dtype)
     outs = []
     for keys in (k, None if quant is None else quant.quantize(k)):
         if keys is not None:
@@ -409,13 +410,13 @@ def _warm(dtype: mx.Dtype, head_dim: int, n_queries: int, quant) -> None:
     mx.eval(outs)
 
 
-def _head_dims(model) -> set[int]:
-    """Head dims of the layers ``layers.attend`` serves with float keys and values alike (the
-    generated GQA attention's ``head_dim`` beside ``n_kv_heads``)."""
+def _attention_shapes(model) -> set[tuple[int, int, int]]:
+    """(query heads, KV heads, head dim) of the layers ``layers.attend`` serves with float keys
+    and values alike: the generated GQA attention's ``n_heads``, ``n_kv_heads``, ``head_dim``."""
     return {
-        m.head_dim
+        (m.n_heads, m.n_kv_heads, m.head_dim)
         for _, m in model.named_modules()
-        if isinstance(getattr(m, "head_dim", None), int) and hasattr(m, "n_kv_heads")
+        if all(isinstance(getattr(m, a, None), int) for a in ("n_heads", "n_kv_heads", "head_dim"))
     }
 
 
