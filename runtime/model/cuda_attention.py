@@ -83,17 +83,17 @@ __device__ __forceinline__ long long at4(
 # reads the cache once per KV head, not once per query head. WARPS warps walk the chunk's keys
 # U at a time (the U loads in flight together hide the memory latency), their 32 lanes
 # splitting the head dim; online softmax per warp and row, merged across the warps in shared
-# memory. With one chunk the block writes the output, else its partial sums. The mask kind,
-# the sinks and the chunking are run-time flags (``flags``: scale, mask kind, sinks, heads):
-# every variant is a JIT compile of a second or more, so only what shapes registers (dtypes,
-# head dim, queries, rows per tile, packing) is a template argument.
+# memory. With one chunk the block writes the output, else its partial sums. The queries per
+# row, the mask kind, the sinks and the chunking are run-time values (``flags``: scale, mask
+# kind, sinks, heads, queries): every variant is a JIT compile of a second or more, so only
+# what shapes registers (dtypes, head dim, rows per tile, packing) is a template argument.
 _SOURCE = """
   constexpr int DPL = D / 32;
   constexpr int U = 4;
   constexpr float LOG2E = 1.4426950408889634f;
   const float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
   const int chunk = blockIdx.x, n_chunks = gridDim.x;
-  const int Hq = q_shape[1], Hkv = k_shape[1], Tk = k_shape[2];
+  const int Hq = q_shape[1], L = q_shape[2], Hkv = k_shape[1], Tk = k_shape[2];
   const int G = Hq / Hkv, n_rows = G * L, tiles = (n_rows + R - 1) / R;
   const int tile = blockIdx.y % tiles, kvh = (blockIdx.y / tiles) % Hkv;
   const int b = blockIdx.y / (tiles * Hkv);
@@ -211,7 +211,7 @@ _MERGE_SOURCE = """
   const int n_chunks = part_max_shape[1];
   const long long row = blockIdx.y;
   const int e = threadIdx.x;
-  const int heads = static_cast<int>(flags[3]);
+  const int heads = static_cast<int>(flags[3]), L = static_cast<int>(flags[4]);
   float M = NEG_INF;
   for (int c = 0; c < n_chunks; ++c) M = fmaxf(M, part_max[row * n_chunks + c]);
   float tot = 0.f, a = 0.f;
@@ -286,6 +286,12 @@ def applies(
 MAX_ROWS = 8
 
 
+def _rows(rows_per_kv_head: int) -> int:
+    """Rows per block for a KV head's query rows: a power of two up to MAX_ROWS (a template
+    argument, so few variants: 1, 2, 4, 8)."""
+    return 1 << (min(rows_per_kv_head, MAX_ROWS) - 1).bit_length()
+
+
 def _chunks(blocks: int, n_keys: int) -> int:
     """Chunks of keys per block of rows: about 2,048 blocks in all (16 resident per SM of an
     H200, 64 warps: enough to hide the loads' latency), no fewer than 64 keys per block."""
@@ -327,24 +333,14 @@ def attention(
         kind = 1 if mask == "causal" else 0
         mask = _dummy(mx.bool_, ndim=4)
     sink_arr = _dummy(queries.dtype) if sinks is None else sinks
-    flags = _flags(scale, kind, sinks is not None, Hq)
+    flags = _flags(scale, kind, sinks is not None, Hq, L)
     n_kv = k.shape[1]
     rows_per_kv = Hq // n_kv * L
-    R = min(rows_per_kv, MAX_ROWS)
+    R = _rows(rows_per_kv)
     blocks = B * n_kv * math.ceil(rows_per_kv / R)
     n_chunks = chunks or _chunks(blocks, n_keys)
     rows = B * Hq * L
-    template = [
-        ("T", queries.dtype),
-        ("KT", k.dtype),
-        ("S", scale_dtype),
-        ("D", D),
-        ("L", L),
-        ("R", R),
-        ("BITS", bits),
-        ("GS", group),
-        ("WARPS", WARPS),
-    ]
+    template = _template(queries.dtype, k.dtype, scale_dtype, D, R, bits, group)
     # With one chunk the block writes ``out``; with more, the partial sums (the other
     # outputs are then one-element stand-ins, allocated and never written).
     if n_chunks == 1:
@@ -363,7 +359,7 @@ def attention(
         return out
     (out,) = _merge_kernel()(
         inputs=[part_acc, part_max, part_sum, sink_arr, flags],
-        template=[("T", queries.dtype), ("D", D), ("L", L)],
+        template=[("T", queries.dtype), ("D", D)],
         grid=(D, rows, 1),
         threadgroup=(D, 1, 1),
         output_shapes=[(B, Hq, L, D)],
@@ -378,10 +374,24 @@ def _dummy(dtype: mx.Dtype, ndim: int = 1) -> mx.array:
     return mx.zeros((1,) * ndim, dtype)
 
 
-@functools.lru_cache(maxsize=64)
-def _flags(scale: float, mask_kind: int, sinks: bool, heads: int) -> mx.array:
-    """The kernels' run-time flags, one small array per attention configuration."""
-    return mx.array([scale, mask_kind, float(sinks), heads], mx.float32)
+@functools.lru_cache(maxsize=256)
+def _flags(scale: float, mask_kind: int, sinks: bool, heads: int, queries: int) -> mx.array:
+    """The kernels' run-time values, one small array per attention configuration."""
+    return mx.array([scale, mask_kind, float(sinks), heads, queries], mx.float32)
+
+
+def _template(dtype, key_dtype, scale_dtype, head_dim: int, rows: int, bits: int, group: int):
+    """The main kernel's template arguments: one compiled variant per distinct list."""
+    return [
+        ("T", dtype),
+        ("KT", key_dtype),
+        ("S", scale_dtype),
+        ("D", head_dim),
+        ("R", rows),
+        ("BITS", bits),
+        ("GS", group),
+        ("WARPS", WARPS),
+    ]
 
 
 def warm(model, queries: tuple[int, ...] = (1,), quant=None) -> None:
@@ -392,21 +402,21 @@ def warm(model, queries: tuple[int, ...] = (1,), quant=None) -> None:
         return
     dtype = _activation_dtype(model)
     for heads, kv_heads, head_dim in sorted(_attention_shapes(model)):
-        for n in queries:
-            if 1 <= n <= MAX_QUERIES and head_dim in HEAD_DIMS:
-                _warm(dtype, heads, kv_heads, head_dim, n, quant)
+        if head_dim in HEAD_DIMS:
+            for rows in sorted({_rows(heads // kv_heads * n) for n in queries}):
+                _warm(dtype, head_dim, rows, quant)
 
 
 @functools.cache
-def _warm(dtype: mx.Dtype, heads: int, kv_heads: int, head_dim: int, n_queries: int, quant):
-    # The layer's own head counts: rows per block (a template argument) follow from them.
-    q = mx.zeros((1, heads, n_queries, head_dim), dtype)
-    k = mx.zeros((1, kv_heads, 128, head_dim), dtype)
+def _warm(dtype: mx.Dtype, head_dim: int, rows: int, quant) -> None:
+    # One KV head of ``rows`` query heads, one query each: a block of exactly ``rows`` rows.
+    q = mx.zeros((1, rows, 1, head_dim), dtype)
+    k = mx.zeros((1, 1, 128, head_dim), dtype)
     outs = []
     for keys in (k, None if quant is None else quant.quantize(k)):
         if keys is not None:
             for chunks in (1, 2):  # both the one-block write and the merge
-                outs.append(attention(q, keys, keys, scale=1.0, mask="causal", chunks=chunks))
+                outs.append(attention(q, keys, keys, scale=1.0, mask=None, chunks=chunks))
     mx.eval(outs)
 
 

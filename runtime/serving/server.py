@@ -581,46 +581,65 @@ class _Reply:
         return out
 
     async def stream(self, events: asyncio.Queue, include_usage: bool) -> AsyncIterator[str]:
+        """SSE chunks. Each write carries every event queued for this stream so far: under
+        load the event loop falls behind the decode batch, and one write per token per stream
+        (a send through the ASGI server each, with the GIL the scheduler thread needs) is then
+        what limits the server, so a stream that is behind catches up in one write."""
         head = dict(self.head)
         if self.kind == "chat":
             head["object"] = "chat.completion.chunk"
         if include_usage:
             head["usage"] = None  # every chunk carries the key; the last one has the numbers
+        # The head's JSON once per stream; each chunk appends its choices to it.
+        head_json = json.dumps(head, ensure_ascii=False, separators=(",", ":"))[:-1]
+        text_key = "delta" if self.kind == "chat" else "text"
 
         def chunk(delta: dict | str, finish: str | None = None, logprobs=None) -> str:
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
-            choice["delta" if self.kind == "chat" else "text"] = delta
-            return _sse({**head, "choices": [choice]})
+            choice = {"index": 0, "finish_reason": finish, "logprobs": logprobs, text_key: delta}
+            body = json.dumps(choice, ensure_ascii=False, separators=(",", ":"))
+            return f'data: {head_json},"choices":[{body}]}}\n\n'
 
         if self.kind == "chat":
             yield chunk({"role": "assistant", "content": ""})
-        while True:
-            event = await events.get()
-            self.event(event)
-            if isinstance(event, Failed):
-                yield _sse(_failure(event).body())
-                break
-            done = isinstance(event, Finished)
-            logprobs = None
-            if isinstance(event, Delta) and event.logprob is not None:
-                logprobs = self._logprobs([event])
-            if self.kind == "chat":
-                pieces = self._pieces(event.text, final=done)
-                if logprobs is not None and not pieces:
-                    pieces = [("content", "")]  # the token's text is held back: still report it
-                for i, (field, text) in enumerate(pieces):
-                    yield chunk({field: text}, logprobs=logprobs if i == 0 else None)
-            elif event.text or logprobs is not None:
-                yield chunk(event.text, logprobs=logprobs)
-            if done:
-                reason = event.reason
-                if self.tool_stream is not None and self.tool_stream.sent:
-                    reason = _finish_with_calls(reason)
-                yield chunk({} if self.kind == "chat" else "", finish=reason)
-                if include_usage:
-                    yield _sse({**head, "choices": [], "usage": _usage(event)})
-                break
+        done = False
+        while not done:
+            batch = [await events.get()]
+            while not events.empty():
+                batch.append(events.get_nowait())
+            out: list[str] = []
+            for event in batch:
+                done = self._chunks(event, chunk, head, include_usage, out)
+                if done:
+                    break
+            yield "".join(out)
         yield "data: [DONE]\n\n"
+
+    def _chunks(self, event, chunk, head: dict, include_usage: bool, out: list[str]) -> bool:
+        """Append ``event``'s SSE chunks to ``out``; True when the stream ends with it."""
+        self.event(event)
+        if isinstance(event, Failed):
+            out.append(_sse(_failure(event).body()))
+            return True
+        done = isinstance(event, Finished)
+        logprobs = None
+        if isinstance(event, Delta) and event.logprob is not None:
+            logprobs = self._logprobs([event])
+        if self.kind == "chat":
+            pieces = self._pieces(event.text, final=done)
+            if logprobs is not None and not pieces:
+                pieces = [("content", "")]  # the token's text is held back: still report it
+            for i, (field, text) in enumerate(pieces):
+                out.append(chunk({field: text}, logprobs=logprobs if i == 0 else None))
+        elif event.text or logprobs is not None:
+            out.append(chunk(event.text, logprobs=logprobs))
+        if done:
+            reason = event.reason
+            if self.tool_stream is not None and self.tool_stream.sent:
+                reason = _finish_with_calls(reason)
+            out.append(chunk({} if self.kind == "chat" else "", finish=reason))
+            if include_usage:
+                out.append(_sse({**head, "choices": [], "usage": _usage(event)}))
+        return done
 
 
 def _finish_with_calls(reason: str) -> str:

@@ -259,7 +259,8 @@ def speculative_tokens(
     stats = SpecStats() if stats is None else stats
     cache = make_caches(model, kv_quant)
     prepare_rewind(model, cache, num_draft_tokens)
-    cuda_attention.warm(model, (1, num_draft_tokens + 1), kv_quant)  # the verify's kernels
+    # The kernels of verifications of up to K drafts (fewer when the drafter finds fewer).
+    cuda_attention.warm(model, tuple(range(1, num_draft_tokens + 2)), kv_quant)
     trimmable = caches_to_trim(model, cache)
     rng = np.random.default_rng(seed)
     eos = set(eos_token_ids)
