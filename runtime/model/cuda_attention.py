@@ -21,10 +21,10 @@ when ``layers.attend`` takes it.
 
 MLX compiles a custom kernel (NVRTC) the first time each variant runs in a process, a second or
 more each, and keeps no disk cache for them: a server that met them at its first ragged batch
-stalled every stream for ~5 s (H200, 2026-12-01). So variants are few (dtype, head dim,
-queries, packing; lengths, strides, the mask kind and sinks are arguments) and ``warm``
-compiles a model's before it serves: the scheduler at start, speculation before its prefill,
-a quantised cache when made.
+stalled every stream for ~5 s (H200, 2026-12-01). So variants are few (dtype, head dim, rows
+per block, packing; queries, lengths, strides, the mask kind and sinks are arguments) and
+``warm`` compiles a model's before it serves: the scheduler at start, speculation before its
+prefill, ``generate --kv-bits`` after loading.
 
 Checked against MLX's own attention on the H200 by ``tests/test_cuda_attention.py`` (it
 skips without CUDA: CI has none) and timed against it by ``bench/attention_kernels.py``.
