@@ -320,12 +320,11 @@ def attention(
         v, v_scales, v_biases = values.parts
         bits, group = keys.quant.bits, keys.quant.group_size
         scale_dtype = k_scales.dtype
-        n_keys = k.shape[2]
     else:
         k, v = keys, values
         k_scales = k_biases = v_scales = v_biases = _dummy(queries.dtype)
         bits, group, scale_dtype = 0, 1, queries.dtype
-        n_keys = k.shape[2]
+    n_kv, n_keys = k.shape[1], k.shape[2]
     if isinstance(mask, mx.array):
         kind = 2
         mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
@@ -334,7 +333,6 @@ def attention(
         mask = _dummy(mx.bool_, ndim=4)
     sink_arr = _dummy(queries.dtype) if sinks is None else sinks
     flags = _flags(scale, kind, sinks is not None, Hq, L)
-    n_kv = k.shape[1]
     rows_per_kv = Hq // n_kv * L
     R = _rows(rows_per_kv)
     blocks = B * n_kv * math.ceil(rows_per_kv / R)

@@ -582,9 +582,9 @@ class _Reply:
 
     async def stream(self, events: asyncio.Queue, include_usage: bool) -> AsyncIterator[str]:
         """SSE chunks. Each write carries every event queued for this stream so far: under
-        load the event loop falls behind the decode batch, and one write per token per stream
-        (a send through the ASGI server each, with the GIL the scheduler thread needs) is then
-        what limits the server, so a stream that is behind catches up in one write."""
+        load the event loop can fall behind the decode batch, and a write per token per stream
+        (a send through the ASGI server each, holding the GIL the scheduler thread needs) then
+        adds up; a stream that is behind catches up in one write."""
         head = dict(self.head)
         if self.kind == "chat":
             head["object"] = "chat.completion.chunk"
@@ -611,7 +611,8 @@ class _Reply:
                 done = self._chunks(event, chunk, head, include_usage, out)
                 if done:
                     break
-            yield "".join(out)
+            if out:  # nothing when the events' text is held back (a tool call, a think tag)
+                yield "".join(out)
         yield "data: [DONE]\n\n"
 
     def _chunks(self, event, chunk, head: dict, include_usage: bool, out: list[str]) -> bool:
