@@ -1,7 +1,7 @@
-"""``runtime.model.cuda_attention`` against MLX's own attention, on CUDA only.
+"""``runtime.model.cuda_attention`` against MLX's own attention, on CUDA.
 
-CI has no GPU, so these skip there; they ran on the lent H200 (``bench/results/`` names the
-run). The oracle is ``mx.fast.scaled_dot_product_attention`` on the CPU stream in float32, on
+CI has no GPU, so all but the last test skip there; they ran on the lent H200
+(``bench/results/cuda-attention-tests-gpu-h200.log``). The oracle is ``mx.fast.scaled_dot_product_attention`` on the CPU stream in float32, on
 the same bf16 (or dequantised) inputs: the kernel accumulates in float32 and rounds once to
 bf16, so it should agree to bf16's half-ulp at |out| < 2 (4e-3) plus float32 summation order;
 1e-2 absolute leaves room for that and catches any wrong key, mask column or weight (those
