@@ -259,8 +259,14 @@ def _merge_kernel():
 
 
 def available() -> bool:
-    """Whether the kernels can run: MLX's CUDA backend, on the default device."""
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    """Whether the kernels can run: MLX's CUDA backend, on the default device (asked by every
+    attention layer of every forward: the backend's answer is read once)."""
+    return mx.default_device() == mx.gpu and _cuda_backend()
+
+
+@functools.cache
+def _cuda_backend() -> bool:
+    return mx.cuda.is_available()
 
 
 def applies(
