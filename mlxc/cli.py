@@ -254,6 +254,37 @@ def _cache_options(prefill_chunk_size: int):
     return decorate
 
 
+def _lookup_options(command):
+    """The prompt-lookup speculation flags generate and serve share."""
+    options = [
+        click.option(
+            "--prompt-lookup",
+            is_flag=True,
+            help="Speculative decoding without a second model: drafts are the tokens that "
+            "followed the last --ngram-size tokens' latest earlier occurrence in the prompt "
+            "and output; the model verifies them in one forward.",
+        ),
+        click.option(
+            "--num-draft-tokens",
+            default=3,
+            show_default=True,
+            type=click.IntRange(min=1),
+            help="Tokens drafted per speculative step.",
+        ),
+        click.option(
+            "--ngram-size",
+            default=3,
+            show_default=True,
+            type=click.IntRange(min=1),
+            help="Longest n-gram --prompt-lookup matches (shorter ones are tried when it finds "
+            "none).",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 def _kv_quant(kv_bits: str | None, kv_group_size: str):
     """``--kv-bits`` / ``--kv-group-size`` as a ``KVQuant`` (None: float KV)."""
     from mlxc.runtime.model.cache import KVQuant
@@ -316,26 +347,7 @@ _DEFAULT_MAX_TOKENS = 256
     help="Speculative decoding: a smaller checkpoint with the same tokenizer drafts "
     "--num-draft-tokens tokens per step, the model verifies them in one forward.",
 )
-@click.option(
-    "--prompt-lookup",
-    is_flag=True,
-    help="Speculative decoding without a second model: drafts are the tokens that followed the "
-    "last --ngram-size tokens' latest earlier occurrence in the prompt and output.",
-)
-@click.option(
-    "--num-draft-tokens",
-    default=3,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Tokens drafted per speculative step.",
-)
-@click.option(
-    "--ngram-size",
-    default=3,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Longest n-gram --prompt-lookup matches (shorter ones are tried when it finds none).",
-)
+@_lookup_options
 @_specs_option
 def generate(
     model_dir,
@@ -700,6 +712,16 @@ def _drafter(draft_model, prompt_lookup, ngram_size, num_draft_tokens, checkpoin
     show_default=True,
     type=click.Choice(["debug", "info", "warning", "error"]),
 )
+@_lookup_options
+@click.option(
+    "--speculative-rows",
+    default=4,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="With --prompt-lookup: the decode batch speculates while it holds at most this many "
+    "rows, all greedy without penalties, logit biases, logprobs or grammars (the rows keep "
+    "as many drafts as the row that accepts the fewest).",
+)
 @_specs_option
 def serve(
     model_dir,
@@ -726,6 +748,10 @@ def serve(
     model_id,
     max_body_bytes,
     log_level,
+    prompt_lookup,
+    num_draft_tokens,
+    ngram_size,
+    speculative_rows,
     specs,
 ):
     """Serve a model over an OpenAI-compatible HTTP API (chat, completions, streaming).
@@ -764,6 +790,16 @@ def serve(
     template_args = _json_object(chat_template_args, "--chat-template-args")
 
     group = world()  # under mlx.launch: the ranks the model is sharded over
+    speculation = None
+    if prompt_lookup:
+        from mlxc.runtime.serving.speculative import BatchSpeculation
+
+        if group is not None:
+            raise click.BadParameter(
+                "speculation runs unsharded (not under mlx.launch yet)",
+                param_hint="'--prompt-lookup'",
+            )
+        speculation = BatchSpeculation(num_draft_tokens, ngram_size, speculative_rows)
     distributed = {}
     if group is not None:
         agree_on_seed(group)  # samplers without a seed draw the same tokens on every rank
@@ -809,6 +845,7 @@ def serve(
             max_concurrency=max_concurrency,
             max_queue=max_queue,
             prefix_cache_bytes=prefix_cache_bytes,
+            speculation=speculation,
             specs=specs,
             **distributed,
         )
@@ -836,6 +873,8 @@ def serve(
     window = f"max-kv-size {max_kv_size}, kv-sink {kv_sink}" if max_kv_size else "unbounded KV"
     if kv_bits is not None:
         window += f", {kv_bits}-bit KV (group {kv_group_size})"
+    if speculation is not None:
+        window += f", prompt lookup (up to {num_draft_tokens} drafts, {speculative_rows} rows)"
     bound_host, bound_port = sock.getsockname()[:2]
     log.info(
         "serving %r from %s (%s, prefill chunk %d, concurrency %d, queue %d); OpenAI base_url "

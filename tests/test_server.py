@@ -340,6 +340,25 @@ def test_concurrent_requests_decode_batched_as_alone(arch):
     assert health["pool"]["peak_batched"] >= 2  # the rows did decode together
 
 
+def test_prompt_lookup_serves_the_plain_greedy_text(checkpoints, logs):
+    """`mlxc serve --prompt-lookup`: two requests at once speculate in the decode batch (the
+    metrics count their verifications), and each answer is `mlxc generate`'s greedy text."""
+    path = checkpoints["llama"]
+    server = Server(["--model", path, "--prompt-lookup", "--num-draft-tokens", 4], logs)
+    try:
+        prompts = [LONG, SHORT + " " + SHORT]
+        wants = [mlxc_generate(path, p, "--max-tokens", 24)[0] for p in prompts]
+        with server.client() as c, concurrent.futures.ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda p: chat(c, p, max_tokens=24), prompts))
+            scrape = c.get("/metrics").text
+        assert [g.json()["choices"][0]["message"]["content"] for g in got] == wants
+        spec = server.wait_idle()["speculation"]
+        assert spec["steps"] > 0 and spec["proposed"] > 0
+        assert f"mlxc_spec_decode_steps_total {float(spec['steps'])}" in scrape
+    finally:
+        server.close()
+
+
 def test_no_trim_is_byte_identical_without_max_kv_size(arch, api):
     """25 prompt + 30 generated tokens stay under --max-kv-size 64: nothing is trimmed, and the
     output is byte-identical to generation with no bound at all."""

@@ -115,9 +115,10 @@ def test_windowed_rewind_keeps_what_the_window_sees():
     assert mx.array_equal(k_spec, k_ref)
 
 
-def test_batch_and_recurrent_caches_refuse_to_rewind():
+def test_recurrent_caches_refuse_to_rewind():
+    # (a decode batch rewinds all its rows at once: tests/test_batch_speculation.py)
     with pytest.raises(RewindError):
-        BatchKVCache().rewind(1)
+        BatchKVCache().rewind(1)  # nothing written since its rows joined
     model = tiny("nemotron_h")
     with pytest.raises(RewindError, match="RecurrentCache cannot"):
         prepare_rewind(model, make_caches(model), 3)

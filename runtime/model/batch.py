@@ -19,6 +19,10 @@ stays bounded by ``max_kv_size + 2 * step`` columns per row.
 
 Prefill stays per sequence (``KVCache``); a sequence joins the batch when its prompt is done
 (``BatchCache.extend``) and leaves it when it finishes (``BatchCache.keep_rows``).
+
+A speculative verification (``mlxc serve --prompt-lookup``) writes ``k + 1`` columns to every
+row; ``rewind`` takes the rejected ones back from all rows at once (one column index), so the
+rows of one step keep as many drafts as the row that kept the fewest.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ class BatchKVCache:
     step = KVCache.step
     trimmable = True
     holds_keys = True
-    rewindable = False  # speculation in the decode batch is not built yet
+    rewindable = True  # every row at once (the server's speculation: runtime.serving.speculative)
     window = None
 
     def __init__(self) -> None:
@@ -61,6 +65,7 @@ class BatchKVCache:
         self.sink = np.zeros(0, np.int64)  # [B] sink tokens after the pad
         self.gap = np.zeros(0, np.int64)  # [B] trimmed columns after the sink
         self.trimmed = np.zeros(0, bool)  # [B] whether the row's sink is fixed by a trim
+        self.appended = 0  # columns written since rows last joined, left or were trimmed
 
     # --- the LayerCache protocol, per row ------------------------------------------------------
 
@@ -97,6 +102,7 @@ class BatchKVCache:
                 self.values[..., self.width : end, :] = values
         self.width = end
         self.offsets = self.offsets + n_new
+        self.appended += n_new
         live_values = None if values is None else self.values[..., :end, :]
         return self.keys[..., :end, :], live_values
 
@@ -117,7 +123,18 @@ class BatchKVCache:
         return (column >= self.pad[:, None]) & ~dropped
 
     def rewind(self, n: int) -> None:
-        raise RewindError("a decode batch's rows cannot rewind (speculation decodes alone)")
+        """Take the last ``n`` columns back from every row (the drafts a verification rejected):
+        the rows share one column index, so they rewind together. Never past a trim, a join or
+        a compaction (RewindError): speculation trims only after acceptance."""
+        n = int(n)
+        if n < 0 or n > self.appended:
+            raise RewindError(
+                f"cannot rewind {n} columns: {self.appended} were written since the rows last "
+                "changed (a trim only follows acceptance)"
+            )
+        self.width -= n
+        self.offsets = self.offsets - n
+        self.appended -= n
 
     def trim_front(self, n: np.ndarray, keep: int = 0) -> np.ndarray:
         """Drop each row's oldest ``n[b]`` tokens after its first ``keep``; KVCache's rule per
@@ -130,6 +147,8 @@ class BatchKVCache:
         self.sink = np.where(trimming, keep, self.sink)
         self.trimmed |= trimming
         self.gap = self.gap + n
+        if trimming.any():
+            self.appended = 0
         if len(self.pad) and (self.pad + self.gap).min() >= self.step:
             self._compact()
         return n
@@ -190,6 +209,7 @@ class BatchKVCache:
         self.sink = np.concatenate([self.sink, [c.sink for c in caches]])
         self.gap = np.concatenate([self.gap, np.zeros(len(caches), np.int64)])
         self.trimmed = np.concatenate([self.trimmed, [c.offset > c.live_len for c in caches]])
+        self.appended = 0
 
     def append_batch(self, other: BatchKVCache) -> None:
         """Add ``other``'s rows after these (a batch of prompts prefilled together), both
@@ -210,6 +230,7 @@ class BatchKVCache:
         self.width = width
         for name in ("offsets", "sink", "gap", "trimmed"):
             setattr(self, name, np.concatenate([getattr(self, name), getattr(other, name)]))
+        self.appended = 0
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only ``rows`` (in that order), then compact if every row wastes ``step``."""
@@ -245,6 +266,7 @@ class BatchKVCache:
         self.width = width
         self.pad = width - lives
         self.gap = np.zeros_like(self.gap)
+        self.appended = 0
 
 
 class BatchWindowedKVCache(BatchKVCache):
@@ -253,10 +275,14 @@ class BatchWindowedKVCache(BatchKVCache):
     every valid key is inside the window of the next query and the rows stay bounded by it."""
 
     trimmable = False  # bounds itself; --max-kv-size trims the full-KV layers only
+    rewindable = False  # its drops follow every write; a rewind would need the keys dropped
 
     def __init__(self, window: int) -> None:
         super().__init__()
         self.window = window
+
+    def rewind(self, n: int) -> None:
+        raise RewindError("a decode batch's sliding-window rows cannot rewind")
 
     def update_and_fetch(
         self, keys: mx.array, values: mx.array | None = None

@@ -14,6 +14,9 @@ Exposed names (counters get prometheus' ``_total`` suffix):
 - ``mlxc_prompt_tokens_total``, ``mlxc_generation_tokens_total``: tokens of finished requests;
 - ``mlxc_prefix_cache_hits_total``: requests whose prompt reused cached prefix tokens, and
   ``mlxc_prefix_cache_hit_tokens_total``: the prompt tokens so reused (the prefix cache's);
+- ``mlxc_spec_decode_steps_total``, ``mlxc_spec_decode_draft_tokens_total``,
+  ``mlxc_spec_decode_accepted_tokens_total``: verification steps of ``--prompt-lookup``, the
+  drafts they verified and the drafts kept (summed over the rows of each step);
 - ``mlxc_queue_depth``, ``mlxc_running_sequences``, ``mlxc_kv_cache_bytes``: gauges;
 - ``mlxc_time_to_first_token_seconds``: from the request's arrival to its first token;
 - ``mlxc_inter_token_latency_seconds``: between a request's successive tokens;
@@ -56,6 +59,21 @@ PREFIX_CACHE_HITS = Counter(
 PREFIX_CACHE_HIT_TOKENS = Counter(
     "mlxc_prefix_cache_hit_tokens",
     "Prompt tokens served from the prefix cache instead of prefilled.",
+    registry=REGISTRY,
+)
+SPEC_STEPS = Counter(
+    "mlxc_spec_decode_steps",
+    "Speculative verification steps of the decode batch.",
+    registry=REGISTRY,
+)
+SPEC_DRAFT_TOKENS = Counter(
+    "mlxc_spec_decode_draft_tokens",
+    "Draft tokens verified (summed over the rows of each step).",
+    registry=REGISTRY,
+)
+SPEC_ACCEPTED_TOKENS = Counter(
+    "mlxc_spec_decode_accepted_tokens",
+    "Draft tokens kept after verification (summed over the rows of each step).",
     registry=REGISTRY,
 )
 QUEUE_DEPTH = Gauge("mlxc_queue_depth", "Requests waiting for a slot.", registry=REGISTRY)

@@ -19,6 +19,12 @@ Each tick of the loop:
 4. hands each sampled token to its request. The batched step is read one tick later, after the
    next one is queued, so the device works while the host handles tokens.
 
+With ``speculation`` (``mlxc serve --prompt-lookup``), a tick whose decode batch is small and
+plainly greedy (``BatchSpeculation``) reads the step in flight first, drafts each row's next
+tokens from n-grams of its own prompt and output, and verifies them in one forward of the
+batch; the rows keep the drafts every row accepted (``speculative.batch_greedy_accept``) and
+rewind the rest (``BatchKVCache.rewind``), then trim. Output is the plain greedy output.
+
 A decode step reads every weight once whatever the batch size, which is what makes serving
 many streams cheaper than serving them one by one. Prefill runs per sequence in its own
 ``KVCache`` (a prompt batch in a ``BatchCache`` of its own, which joins the decode batch whole
@@ -65,6 +71,7 @@ from mlxc.runtime.model.cache import (
     check_kv_quant,
     enforce_max_kv,
     make_caches,
+    rewind_caches,
     trimmable,
 )
 from mlxc.runtime.serving import metrics
@@ -96,6 +103,12 @@ from mlxc.runtime.serving.prefix_cache import (
 )
 from mlxc.runtime.serving.sample import RowSampler, Sampled, sample_rows
 from mlxc.runtime.serving.serve_defaults import DEFAULT_PREFIX_CACHE_BYTES
+from mlxc.runtime.serving.speculative import (
+    BatchSpeculation,
+    PromptLookup,
+    SpecStats,
+    batch_greedy_accept,
+)
 from mlxc.runtime.serving.structured import apply_masks
 
 __all__ = [
@@ -267,7 +280,12 @@ class _Sequence:
     """A running request's generation state (scheduler thread only)."""
 
     def __init__(
-        self, request: Request, caches: list, tokenizer: Any, eos_token_ids: frozenset[int]
+        self,
+        request: Request,
+        caches: list,
+        tokenizer: Any,
+        eos_token_ids: frozenset[int],
+        keep_history: bool = False,
     ) -> None:
         p = request.params
         self.request = request
@@ -291,6 +309,8 @@ class _Sequence:
         # (decided once, at admission: Scheduler._prefills_together).
         self.prompt_batchable = False
         self.last_token: int | None = None  # input of the next decode step
+        # Prompt and generated tokens, where prompt lookup drafts from them (speculation).
+        self.history: list[int] | None = list(request.prompt_ids) if keep_history else None
         # Its grammar (runtime.serving.structured), None when its output is free.
         self.constraint = p.constraint
         # Its text and events: detokenizer, stop strings, completion tokens.
@@ -299,6 +319,12 @@ class _Sequence:
     @property
     def prefilling(self) -> bool:
         return self.prefilled < len(self.request.prompt_ids)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy, with nothing that adjusts or reports its logits: it may speculate."""
+        s = self.sampler
+        return s.greedy and not s.adjusts and not s.logprobs and self.constraint is None
 
 
 class Scheduler:
@@ -319,9 +345,11 @@ class Scheduler:
         max_queue: int = 64,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         lockstep: Any = None,
+        speculation: BatchSpeculation | None = None,
     ) -> None:
         """``lockstep``: under ``mlx.launch``, the hook that makes every rank's ticks admit and
-        drop the same requests (``runtime.serving.distributed.Lockstep``)."""
+        drop the same requests (``runtime.serving.distributed.Lockstep``). ``speculation``:
+        prompt-lookup drafts verified in the decode batch (see the module docstring)."""
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
         if max_concurrency < 1:
@@ -331,6 +359,8 @@ class Scheduler:
         check_kv_limits(max_kv_size, kv_sink)
         if (model is None) == (load is None):
             raise ValueError("pass either a model or a load function")
+        if speculation is not None and lockstep is not None:
+            raise ValueError("speculation is not supported with tensor parallelism yet")
         self.model = model
         self._load = load
         # Used on the scheduler thread only (detokenizing). Hugging Face tokenizers are not
@@ -342,6 +372,9 @@ class Scheduler:
         # Snapshots of prompts at their chunk boundaries (runtime.serving.prefix_cache).
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.lockstep = lockstep
+        self.speculation = speculation
+        self._lookup = None if speculation is None else PromptLookup(speculation.ngram_size)
+        self.spec_stats = SpecStats()  # verification steps, drafts proposed and kept
 
         # Waiting requests, slots, counters, the stats snapshot: shared with other threads.
         self._queue = AdmissionQueue(max_concurrency, max_queue)
@@ -392,8 +425,12 @@ class Scheduler:
                 if self._load is not None:
                     self.model = self._load()
                 check_kv_quant(self.model, self.pool.kv_quant)
-                # Before serving: the ragged decode batch's kernels (CUDA only).
-                cuda_attention.warm(self.model, (1,), self.pool.kv_quant)
+                # Before serving: the ragged decode batch's kernels (CUDA only), and those of
+                # verifications of up to K drafts.
+                queries = (1,)
+                if self.speculation is not None:
+                    queries = tuple(range(1, self.speculation.num_draft_tokens + 2))
+                cuda_attention.warm(self.model, queries, self.pool.kv_quant)
                 self.pool.model = self.model
             except BaseException as e:  # noqa: BLE001 - start() re-raises it
                 errors.append(e)
@@ -455,6 +492,7 @@ class Scheduler:
                 "trims": self.pool.trims,
             },
             "prefix_cache": snapshot.get("prefix_cache"),
+            "speculation": snapshot.get("speculation"),
             "requests": counts,
         }
 
@@ -487,7 +525,9 @@ class Scheduler:
     def _admit(self, request: Request) -> None:
         try:
             caches = self.pool.allocate(request.id)
-            seq = _Sequence(request, caches, self.tokenizer, self.eos_token_ids)
+            seq = _Sequence(
+                request, caches, self.tokenizer, self.eos_token_ids, self.speculation is not None
+            )
             prompt = request.prompt_ids
             seq.chunks = prefill_chunks(
                 len(prompt), self.prefill_chunk_size, prefill_spans(self.model, prompt)
@@ -610,9 +650,15 @@ class Scheduler:
         # step too many; that step's token is dropped with its row.
         previous, self._inflight = self._inflight, None
         deferred: tuple[list[_Sequence], mx.array] | None = None
-        if self.pool.batch_keys:
-            by_key = {s.request.id: s for s in self._running}
-            rows = [by_key[k] for k in self.pool.batch_keys]
+        rows = self._batch_rows()
+        if rows and self._may_speculate(rows):
+            if previous is not None:  # the drafts continue the tokens in flight: read them
+                self._read_tokens(*previous)
+                previous = None
+            rows = self._batch_rows()
+            if rows and self._speculate(rows):
+                rows = []  # the verification was this tick's batched step
+        if rows:
             try:
                 sampled = self._decode_batch(rows, previous)
                 if isinstance(sampled, Sampled):
@@ -680,6 +726,68 @@ class Scheduler:
                 self._read_tokens(seqs, token)
             else:
                 self._store(seqs[0])
+
+    def _batch_rows(self) -> list[_Sequence]:
+        """The sequences of the decode batch's rows, in row order."""
+        by_key = {s.request.id: s for s in self._running}
+        return [by_key[k] for k in self.pool.batch_keys]
+
+    def _may_speculate(self, rows: list[_Sequence]) -> bool:
+        """Whether this tick's batched step may be a verification (``BatchSpeculation``)."""
+        spec = self.speculation
+        if spec is None or len(rows) > spec.max_rows:
+            return False
+        if not all(seq.plain_greedy for seq in rows):
+            return False
+        return all(getattr(layer, "rewindable", False) for layer in self.pool.batch)
+
+    def _speculate(self, rows: list[_Sequence]) -> bool:
+        """Draft, verify and accept for every row of the decode batch, synchronously (the
+        next drafts depend on what this step accepts). False when a row has no draft (or no
+        room for one): nothing was run, the tick takes a plain step."""
+        k = self.speculation.num_draft_tokens
+        for seq in rows:  # a step emits up to k + 1 tokens per row
+            k = min(k, seq.request.params.max_tokens - seq.output.generated - 1)
+        batch = self.pool.batch
+        if self.pool.trims:
+            # Only while no one-token step would have trimmed: then each query of the
+            # verification sees exactly what its one-token step would (no per-query trim mask).
+            live = max(int(c.row_live_len.max()) for c in trimmable(self.model, batch))
+            k = min(k, self.pool.max_kv_size - live)
+        if k < 1:
+            return False
+        drafts = [self._lookup.propose(seq.history, k, 0.0, None)[0] for seq in rows]
+        k = min(len(d) for d in drafts)
+        if k == 0:
+            return False
+        drafts = [d[:k] for d in drafts]
+        ids = mx.array([[seq.last_token, *d] for seq, d in zip(rows, drafts)], dtype=mx.int32)
+        try:
+            targets = mx.argmax(self.model(ids, cache=batch), axis=-1).tolist()
+        except Exception as e:  # noqa: BLE001 - ends the batched requests only
+            for seq in rows:
+                self._fail(seq, e)
+            return True
+        emitted = batch_greedy_accept(targets, drafts)
+        n = len(emitted[0])  # tokens per row; the caches keep the input token and n - 1 drafts
+        rewind_caches(batch, k + 1 - n)
+        self.pool.enforce(batch)
+        stats = self.spec_stats
+        stats.steps += 1
+        stats.proposed += k * len(rows)
+        stats.accepted += (n - 1) * len(rows)
+        metrics.SPEC_STEPS.inc()
+        metrics.SPEC_DRAFT_TOKENS.inc(k * len(rows))
+        metrics.SPEC_ACCEPTED_TOKENS.inc((n - 1) * len(rows))
+        for seq, tokens in zip(rows, emitted):
+            for token in tokens:
+                if seq not in self._running:
+                    break  # finished on an earlier token: the rest is dropped with its row
+                try:
+                    self._accept(seq, token)
+                except Exception as e:  # noqa: BLE001 - ends this request only
+                    self._fail(seq, e)
+        return True
 
     def _prompt_group(self, first: _Sequence) -> list[_Sequence]:
         """``first`` and the waiting prompts that prefill with it as the rows of one batch (one
@@ -839,6 +947,8 @@ class Scheduler:
     def _accept(self, seq: _Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
         if seq.constraint is not None:
             seq.constraint.accept(token)
+        if seq.history is not None:
+            seq.history.append(token)
         if seq.output.accept(token, seq.request.send, logprob):
             self._release(seq)  # it sent Finished
             self._queue.count("completed")
@@ -867,8 +977,20 @@ class Scheduler:
             "pool_batched": len(self.pool.batch_keys),
             "pool_bytes": self.pool.nbytes(),
             "prefix_cache": None if self.prefix is None else self.prefix.stats(),
+            "speculation": None if self.speculation is None else self._spec_snapshot(),
         }
         self._queue.publish(snapshot)
+
+    def _spec_snapshot(self) -> dict[str, Any]:
+        s = self.spec_stats
+        return {
+            "steps": s.steps,
+            "proposed": s.proposed,
+            "accepted": s.accepted,
+            "acceptance": round(s.acceptance, 4),
+            "num_draft_tokens": self.speculation.num_draft_tokens,
+            "max_rows": self.speculation.max_rows,
+        }
 
     def _shutdown(self) -> None:
         for request in self._queue.drain():

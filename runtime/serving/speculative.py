@@ -15,6 +15,11 @@ would have seen, each followed by its trim (``KVCache.decode_bound``): the trimm
 run equals the trimmed plain run. Windowed layers keep K keys past their window
 (``rewind_reserve``) so a rewind leaves them what the window sees. Recurrent layers cannot
 rewind; such models are refused (``RewindError``).
+
+In the server (``BatchSpeculation``) the rows of the decode batch speculate together: one
+verification forward of ``k + 1`` tokens per row, greedy acceptance per row, then every row
+keeps as many drafts as the row that kept the fewest (``batch_greedy_accept``), because the
+rows share one cache column index (``BatchKVCache.rewind``).
 """
 
 from __future__ import annotations
@@ -99,6 +104,33 @@ def greedy_accept(targets: list[int], drafts: list[int]) -> list[int]:
     while n < len(drafts) and drafts[n] == targets[n]:
         n += 1
     return [*drafts[:n], targets[n]]
+
+
+def batch_greedy_accept(targets: list[list[int]], drafts: list[list[int]]) -> list[list[int]]:
+    """The tokens each row of one batched verification emits: ``greedy_accept`` per row, cut
+    to the shortest, so every row keeps the same number of drafts. A cut row still emits only
+    its own greedy tokens: the drafts it kept equal its argmax, and its last token is either
+    its argmax after them or a draft that equals it."""
+    outs = [greedy_accept(t, d) for t, d in zip(targets, drafts)]
+    n = min(len(out) for out in outs)
+    return [out[:n] for out in outs]
+
+
+@dataclass(frozen=True)
+class BatchSpeculation:
+    """Prompt-lookup speculation in the server's decode batch (``mlxc serve --prompt-lookup``):
+    up to ``num_draft_tokens`` drafts per row, from n-grams of up to ``ngram_size`` tokens,
+    in the steps where the batch holds at most ``max_rows`` rows, all greedy with nothing that
+    adjusts or reports their logits (penalties, biases, logprobs, grammars)."""
+
+    num_draft_tokens: int = 3
+    ngram_size: int = 3
+    max_rows: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("num_draft_tokens", "ngram_size", "max_rows"):
+            if getattr(self, name) < 1:
+                raise SpeculationError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 def _probs(logits: mx.array, temp: float) -> np.ndarray:

@@ -1,0 +1,184 @@
+"""Speculation in the server's decode batch (``mlxc serve --prompt-lookup``): the batch cache's
+rewind, the shared acceptance rule, and the scheduler's output equal to plain greedy decoding
+(``generate_tokens`` alone) with several rows, chunked prefill, trims and quantised KV."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # the toy model and helpers live beside the tests
+import _toy_model as toy
+from test_scheduler import Collector, prompt, wait_idle
+from test_speculative import kv, repeating_prompt, tiny
+
+from mlxc.runtime.checkpoint.tokenizer import load_tokenizer
+from mlxc.runtime.model.batch import BatchKVCache, BatchWindowedKVCache
+from mlxc.runtime.model.cache import KVCache, KVQuant, RewindError
+from mlxc.runtime.serving import metrics
+from mlxc.runtime.serving.generate import generate_tokens
+from mlxc.runtime.serving.scheduler import SamplingParams, Scheduler
+from mlxc.runtime.serving.speculative import (
+    BatchSpeculation,
+    SpeculationError,
+    batch_greedy_accept,
+)
+
+# --- the batch cache's rewind -----------------------------------------------------------------
+
+
+def _joined(lengths: list[int]) -> BatchKVCache:
+    """A decode batch whose rows are single caches of these lengths (keys name positions)."""
+    caches = []
+    for n in lengths:
+        c = KVCache()
+        c.update_and_fetch(*kv(n))
+        caches.append(c)
+    batch = BatchKVCache()
+    batch.extend(caches)
+    return batch
+
+
+def _column(n: int, start: int) -> tuple[mx.array, mx.array]:
+    k, v = kv(n, start)
+    return mx.concatenate([k, k]), mx.concatenate([v, v])  # the same new columns for 2 rows
+
+
+def test_batch_rewind_equals_never_having_written():
+    spec, ref = _joined([5, 3]), _joined([5, 3])
+    spec.update_and_fetch(*_column(4, 100))  # a verification: the input token and 3 drafts
+    spec.rewind(3)  # every row kept the input token only
+    ref.update_and_fetch(*_column(1, 100))
+    assert spec.offsets.tolist() == ref.offsets.tolist() == [6, 4]
+    assert spec.live_len == ref.live_len
+    k_spec, _ = spec.update_and_fetch(*_column(2, 200))  # the next step overwrites the rest
+    k_ref, _ = ref.update_and_fetch(*_column(2, 200))
+    assert mx.array_equal(k_spec, k_ref)
+    assert mx.array_equal(spec.key_valid(), ref.key_valid())
+
+
+def test_batch_rewind_never_crosses_a_trim_or_a_join():
+    batch = _joined([6, 4])
+    batch.update_and_fetch(*_column(3, 50))
+    with pytest.raises(RewindError):
+        batch.rewind(4)  # more than were written since the rows joined
+    batch.trim_front(np.array([2, 0]), keep=1)
+    with pytest.raises(RewindError, match="since the rows last changed"):
+        batch.rewind(1)
+    batch.update_and_fetch(*_column(2, 60))
+    batch.rewind(2)  # what was written after the trim may go
+    other = KVCache()
+    other.update_and_fetch(*kv(2))
+    batch.update_and_fetch(*_column(1, 70))
+    batch.extend([other])
+    with pytest.raises(RewindError):
+        batch.rewind(1)
+    with pytest.raises(RewindError, match="sliding-window"):
+        BatchWindowedKVCache(4).rewind(1)
+
+
+def test_batch_acceptance_keeps_what_every_row_accepted():
+    targets = [[5, 6, 7, 8], [5, 9, 1, 2], [4, 4, 4, 4]]
+    drafts = [[5, 6, 7], [5, 6, 7], [4, 4, 4]]
+    # Alone the rows would emit 4, 2 and 4 tokens; together each emits 2, all its own argmax.
+    assert batch_greedy_accept(targets, drafts) == [[5, 6], [5, 9], [4, 4]]
+    with pytest.raises(SpeculationError):
+        BatchSpeculation(max_rows=0)
+
+
+# --- the scheduler ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def toy_model():
+    m = toy.Model(toy.ModelArgs.from_config(toy.CONFIG))
+    m.load_weights(list(toy.random_weights().items()))
+    mx.eval(m.parameters())
+    return m
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("toy-tokenizer")
+    toy.write_tokenizer(path)
+    return load_tokenizer(path)
+
+
+def _serve(model, tokenizer, jobs, **options) -> tuple[list[list[int]], dict]:
+    """Each job's tokens from one scheduler running them together, and its stats after."""
+    s = Scheduler(model, tokenizer, max_concurrency=len(jobs), **options)
+    s.start()
+    try:
+        outs = [Collector() for _ in jobs]
+        for (ids, params), out in zip(jobs, outs):
+            s.submit(ids, params, out)
+        tokens = [out.result()[0] for out in outs]
+        return tokens, wait_idle(s)
+    finally:
+        s.stop()
+
+
+def _plain(model, ids, n, **options) -> list[int]:
+    return list(generate_tokens(model, ids, max_tokens=n, **options))
+
+
+CASES = [  # (model, cache options of the scheduler and of generate_tokens alone)
+    ("toy", {}),
+    ("toy", {"prefill_chunk_size": 8, "max_kv_size": 48, "kv_sink": 4}),  # 60 tokens: trims
+    ("llama", {"prefill_chunk_size": 8}),
+    ("llama", {"prefill_chunk_size": 8, "max_kv_size": 64, "kv_sink": 2}),  # 79 tokens
+    ("qwen3", {"kv_quant": KVQuant(8, 32)}),
+]
+
+
+@pytest.mark.parametrize(("arch", "cache"), CASES)
+def test_speculating_batch_equals_plain_greedy(toy_model, tokenizer, arch, cache):
+    model = toy_model if arch == "toy" else tiny(arch)
+    if arch == "toy":
+        prompts = [prompt(20, start=s) for s in (1, 5, 9)]
+    else:
+        prompts = [repeating_prompt(model, seed) for seed in (3, 4, 5)]  # 39 tokens
+    n = 40
+    wants = [_plain(model, ids, n, **cache) for ids in prompts]
+    jobs = [(ids, SamplingParams(max_tokens=n, ignore_eos=True)) for ids in prompts]
+    before = metrics.SPEC_ACCEPTED_TOKENS._value.get()
+    got, stats = _serve(model, tokenizer, jobs, speculation=BatchSpeculation(4, 3, 4), **cache)
+    assert got == wants
+    spec = stats["speculation"]
+    assert spec["steps"] > 0 and spec["accepted"] > 0  # it did speculate and keep drafts
+    assert metrics.SPEC_ACCEPTED_TOKENS._value.get() - before == spec["accepted"]
+
+
+def test_rows_that_sample_or_report_take_plain_steps(toy_model, tokenizer):
+    """A batch with a row that asks for logprobs (or samples, or has penalties) never
+    speculates; a lone greedy request does, once the others are done."""
+    ids = prompt(40, start=1)
+    wants = [_plain(toy_model, ids, 20)] * 2
+    jobs = [
+        (ids, SamplingParams(max_tokens=20, ignore_eos=True, logprobs=True)),
+        (ids, SamplingParams(max_tokens=20, ignore_eos=True)),
+    ]
+    got, stats = _serve(toy_model, tokenizer, jobs, speculation=BatchSpeculation(4, 3, 1))
+    assert got == wants
+    got, stats = _serve(toy_model, tokenizer, jobs[:1], speculation=BatchSpeculation(4, 3, 4))
+    assert got == wants[:1] and stats["speculation"]["steps"] == 0
+    got, stats = _serve(toy_model, tokenizer, jobs[1:], speculation=BatchSpeculation(4, 3, 4))
+    assert got == wants[1:] and stats["speculation"]["steps"] > 0
+
+
+def test_recurrent_batches_take_plain_steps(tokenizer):
+    model = tiny("nemotron_h")
+    prompts = [repeating_prompt(model, seed) for seed in (0, 1)]
+    wants = [_plain(model, ids, 12) for ids in prompts]
+    jobs = [(ids, SamplingParams(max_tokens=12, ignore_eos=True)) for ids in prompts]
+    got, stats = _serve(model, tokenizer, jobs, speculation=BatchSpeculation(4, 3, 4))
+    assert got == wants and stats["speculation"]["steps"] == 0
+
+
+def test_speculation_is_refused_under_tensor_parallelism(toy_model, tokenizer):
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        Scheduler(toy_model, tokenizer, lockstep=object(), speculation=BatchSpeculation())
