@@ -109,13 +109,15 @@ def tokenizer(tmp_path_factory):
 
 
 def _serve(model, tokenizer, jobs, **options) -> tuple[list[list[int]], dict]:
-    """Each job's tokens from one scheduler running them together, and its stats after."""
+    """Each job's tokens from one scheduler running them together, and its stats after. The
+    jobs are queued before the scheduler starts, so its first tick admits them all: which
+    steps speculate (every row needs a draft) does not depend on when each arrived."""
     s = Scheduler(model, tokenizer, max_concurrency=len(jobs), **options)
-    s.start()
     try:
         outs = [Collector() for _ in jobs]
         for (ids, params), out in zip(jobs, outs):
             s.submit(ids, params, out)
+        s.start()
         tokens = [out.result()[0] for out in outs]
         return tokens, wait_idle(s)
     finally:
