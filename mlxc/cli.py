@@ -719,8 +719,8 @@ def _drafter(draft_model, prompt_lookup, ngram_size, num_draft_tokens, checkpoin
     show_default=True,
     type=click.IntRange(min=1),
     help="With --prompt-lookup: the decode batch speculates while it holds at most this many "
-    "rows, all greedy without penalties, logit biases, logprobs or grammars (the rows keep "
-    "as many drafts as the row that accepts the fewest).",
+    "rows, each greedy or sampled by temperature alone, without penalties, logit biases, "
+    "logprobs or grammars (the rows keep as many drafts as the row that accepts the fewest).",
 )
 @_specs_option
 def serve(

@@ -25,7 +25,8 @@ from mlxc.runtime.serving.scheduler import SamplingParams, Scheduler
 from mlxc.runtime.serving.speculative import (
     BatchSpeculation,
     SpeculationError,
-    batch_greedy_accept,
+    cut_to_shortest,
+    greedy_accept,
 )
 
 # --- the batch cache's rewind -----------------------------------------------------------------
@@ -85,7 +86,8 @@ def test_batch_acceptance_keeps_what_every_row_accepted():
     targets = [[5, 6, 7, 8], [5, 9, 1, 2], [4, 4, 4, 4]]
     drafts = [[5, 6, 7], [5, 6, 7], [4, 4, 4]]
     # Alone the rows would emit 4, 2 and 4 tokens; together each emits 2, all its own argmax.
-    assert batch_greedy_accept(targets, drafts) == [[5, 6], [5, 9], [4, 4]]
+    emitted = [greedy_accept(t, d) for t, d in zip(targets, drafts)]
+    assert cut_to_shortest(emitted) == [[5, 6], [5, 9], [4, 4]]
     with pytest.raises(SpeculationError):
         BatchSpeculation(max_rows=0)
 
@@ -155,8 +157,31 @@ def test_speculating_batch_equals_plain_greedy(toy_model, tokenizer, arch, cache
     assert metrics.SPEC_ACCEPTED_TOKENS._value.get() - before == spec["accepted"]
 
 
-def test_rows_that_sample_or_report_take_plain_steps(toy_model, tokenizer):
-    """A batch with a row that asks for logprobs (or samples, or has penalties) never
+def test_sampled_rows_speculate_by_the_accept_rule(toy_model, tokenizer):
+    """Rows sampled at a temperature alone speculate with the greedy ones: near temperature 0
+    the rule keeps exactly the greedy drafts (so the tokens are the greedy ones), and a seed
+    makes a run repeat; top-p makes the step plain."""
+    model = tiny("llama")
+    prompts = [repeating_prompt(model, seed) for seed in (3, 4)]
+    greedy = [_plain(model, ids, 30) for ids in prompts]
+    cold = SamplingParams(max_tokens=30, ignore_eos=True, temperature=1e-4, seed=1)
+    jobs = [(prompts[0], cold), (prompts[1], SamplingParams(max_tokens=30, ignore_eos=True))]
+    got, stats = _serve(model, tokenizer, jobs, speculation=BatchSpeculation(4, 3, 4))
+    assert got == greedy
+    assert stats["speculation"]["steps"] > 0 and stats["speculation"]["accepted"] > 0
+    warm = SamplingParams(max_tokens=30, ignore_eos=True, temperature=1.0, seed=5)
+    runs = [
+        _serve(model, tokenizer, [(prompts[0], warm)], speculation=BatchSpeculation(4, 3, 4))
+        for _ in range(2)
+    ]
+    assert runs[0][0] == runs[1][0] and runs[0][1]["speculation"]["steps"] > 0
+    top_p = SamplingParams(max_tokens=30, ignore_eos=True, temperature=1.0, top_p=0.9, seed=5)
+    _, stats = _serve(model, tokenizer, [(prompts[0], top_p)], speculation=BatchSpeculation())
+    assert stats["speculation"]["steps"] == 0
+
+
+def test_rows_that_report_or_adjust_take_plain_steps(toy_model, tokenizer):
+    """A batch with a row that asks for logprobs (or has penalties, biases or a grammar) never
     speculates; a lone greedy request does, once the others are done."""
     ids = prompt(40, start=1)
     wants = [_plain(toy_model, ids, 20)] * 2

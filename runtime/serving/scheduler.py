@@ -20,10 +20,12 @@ Each tick of the loop:
    next one is queued, so the device works while the host handles tokens.
 
 With ``speculation`` (``mlxc serve --prompt-lookup``), a tick whose decode batch is small and
-plainly greedy (``BatchSpeculation``) reads the step in flight first, drafts each row's next
-tokens from n-grams of its own prompt and output, and verifies them in one forward of the
-batch; the rows keep the drafts every row accepted (``speculative.batch_greedy_accept``) and
-rewind the rest (``BatchKVCache.rewind``), then trim. Output is the plain greedy output.
+whose rows may speculate (``BatchSpeculation``) reads the step in flight first, drafts each
+row's next tokens from n-grams of its own prompt and output, and verifies them in one forward
+of the batch; each row accepts by its own rule (greedy, or the accept/reject rule at its
+temperature), the rows keep as many drafts as the row that kept the fewest
+(``speculative.cut_to_shortest``) and rewind the rest (``BatchKVCache.rewind``), then trim.
+Greedy output is the plain greedy output; sampled output follows the same distribution.
 
 A decode step reads every weight once whatever the batch size, which is what makes serving
 many streams cheaper than serving them one by one. Prefill runs per sequence in its own
@@ -59,6 +61,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx import nn
 
 from mlxc.runtime.model import cuda_attention
@@ -107,7 +110,10 @@ from mlxc.runtime.serving.speculative import (
     BatchSpeculation,
     PromptLookup,
     SpecStats,
-    batch_greedy_accept,
+    accept_drafts,
+    cut_to_shortest,
+    greedy_accept,
+    probs,
 )
 from mlxc.runtime.serving.structured import apply_masks
 
@@ -309,8 +315,10 @@ class _Sequence:
         # (decided once, at admission: Scheduler._prefills_together).
         self.prompt_batchable = False
         self.last_token: int | None = None  # input of the next decode step
-        # Prompt and generated tokens, where prompt lookup drafts from them (speculation).
+        # Prompt and generated tokens, where prompt lookup drafts from them (speculation),
+        # and the host generator of its accept/reject draws (seeded like its sampler).
         self.history: list[int] | None = list(request.prompt_ids) if keep_history else None
+        self.spec_rng = np.random.default_rng(p.seed) if keep_history else None
         # Its grammar (runtime.serving.structured), None when its output is free.
         self.constraint = p.constraint
         # Its text and events: detokenizer, stop strings, completion tokens.
@@ -321,10 +329,13 @@ class _Sequence:
         return self.prefilled < len(self.request.prompt_ids)
 
     @property
-    def plain_greedy(self) -> bool:
-        """Greedy, with nothing that adjusts or reports its logits: it may speculate."""
+    def may_speculate(self) -> bool:
+        """Greedy, or sampled at a temperature alone (the accept/reject rule keeps that
+        distribution; top-p/top-k/min-p are not combined with it), with nothing that adjusts
+        or reports its logits."""
         s = self.sampler
-        return s.greedy and not s.adjusts and not s.logprobs and self.constraint is None
+        plain = not s.adjusts and not s.logprobs and self.constraint is None
+        return plain and (s.greedy or (s.top_p == 1 and s.top_k == 0 and s.min_p == 0))
 
 
 class Scheduler:
@@ -737,7 +748,7 @@ class Scheduler:
         spec = self.speculation
         if spec is None or len(rows) > spec.max_rows:
             return False
-        if not all(seq.plain_greedy for seq in rows):
+        if not all(seq.may_speculate for seq in rows):
             return False
         return all(getattr(layer, "rewindable", False) for layer in self.pool.batch)
 
@@ -763,12 +774,19 @@ class Scheduler:
         drafts = [d[:k] for d in drafts]
         ids = mx.array([[seq.last_token, *d] for seq, d in zip(rows, drafts)], dtype=mx.int32)
         try:
-            targets = mx.argmax(self.model(ids, cache=batch), axis=-1).tolist()
+            logits = self.model(ids, cache=batch)
+            targets = mx.argmax(logits, axis=-1).tolist()
+            emitted = [
+                greedy_accept(targets[b], d)
+                if seq.sampler.greedy
+                else accept_drafts(probs(logits[b], seq.sampler.temperature), None, d, seq.spec_rng)
+                for b, (seq, d) in enumerate(zip(rows, drafts))
+            ]
         except Exception as e:  # noqa: BLE001 - ends the batched requests only
             for seq in rows:
                 self._fail(seq, e)
             return True
-        emitted = batch_greedy_accept(targets, drafts)
+        emitted = cut_to_shortest(emitted)
         n = len(emitted[0])  # tokens per row; the caches keep the input token and n - 1 drafts
         rewind_caches(batch, k + 1 - n)
         self.pool.enforce(batch)

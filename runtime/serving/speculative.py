@@ -17,9 +17,10 @@ run equals the trimmed plain run. Windowed layers keep K keys past their window
 rewind; such models are refused (``RewindError``).
 
 In the server (``BatchSpeculation``) the rows of the decode batch speculate together: one
-verification forward of ``k + 1`` tokens per row, greedy acceptance per row, then every row
-keeps as many drafts as the row that kept the fewest (``batch_greedy_accept``), because the
-rows share one cache column index (``BatchKVCache.rewind``).
+verification forward of ``k + 1`` tokens per row, each row's own acceptance (greedy, or the
+rule above at its temperature), then every row keeps as many drafts as the row that kept the
+fewest (``cut_to_shortest``), because the rows share one cache column index
+(``BatchKVCache.rewind``).
 """
 
 from __future__ import annotations
@@ -106,22 +107,24 @@ def greedy_accept(targets: list[int], drafts: list[int]) -> list[int]:
     return [*drafts[:n], targets[n]]
 
 
-def batch_greedy_accept(targets: list[list[int]], drafts: list[list[int]]) -> list[list[int]]:
-    """The tokens each row of one batched verification emits: ``greedy_accept`` per row, cut
-    to the shortest, so every row keeps the same number of drafts. A cut row still emits only
-    its own greedy tokens: the drafts it kept equal its argmax, and its last token is either
-    its argmax after them or a draft that equals it."""
-    outs = [greedy_accept(t, d) for t, d in zip(targets, drafts)]
-    n = min(len(out) for out in outs)
-    return [out[:n] for out in outs]
+def cut_to_shortest(emitted: list[list[int]]) -> list[list[int]]:
+    """The rows of one batched verification, each row's emitted tokens (``greedy_accept`` or
+    ``accept_drafts``) cut to the fewest any row emits, so every row keeps the same number of
+    drafts. A cut row emits only drafts it accepted: greedy, each equals its argmax; sampled,
+    each position's token was drawn by the rule, and whether the row goes on to a position
+    depends on its earlier positions and on the other rows, never on that position's own draw,
+    so each emitted token still follows the target's distribution given the ones before."""
+    n = min(len(tokens) for tokens in emitted)
+    return [tokens[:n] for tokens in emitted]
 
 
 @dataclass(frozen=True)
 class BatchSpeculation:
     """Prompt-lookup speculation in the server's decode batch (``mlxc serve --prompt-lookup``):
     up to ``num_draft_tokens`` drafts per row, from n-grams of up to ``ngram_size`` tokens,
-    in the steps where the batch holds at most ``max_rows`` rows, all greedy with nothing that
-    adjusts or reports their logits (penalties, biases, logprobs, grammars)."""
+    in the steps where the batch holds at most ``max_rows`` rows, each greedy or sampled at a
+    temperature alone (no top-p, top-k or min-p), with nothing that adjusts or reports its
+    logits (penalties, biases, logprobs, grammars)."""
 
     num_draft_tokens: int = 3
     ngram_size: int = 3
@@ -133,7 +136,7 @@ class BatchSpeculation:
                 raise SpeculationError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-def _probs(logits: mx.array, temp: float) -> np.ndarray:
+def probs(logits: mx.array, temp: float) -> np.ndarray:
     """Softmax of ``logits / temp`` on the host, float64 ``[L, V]``."""
     return np.asarray(mx.softmax(logits.astype(mx.float32) / temp, axis=-1), np.float64)
 
@@ -222,7 +225,7 @@ class DraftModel:
             if temp == 0:
                 token = int(mx.argmax(logits, axis=-1).item())
             else:
-                q = _probs(logits, temp)[0]
+                q = probs(logits, temp)[0]
                 token = _draw(q, rng)
                 qs.append(q)
             drafts.append(token)
@@ -307,7 +310,7 @@ def speculative_tokens(
         new = (
             [int(mx.argmax(logits, -1).item())]
             if temp == 0
-            else [_draw(_probs(logits, temp)[0], rng)]
+            else [_draw(probs(logits, temp)[0], rng)]
         )
 
         history, emitted = list(prompt_ids), 0
@@ -329,7 +332,7 @@ def speculative_tokens(
             if temp == 0:
                 new = greedy_accept(mx.argmax(logits, -1).tolist(), drafts)
             else:
-                p = _probs(logits, temp)
+                p = probs(logits, temp)
                 if q is not None and q.shape[1] != p.shape[1]:
                     q = _vocab_like(q, p.shape[1])
                 new = accept_drafts(p, q, drafts, rng)
