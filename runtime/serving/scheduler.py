@@ -748,6 +748,7 @@ class Scheduler:
         spec = self.speculation
         if spec is None or len(rows) > spec.max_rows:
             return False
+
         if not all(seq.may_speculate for seq in rows):
             return False
         return all(getattr(layer, "rewindable", False) for layer in self.pool.batch)
@@ -755,7 +756,8 @@ class Scheduler:
     def _speculate(self, rows: list[_Sequence]) -> bool:
         """Draft, verify and accept for every row of the decode batch, synchronously (the
         next drafts depend on what this step accepts). False when a row has no draft (or no
-        room for one): nothing was run, the tick takes a plain step."""
+        room for one): nothing was run, the tick takes a plain step, unpipelined (the step in
+        flight was read to draft; a batch often short of drafts pays that each tick)."""
         k = self.speculation.num_draft_tokens
         for seq in rows:  # a step emits up to k + 1 tokens per row
             k = min(k, seq.request.params.max_tokens - seq.output.generated - 1)
@@ -763,7 +765,7 @@ class Scheduler:
         if self.pool.trims:
             # Only while no one-token step would have trimmed: then each query of the
             # verification sees exactly what its one-token step would (no per-query trim mask).
-            live = max(int(c.row_live_len.max()) for c in trimmable(self.model, batch))
+            live = max((int(c.row_live_len.max()) for c in trimmable(self.model, batch)), default=0)
             k = min(k, self.pool.max_kv_size - live)
         if k < 1:
             return False
