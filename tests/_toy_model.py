@@ -150,6 +150,14 @@ def random_weights(config: dict = CONFIG, seed: int = 0) -> dict[str, mx.array]:
     return {k: mx.random.normal(v.shape) * 0.2 for k, v in tree_flatten(model.parameters())}
 
 
+def random_model(config: dict = CONFIG, seed: int = 0) -> Model:
+    """The toy model holding ``random_weights``, evaluated."""
+    model = Model(ModelArgs.from_config(config))
+    model.load_weights(list(random_weights(config, seed).items()))
+    mx.eval(model.parameters())
+    return model
+
+
 def write_checkpoint(
     path: Path, weights: dict | None = None, config: dict | None = None, shards: int = 1
 ) -> Path:

@@ -97,10 +97,7 @@ def test_batch_acceptance_keeps_what_every_row_accepted():
 
 @pytest.fixture(scope="module")
 def toy_model():
-    m = toy.Model(toy.ModelArgs.from_config(toy.CONFIG))
-    m.load_weights(list(toy.random_weights().items()))
-    mx.eval(m.parameters())
-    return m
+    return toy.random_model()
 
 
 @pytest.fixture(scope="module")

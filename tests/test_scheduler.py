@@ -34,10 +34,7 @@ POISON = 7  # a prompt holding this id makes FaultyModel raise inside its forwar
 
 @pytest.fixture(scope="module")
 def model():
-    m = toy.Model(toy.ModelArgs.from_config(toy.CONFIG))
-    m.load_weights(list(toy.random_weights().items()))
-    mx.eval(m.parameters())
-    return m
+    return toy.random_model()
 
 
 @pytest.fixture(scope="module")

@@ -52,9 +52,7 @@ class Controlled:
 def served(tmp_path_factory):
     path = tmp_path_factory.mktemp("toy-tok")
     toy.write_tokenizer(path)
-    model = toy.Model(toy.ModelArgs.from_config(toy.CONFIG))
-    model.load_weights(list(toy.random_weights().items()))
-    mx.eval(model.parameters())
+    model = toy.random_model()
     controlled = Controlled(model)
     engine = Engine(
         controlled,

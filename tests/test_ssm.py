@@ -54,19 +54,19 @@ CONFIG = {
 L = 37
 
 
-def _reference(seed=0, time_step_limit=None):
-    """transformers' mixer with every parameter re-randomised, and ours with its weights.
+def _reference(seed=0, time_step_limit=(CONFIG["time_step_min"], math.inf)):
+    """transformers' mixer with every parameter re-randomised, and ours with its weights, both
+    clamping the time step to ``time_step_limit``.
 
-    ``time_step_limit`` None: transformers' own, ``(time_step_min, inf)``; else set on both
-    (the published implementation reads the config's ``time_step_limit``, ``(0, inf)``:
-    transformers PR #48989, mlx-lm PR #1026)."""
+    The default is the clamp older transformers releases used, ``(time_step_min, inf)``,
+    set explicitly: later releases read the config's ``time_step_limit``, ``(0, inf)``, as the
+    published implementation does (transformers PR #48989, mlx-lm PR #1026)."""
     from transformers import NemotronHConfig
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
 
     config = NemotronHConfig(**CONFIG)
     ref = NemotronHMamba2Mixer(config, layer_idx=0).eval()
-    if time_step_limit is not None:
-        ref.time_step_limit = time_step_limit
+    ref.time_step_limit = time_step_limit
     g = torch.Generator().manual_seed(seed)
     H = config.mamba_num_heads
     with torch.no_grad():
