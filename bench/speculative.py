@@ -4,13 +4,17 @@ against a one-token step::
 
     python -m bench.speculative --device cpu --arch llama --size small --out bench/results/spec-cpu
     python -m bench.speculative --device gpu --arch llama --size medium --out bench/results/spec-gpu-h200
+    python -m bench.speculative --copier --size small --out bench/results/spec-copier-cpu
 
 The task stands for "rewrite this code with one change": the prompt holds a block of "code"
 (random token ids) twice, the second time with one token changed, then the block's first
-tokens again, so a model that copies continues it. The checkpoint has random weights
-(``bench.models``): its greedy output copies from the prompt only as far as the model does
-(random models fall into loops of their own, which prompt lookup also matches in the output).
-The acceptance rate is measured, not assumed, and reported next to the speed-up.
+tokens again, so a model that copies continues it. By default the checkpoint has random
+weights (``bench.models``): its greedy output copies from the prompt only as far as the model
+does (random models fall into loops of their own, which prompt lookup also matches in the
+output). ``--copier`` uses ``bench.copier`` instead: a hand-built induction circuit in a narrow
+llama, written into the bench llama's shape with zeros around it, so a forward costs the bench
+model's and the output copies. The acceptance rate is measured, not assumed, and reported next to the
+speed-up.
 """
 
 from __future__ import annotations
@@ -28,14 +32,15 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def task(vocab: int, block: int, seed: int = 0) -> list[int]:
-    """The block, the block with one change, and the block's first quarter."""
+def task(ids: tuple[int, int], block: int, seed: int = 0) -> list[int]:
+    """The block (token ids drawn from ``range(*ids)``), the block with one change, and the
+    block's first quarter."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    code = rng.integers(3, vocab, block).tolist()
+    code = rng.integers(ids[0], ids[1], block).tolist()
     changed = list(code)
-    changed[block // 2] = (changed[block // 2] + 1) % vocab
+    changed[block // 2] = ids[0] + (changed[block // 2] + 1 - ids[0]) % (ids[1] - ids[0])
     return code + changed + code[: block // 4]
 
 
@@ -71,20 +76,98 @@ def step_cost(model, prompt: list[int], k: int, repeats: int) -> dict:
     return {"one_token_s": out[1], "verify_s": out[k + 1], "ratio": out[k + 1] / out[1]}
 
 
+def served(model, tokenizer, prompts: list[list[int]], n: int, speculation) -> tuple[float, list]:
+    """mlxc's Scheduler (the server's, in-process, no HTTP) answering ``prompts`` together,
+    greedy, ``n`` tokens each: (tokens/s from the first request's first token to the last
+    answer's end, each answer's tokens). ``speculation``: a ``BatchSpeculation`` or None."""
+    import threading
+
+    from mlxc.runtime.serving.scheduler import Delta, SamplingParams, Scheduler
+
+    lock, done = threading.Lock(), threading.Event()
+    answers: list[list[int]] = [[] for _ in prompts]
+    first: list[float] = []
+    finished = [0]
+
+    def emit(row: int):
+        def on_event(event) -> None:  # the scheduler thread
+            with lock:
+                if isinstance(event, Delta):
+                    answers[row].append(event.token)
+                    if not first:
+                        first.append(time.perf_counter())
+                else:
+                    finished[0] += 1
+                    if finished[0] == len(prompts):
+                        done.set()
+
+        return on_event
+
+    scheduler = Scheduler(
+        model,
+        tokenizer,
+        max_concurrency=len(prompts),
+        max_queue=len(prompts),
+        prefix_cache_bytes=0,
+        speculation=speculation,
+    )
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    for row, ids in enumerate(prompts):  # queued before it starts: the first tick admits all
+        scheduler.submit(ids, params, emit(row))
+    scheduler.start()
+    try:
+        done.wait()
+        end = time.perf_counter()
+    finally:
+        scheduler.stop()
+    return sum(map(len, answers)) / (end - first[0]), answers
+
+
+def server_rows(model, tokenizer, ids, block, n, rows, k, ngram) -> list[dict]:
+    """Per number of concurrent requests: the Scheduler's aggregate tokens/s with and without
+    prompt-lookup speculation in its decode batch, greedy answers compared. Each request is
+    its own copy task (another block), so the rows draft from their own prompts."""
+    from mlxc.runtime.serving.speculative import BatchSpeculation
+
+    out = []
+    for r in rows:
+        prompts = [task(ids, block, seed=1 + i) for i in range(r)]
+        served(model, tokenizer, prompts[:1], 4, None)  # warm-up: kernels, caches
+        plain_tps, plain = served(model, tokenizer, prompts, n, None)
+        spec = BatchSpeculation(num_draft_tokens=k, ngram_size=ngram, max_rows=r)
+        spec_tps, got = served(model, tokenizer, prompts, n, spec)
+        out.append(
+            {
+                "rows": r,
+                "k": k,
+                "identical": got == plain,
+                "plain_tps": plain_tps,
+                "spec_tps": spec_tps,
+                "speedup": spec_tps / plain_tps,
+            }
+        )
+        _log(f"rows={r}: {out[-1]}")
+    return out
+
+
 def report(result: dict) -> str:
     """The Markdown table of one run's result (its JSON)."""
     m, rows = result["machine"], result["rows"]
     where = m.get("device_info", {}).get("device_name") or m.get("cpu", "?")
     lines = [
-        f"# Prompt-lookup speculative decoding: {result['arch']} {result['size']} (random weights)",
+        (
+            f"# Prompt-lookup speculative decoding: {result['arch']} {result['size']} "
+            f"({result.get('weights', 'random weights')})"
+        ),
         "",
         (
             f"{where}, {m.get('cpus')} CPUs, mlx {m.get('mlx')}, device {result['device']}. "
             f"Prompt {result['prompt_tokens']} tokens (a {result['block']}-token block, the block "
             f"with one change, its first quarter); {result['generated']} tokens generated "
-            f"greedily, n-gram {result['ngram_size']}. Plain decoding: "
-            f"{result['plain_tps']:.1f} tokens/s; the model's own greedy output copies the block "
-            f"for its first {result['copies_block_for']} tokens."
+            f"greedily, n-gram {result['ngram_size']}; tokens/s over the whole call, the "
+            f"prompt's prefill included. Plain decoding: {result['plain_tps']:.1f} tokens/s; "
+            f"the model's own greedy output copies the block for its first "
+            f"{result['copies_block_for']} tokens."
         ),
         "",
         (
@@ -99,12 +182,35 @@ def report(result: dict) -> str:
             f"{r['speedup']:.2f}x | {r['acceptance']:.0%} | {r['tokens_per_step']:.2f} | "
             f"{r['one_token_s'] * 1e3:.2f} | {r['verify_s'] * 1e3:.2f} | {r['ratio']:.2f}x |"
         )
+    if result.get("server"):
+        lines += [
+            "",
+            (
+                "In the server's scheduler (in-process, no HTTP): concurrent requests, each its "
+                "own copy task, decoded in one batch, plain and with prompt lookup "
+                "(`BatchSpeculation`); aggregate tokens/s from the first token to the last "
+                "answer's end:"
+            ),
+            "",
+            "| requests | K | greedy identical | plain tokens/s | prompt lookup tokens/s | speed-up |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in result["server"]:
+            lines.append(
+                f"| {r['rows']} | {r['k']} | {'yes' if r['identical'] else 'NO'} | "
+                f"{r['plain_tps']:.1f} | {r['spec_tps']:.1f} | {r['speedup']:.2f}x |"
+            )
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__)
     p.add_argument("--model", help="checkpoint directory (default: write one with bench.models)")
+    p.add_argument(
+        "--copier",
+        action="store_true",
+        help="bench.copier's model (llama, --size), which copies, instead of random weights",
+    )
     p.add_argument("--arch", default="llama")
     p.add_argument("--size", default="small", choices=["small", "medium"])
     p.add_argument("--device", choices=["cpu", "gpu"], default=None, help="default: MLX's")
@@ -113,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-draft-tokens", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--ngram-size", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--server-rows",
+        help="also measure the scheduler at these numbers of concurrent requests (e.g. 1,4,16), "
+        "speculating with the largest --num-draft-tokens",
+    )
     p.add_argument("--out", help="write OUT.json and OUT.md")
     p.add_argument("--report", help="only write the Markdown of this JSON result beside it")
     args = p.parse_args(argv)
@@ -128,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import mlx.core as mx
 
-    from bench import models
+    from bench import copier, models
     from bench.run import machine
     from mlxc.runtime.serving.generate import generate_tokens
     from mlxc.runtime.serving.speculative import PromptLookup, SpecStats, speculative_tokens
@@ -137,11 +248,21 @@ def main(argv: list[str] | None = None) -> int:
         mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     device = args.device or ("gpu" if mx.default_device() == mx.gpu else "cpu")
     with tempfile.TemporaryDirectory(prefix="mlxc-spec-bench-") as tmp:
-        path = args.model or str(models.write_checkpoint(Path(tmp) / "m", args.arch, args.size))
-        model = load_model(path)
+        if args.model:
+            path = Path(args.model)
+        elif args.copier:
+            path = copier.write_checkpoint(Path(tmp) / "m", args.size)
+        else:
+            path = models.write_checkpoint(Path(tmp) / "m", args.arch, args.size)
+        record = path / "copier.json"  # a copier knows some ids only: the task draws from them
+        copier_info = json.loads(record.read_text()) if record.exists() else None
+        model = load_model(str(path))
         mx.eval(model.parameters())
-    vocab = model(mx.array([[0]])).shape[-1]
-    prompt = task(vocab, args.block)
+    if copier_info:
+        ids = (copier_info["first_id"], copier_info["first_id"] + copier_info["span"])
+    else:
+        ids = (3, model(mx.array([[0]])).shape[-1])
+    prompt = task(ids, args.block)
     n = args.max_tokens
 
     def plain():
@@ -181,11 +302,26 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         _log(f"k={k}: {rows[-1]}")
+    server = []
+    if args.server_rows:
+        from mlxc.runtime.checkpoint.tokenizer import load_tokenizer
+
+        with tempfile.TemporaryDirectory(prefix="mlxc-spec-tok-") as tmp:
+            models.write_tokenizer(Path(tmp), model(mx.array([[0]])).shape[-1])
+            tokenizer = load_tokenizer(tmp)
+        levels = [int(x) for x in args.server_rows.split(",")]
+        k = max(args.num_draft_tokens)
+        server = server_rows(model, tokenizer, ids, args.block, n, levels, k, args.ngram_size)
     result = {
         "machine": machine(device),
         "device": device,
-        "arch": args.arch,
+        "arch": "llama" if copier_info else args.arch,
         "size": args.size,
+        "weights": (
+            "bench.copier's hand-built induction circuit, zero-padded to this shape"
+            if copier_info
+            else "random weights"
+        ),
         "block": args.block,
         "ngram_size": args.ngram_size,
         "prompt_tokens": len(prompt),
@@ -193,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         "plain_tps": len(reference) / plain_s,
         "copies_block_for": copied,
         "rows": rows,
+        "server": server,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -200,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(result)
     out.with_suffix(".md").write_text(text)
     print(text, end="")
-    return 0 if all(r["identical"] for r in rows) else 1
+    return 0 if all(r["identical"] for r in rows + server) else 1
 
 
 if __name__ == "__main__":
