@@ -254,9 +254,16 @@ def _cache_options(prefill_chunk_size: int):
     return decorate
 
 
-def _lookup_options(command):
-    """The prompt-lookup speculation flags generate and serve share."""
+def _speculation_options(command):
+    """The speculative-decoding flags generate and serve share."""
     options = [
+        click.option(
+            "--draft-model",
+            default=None,
+            metavar="DIR|ORG/NAME",
+            help="Speculative decoding: a smaller checkpoint with the same tokenizer drafts "
+            "--num-draft-tokens tokens per step, the model verifies them in one forward.",
+        ),
         click.option(
             "--prompt-lookup",
             is_flag=True,
@@ -340,14 +347,7 @@ _DEFAULT_MAX_TOKENS = 256
     help="Image file for a vision-language model; repeat for several (they go before the "
     "prompt text, in the order given).",
 )
-@click.option(
-    "--draft-model",
-    default=None,
-    metavar="DIR|ORG/NAME",
-    help="Speculative decoding: a smaller checkpoint with the same tokenizer drafts "
-    "--num-draft-tokens tokens per step, the model verifies them in one forward.",
-)
-@_lookup_options
+@_speculation_options
 @_specs_option
 def generate(
     model_dir,
@@ -563,21 +563,13 @@ def _check_speculation(draft_model, prompt_lookup, images, group, top_p, top_k) 
 def _drafter(draft_model, prompt_lookup, ngram_size, num_draft_tokens, checkpoint):
     """A factory of the drafter (called with the cache settings): prompt lookup, or the draft
     checkpoint loaded, its tokenizer checked against the target's."""
-    from mlxc.runtime.checkpoint.loading import CheckpointError, load_checkpoint
-    from mlxc.runtime.serving.speculative import DraftModel, PromptLookup
+    from mlxc.runtime.checkpoint.loading import CheckpointError
+    from mlxc.runtime.serving.speculative import DraftModel, PromptLookup, load_draft
 
     if prompt_lookup:
         return lambda **_: PromptLookup(ngram_size)
-    path, _ = _resolve_model(draft_model)
     try:
-        draft = load_checkpoint(path)
-        if draft.tokenizer.get_vocab() != checkpoint.tokenizer.get_vocab():
-            raise _OneLineError(
-                f"the draft model at {path} has another tokenizer vocabulary than the model: "
-                "its token ids would mean other tokens",
-                1,
-            )
-        draft_model = draft.load_model()
+        draft_model = load_draft(_resolve_model(draft_model)[0], checkpoint.tokenizer)
     except CheckpointError as e:
         raise _OneLineError(f"--draft-model: {e}", 1) from e
     return lambda **kw: DraftModel(draft_model, num_draft_tokens, **kw)
@@ -712,13 +704,14 @@ def _drafter(draft_model, prompt_lookup, ngram_size, num_draft_tokens, checkpoin
     show_default=True,
     type=click.Choice(["debug", "info", "warning", "error"]),
 )
-@_lookup_options
+@_speculation_options
 @click.option(
     "--speculative-rows",
     default=4,
     show_default=True,
     type=click.IntRange(min=1),
-    help="With --prompt-lookup: the decode batch speculates while it holds at most this many "
+    help="With --prompt-lookup or --draft-model: the decode batch speculates while it holds "
+    "at most this many "
     "rows, each greedy or sampled by temperature alone, without penalties, logit biases, "
     "logprobs or grammars (the rows keep as many drafts as the row that accepts the fewest).",
 )
@@ -748,6 +741,7 @@ def serve(
     model_id,
     max_body_bytes,
     log_level,
+    draft_model,
     prompt_lookup,
     num_draft_tokens,
     ngram_size,
@@ -763,7 +757,7 @@ def serve(
     from pathlib import Path
 
     from mlxc.runtime.checkpoint.loading import CheckpointError
-    from mlxc.runtime.model.cache import KVQuantError
+    from mlxc.runtime.model.cache import KVQuantError, RewindError
     from mlxc.runtime.serving.distributed import Lockstep, agree_on_seed, world
     from mlxc.runtime.serving.engine import Engine
     from mlxc.runtime.serving.generate import DEFAULT_KV_SINK
@@ -791,13 +785,15 @@ def serve(
 
     group = world()  # under mlx.launch: the ranks the model is sharded over
     speculation = None
-    if prompt_lookup:
+    if prompt_lookup or draft_model is not None:
         from mlxc.runtime.serving.speculative import BatchSpeculation
 
+        flag = "'--draft-model'" if draft_model is not None else "'--prompt-lookup'"
+        if prompt_lookup and draft_model is not None:
+            raise click.BadParameter("give --draft-model or --prompt-lookup, not both")
         if group is not None:
             raise click.BadParameter(
-                "speculation runs unsharded (not under mlx.launch yet)",
-                param_hint="'--prompt-lookup'",
+                "speculation runs unsharded (not under mlx.launch yet)", param_hint=flag
             )
         speculation = BatchSpeculation(num_draft_tokens, ngram_size, speculative_rows)
     distributed = {}
@@ -832,6 +828,13 @@ def serve(
             sock.close()
             raise
         model_id = model_id or hub_id  # the API names a hub model by its id
+    draft_dir = None
+    if draft_model is not None:
+        try:
+            draft_dir, _ = _resolve_model(draft_model)
+        except click.BadParameter:
+            sock.close()
+            raise
     try:
         engine = Engine.from_path(
             model_dir,
@@ -846,12 +849,16 @@ def serve(
             max_queue=max_queue,
             prefix_cache_bytes=prefix_cache_bytes,
             speculation=speculation,
+            draft_model=draft_dir,
             specs=specs,
             **distributed,
         )
     except (CheckpointError, KVQuantError) as e:
         sock.close()
         raise _OneLineError(str(e), 1) from e
+    except RewindError as e:  # a draft model whose caches cannot take back rejected drafts
+        sock.close()
+        raise _OneLineError(f"cannot speculate: {e}", 1) from e
     except KeyboardInterrupt:
         sock.close()
         raise _OneLineError("interrupted while loading the model", 130) from None
@@ -874,7 +881,8 @@ def serve(
     if kv_bits is not None:
         window += f", {kv_bits}-bit KV (group {kv_group_size})"
     if speculation is not None:
-        window += f", prompt lookup (up to {num_draft_tokens} drafts, {speculative_rows} rows)"
+        drafter = "prompt lookup" if draft_model is None else f"draft model {draft_model}"
+        window += f", {drafter} (up to {num_draft_tokens} drafts, {speculative_rows} rows)"
     bound_host, bound_port = sock.getsockname()[:2]
     log.info(
         "serving %r from %s (%s, prefill chunk %d, concurrency %d, queue %d); OpenAI base_url "

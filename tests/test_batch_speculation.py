@@ -154,6 +154,52 @@ def test_speculating_batch_equals_plain_greedy(toy_model, tokenizer, arch, cache
     assert metrics.SPEC_ACCEPTED_TOKENS._value.get() - before == spec["accepted"]
 
 
+@pytest.mark.parametrize(
+    ("draft_seed", "cache"),
+    [(0, {}), (1, {}), (1, {"prefill_chunk_size": 8, "max_kv_size": 64, "kv_sink": 2})],
+)
+def test_draft_model_batch_equals_plain_greedy(tokenizer, draft_seed, cache):
+    """`mlxc serve --draft-model`: every row drafts on draft caches of its own, the batch
+    verifies them in one forward, and the greedy answers are the plain ones (79 tokens under
+    --max-kv-size 64: trims too). Seed 0: the draft is the model itself, so every draft is
+    kept; seed 1: another random llama, whose drafts are mostly rejected."""
+    model, draft = tiny("llama"), tiny("llama", draft_seed)
+    prompts = [repeating_prompt(model, seed) for seed in (3, 4, 5)]  # 39 tokens
+    wants = [_plain(model, ids, 40, **cache) for ids in prompts]
+    jobs = [(ids, SamplingParams(max_tokens=40, ignore_eos=True)) for ids in prompts]
+    spec = BatchSpeculation(4, 3, 4, draft_model=draft)
+    got, stats = _serve(model, tokenizer, jobs, speculation=spec, **cache)
+    assert got == wants
+    spec = stats["speculation"]
+    assert spec["drafter"] == "draft-model" and spec["steps"] > 0
+    if draft_seed == 0:
+        assert spec["accepted"] == spec["proposed"]
+    else:
+        assert spec["accepted"] < spec["proposed"]
+
+
+def test_draft_model_sampled_rows(tokenizer):
+    """Rows sampled at a temperature verify the draft model's drafts by the accept/reject rule
+    with the draft's own distributions: near temperature 0 that keeps exactly the drafts equal
+    to the target's argmax (the greedy tokens), and a seeded run repeats."""
+    model, draft = tiny("llama"), tiny("llama", 1)
+    spec = BatchSpeculation(4, 3, 4, draft_model=draft)
+    prompts = [repeating_prompt(model, seed) for seed in (3, 4)]
+    greedy = [_plain(model, ids, 20) for ids in prompts]
+    cold = SamplingParams(max_tokens=20, ignore_eos=True, temperature=1e-4, seed=1)
+    jobs = [(prompts[0], cold), (prompts[1], SamplingParams(max_tokens=20, ignore_eos=True))]
+    got, stats = _serve(model, tokenizer, jobs, speculation=spec)
+    assert got == greedy and stats["speculation"]["steps"] > 0
+    warm = SamplingParams(max_tokens=20, ignore_eos=True, temperature=1.0, seed=5)
+    runs = [_serve(model, tokenizer, [(prompts[0], warm)], speculation=spec) for _ in range(2)]
+    assert runs[0][0] == runs[1][0] and runs[0][1]["speculation"]["steps"] > 0
+
+
+def test_a_draft_model_that_cannot_rewind_is_refused(toy_model, tokenizer):
+    with pytest.raises(RewindError):
+        Scheduler(toy_model, tokenizer, speculation=BatchSpeculation(draft_model=tiny("jamba")))
+
+
 def test_sampled_rows_speculate_by_the_accept_rule(toy_model, tokenizer):
     """Rows sampled at a temperature alone speculate with the greedy ones: near temperature 0
     the rule keeps exactly the greedy drafts (so the tokens are the greedy ones), and a seed

@@ -340,13 +340,16 @@ def test_concurrent_requests_decode_batched_as_alone(arch):
     assert health["pool"]["peak_batched"] >= 2  # the rows did decode together
 
 
-def test_prompt_lookup_serves_the_plain_greedy_text(checkpoints, logs):
-    """`mlxc serve --prompt-lookup`: a request speculates in the decode batch (the metrics count
-    its verifications) and its answer is `mlxc generate`'s greedy text; two at once answer as
-    alone. (Which steps of two concurrent rows speculate depends on when each arrives; that
-    the rows of one batch speculate together is tests/test_batch_speculation.py's.)"""
+@pytest.mark.parametrize("drafter", ["--prompt-lookup", "--draft-model"])
+def test_speculation_serves_the_plain_greedy_text(checkpoints, logs, drafter):
+    """`mlxc serve --prompt-lookup` or `--draft-model` (here the model itself, from its own
+    directory): a request speculates in the decode batch (the metrics count its verifications)
+    and its answer is `mlxc generate`'s greedy text; two at once answer as alone. (Which steps
+    of two concurrent rows speculate depends on when each arrives; that the rows of one batch
+    speculate together is tests/test_batch_speculation.py's.)"""
     path = checkpoints["llama"]
-    server = Server(["--model", path, "--prompt-lookup", "--num-draft-tokens", 4], logs)
+    flags = [drafter] if drafter == "--prompt-lookup" else [drafter, path]
+    server = Server(["--model", path, *flags, "--num-draft-tokens", 4], logs)
     try:
         prompts = [LONG, SHORT + " " + SHORT]
         wants = [mlxc_generate(path, p, "--max-tokens", 24)[0] for p in prompts]

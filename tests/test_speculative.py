@@ -311,6 +311,11 @@ def test_cli_refuses_what_speculation_cannot_do(toy_checkpoint, tmp_path):
     write_tokenizer(other)
     mismatch = generate_cli(*base, "--draft-model", other)
     assert mismatch.exit_code == 1 and "another tokenizer vocabulary" in mismatch.output
+    serve = ["serve", "--model", toy_checkpoint, "--port", "0"]
+    both = CliRunner().invoke(main, [*serve, "--prompt-lookup", "--draft-model", toy_checkpoint])
+    assert both.exit_code != 0 and "not both" in both.output
+    mismatch = CliRunner().invoke(main, [*serve, "--draft-model", other])
+    assert mismatch.exit_code == 1 and "another tokenizer vocabulary" in mismatch.output
 
 
 def test_verify_catches_a_verification_forward_that_ignores_trims(monkeypatch):

@@ -79,13 +79,17 @@ class Engine:
         description: str | None = None,
         specs: str | Path | None = None,
         group: Any = None,
+        draft_model: str | Path | None = None,
         **scheduler_options: Any,
     ) -> Engine:
         """Load the checkpoint at ``path`` and start the scheduler; CheckpointError when it
         cannot be served. The model is built on the scheduler thread, which owns MLX.
         ``specs``: a directory of your own specs, as in ``loading.load_model``. ``group``: the
         ranks of ``mlx.launch`` the model is sharded over (with a ``lockstep`` for the
-        scheduler: ``runtime.serving.distributed``)."""
+        scheduler: ``runtime.serving.distributed``). ``draft_model``: the checkpoint that
+        drafts for ``scheduler_options["speculation"]`` (loaded here, its tokenizer checked
+        against the model's)."""
+        import dataclasses
         import functools
 
         from mlxc.runtime.checkpoint.loading import (
@@ -105,6 +109,12 @@ class Engine:
             )
         except ProcessorFilesError as e:
             raise CheckpointError(f"{path}: cannot read its image processor: {e}") from e
+        if draft_model is not None:
+            from mlxc.runtime.serving.speculative import load_draft
+
+            draft = load_draft(draft_model, checkpoint.tokenizer, specs=specs)
+            speculation = scheduler_options["speculation"]
+            scheduler_options["speculation"] = dataclasses.replace(speculation, draft_model=draft)
 
         name = model_id or path.resolve().name
         engine = cls(

@@ -19,10 +19,11 @@ Each tick of the loop:
 4. hands each sampled token to its request. The batched step is read one tick later, after the
    next one is queued, so the device works while the host handles tokens.
 
-With ``speculation`` (``mlxc serve --prompt-lookup``), a tick whose decode batch is small and
-whose rows may speculate (``BatchSpeculation``) reads the step in flight first, drafts each
-row's next tokens from n-grams of its own prompt and output, and verifies them in one forward
-of the batch; each row accepts by its own rule (greedy, or the accept/reject rule at its
+With ``speculation`` (``mlxc serve --prompt-lookup`` or ``--draft-model``), a tick whose
+decode batch is small and whose rows may speculate (``BatchSpeculation``) reads the step in
+flight first, drafts each row's next tokens (from n-grams of its own prompt and output, or
+from the draft model on that row's own draft caches) and verifies them in one forward of the
+batch; each row accepts by its own rule (greedy, or the accept/reject rule at its
 temperature), the rows keep as many drafts as the row that kept the fewest
 (``speculative.cut_to_shortest``) and rewind the rest (``BatchKVCache.rewind``), then trim.
 Greedy output is the plain greedy output; sampled output follows the same distribution.
@@ -108,6 +109,7 @@ from mlxc.runtime.serving.sample import RowSampler, Sampled, sample_rows
 from mlxc.runtime.serving.serve_defaults import DEFAULT_PREFIX_CACHE_BYTES
 from mlxc.runtime.serving.speculative import (
     BatchSpeculation,
+    DraftModel,
     PromptLookup,
     SpecStats,
     accept_drafts,
@@ -319,6 +321,8 @@ class _Sequence:
         # and the host generator of its accept/reject draws (seeded like its sampler).
         self.history: list[int] | None = list(request.prompt_ids) if keep_history else None
         self.spec_rng = np.random.default_rng(p.seed) if keep_history else None
+        # With a draft model: its caches for this sequence, made at its first speculation.
+        self.drafter: DraftModel | None = None
         # Its grammar (runtime.serving.structured), None when its output is free.
         self.constraint = p.constraint
         # Its text and events: detokenizer, stop strings, completion tokens.
@@ -384,7 +388,11 @@ class Scheduler:
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.lockstep = lockstep
         self.speculation = speculation
-        self._lookup = None if speculation is None else PromptLookup(speculation.ngram_size)
+        self._lookup = None
+        if speculation is not None and speculation.draft_model is None:
+            self._lookup = PromptLookup(speculation.ngram_size)
+        elif speculation is not None:  # a draft whose caches cannot rewind fails here (named)
+            self._new_drafter()
         self.spec_stats = SpecStats()  # verification steps, drafts proposed and kept
 
         # Waiting requests, slots, counters, the stats snapshot: shared with other threads.
@@ -442,6 +450,8 @@ class Scheduler:
                 if self.speculation is not None:
                     queries = tuple(range(1, self.speculation.num_draft_tokens + 2))
                 cuda_attention.warm(self.model, queries, self.pool.kv_quant)
+                if self._lookup is None and self.speculation is not None:
+                    cuda_attention.warm(self.speculation.draft_model, queries, self.pool.kv_quant)
                 self.pool.model = self.model
             except BaseException as e:  # noqa: BLE001 - start() re-raises it
                 errors.append(e)
@@ -769,11 +779,21 @@ class Scheduler:
             k = min(k, self.pool.max_kv_size - live)
         if k < 1:
             return False
-        drafts = [self._lookup.propose(seq.history, k, 0.0, None)[0] for seq in rows]
-        k = min(len(d) for d in drafts)
+        try:
+            if self._lookup is not None:
+                drafted = [
+                    (self._lookup.propose(seq.history, k, 0.0, None)[0], None) for seq in rows
+                ]
+            else:  # each row's draft model decodes k tokens on its own caches
+                drafted = [self._draft(seq, k) for seq in rows]
+        except Exception as e:  # noqa: BLE001 - a draft forward failed: these requests end
+            for seq in rows:
+                self._fail(seq, e)
+            return True
+        k = min(len(d) for d, _ in drafted)
         if k == 0:
             return False
-        drafts = [d[:k] for d in drafts]
+        drafts = [d[:k] for d, _ in drafted]
         ids = mx.array([[seq.last_token, *d] for seq, d in zip(rows, drafts)], dtype=mx.int32)
         try:
             logits = self.model(ids, cache=batch)
@@ -781,8 +801,8 @@ class Scheduler:
             emitted = [
                 greedy_accept(targets[b], d)
                 if seq.sampler.greedy
-                else accept_drafts(probs(logits[b], seq.sampler.temperature), None, d, seq.spec_rng)
-                for b, (seq, d) in enumerate(zip(rows, drafts))
+                else accept_drafts(probs(logits[b], seq.sampler.temperature), q, d, seq.spec_rng)
+                for b, (seq, d, (_, q)) in enumerate(zip(rows, drafts, drafted))
             ]
         except Exception as e:  # noqa: BLE001 - ends the batched requests only
             for seq in rows:
@@ -792,6 +812,9 @@ class Scheduler:
         n = len(emitted[0])  # tokens per row; the caches keep the input token and n - 1 drafts
         rewind_caches(batch, k + 1 - n)
         self.pool.enforce(batch)
+        for seq in rows:  # the drafts' caches keep the same n - 1 drafts
+            if seq.drafter is not None:
+                seq.drafter.accepted(n - 1, k)
         stats = self.spec_stats
         stats.steps += 1
         stats.proposed += k * len(rows)
@@ -808,6 +831,27 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001 - ends this request only
                     self._fail(seq, e)
         return True
+
+    def _new_drafter(self) -> DraftModel:
+        pool = self.pool
+        return DraftModel(
+            self.speculation.draft_model,
+            self.speculation.num_draft_tokens,
+            max_kv_size=pool.max_kv_size,
+            kv_sink=pool.kv_sink,
+            kv_quant=pool.kv_quant,
+        )
+
+    def _draft(self, seq: _Sequence, k: int) -> tuple[list[int], np.ndarray | None]:
+        """``seq``'s next ``k`` tokens from the draft model, and (sampled rows) their
+        distributions. Its draft caches are made and prefilled at its first speculation (the
+        draft model's prefill, in this tick); later ones catch up on the tokens of any plain
+        steps in between in one forward (``DraftModel.propose``)."""
+        if seq.drafter is None:
+            seq.drafter = self._new_drafter()
+            seq.drafter.prefill(seq.history[:-1], self.prefill_chunk_size)
+        temp = 0.0 if seq.sampler.greedy else seq.sampler.temperature
+        return seq.drafter.propose(seq.history, k, temp, seq.spec_rng)
 
     def _prompt_group(self, first: _Sequence) -> list[_Sequence]:
         """``first`` and the waiting prompts that prefill with it as the rows of one batch (one
@@ -989,7 +1033,7 @@ class Scheduler:
         if seq in self._prefill_queue:
             self._prefill_queue.remove(seq)
         self.pool.release(seq.request.id)
-        seq.caches = []
+        seq.caches, seq.drafter = [], None
 
     def _publish(self) -> None:
         snapshot = {
@@ -1010,6 +1054,7 @@ class Scheduler:
             "acceptance": round(s.acceptance, 4),
             "num_draft_tokens": self.speculation.num_draft_tokens,
             "max_rows": self.speculation.max_rows,
+            "drafter": "prompt-lookup" if self._lookup is not None else "draft-model",
         }
 
     def _shutdown(self) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -78,12 +78,15 @@ def accept_drafts(
     """The tokens a verification step emits: the accepted drafts, then one more.
 
     ``p`` ``[k + 1, V]``: the target's distributions at each draft position and after the last;
-    ``q`` ``[k, V]``: the draft's (None: deterministic drafts, q one-hot). Draft ``i`` is kept
+    ``q`` ``[k, V']``: the draft's (None: deterministic drafts, q one-hot), over its own logit
+    width (``_vocab_like`` brings it to ``V``). Draft ``i`` is kept
     with probability ``min(1, p_i(d) / q_i(d))``; at the first rejection the token is drawn
     from ``norm(max(0, p_i - q_i))`` and the step ends; if all are kept the last comes from
     ``p_k``. Each emitted token is then distributed as the target alone would sample it
     (Leviathan et al. 2023; Chen et al. 2023).
     """
+    if q is not None and q.shape[1] != p.shape[1]:
+        q = _vocab_like(q, p.shape[1])
     out = []
     for i, d in enumerate(drafts):
         q_i = np.zeros_like(p[i]) if q is None else q[i]
@@ -120,15 +123,17 @@ def cut_to_shortest(emitted: list[list[int]]) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class BatchSpeculation:
-    """Prompt-lookup speculation in the server's decode batch (``mlxc serve --prompt-lookup``):
-    up to ``num_draft_tokens`` drafts per row, from n-grams of up to ``ngram_size`` tokens,
-    in the steps where the batch holds at most ``max_rows`` rows, each greedy or sampled at a
+    """Speculation in the server's decode batch (``mlxc serve --prompt-lookup`` or
+    ``--draft-model``): up to ``num_draft_tokens`` drafts per row, from n-grams of up to
+    ``ngram_size`` tokens or from ``draft_model`` (each row its own ``DraftModel`` caches), in
+    the steps where the batch holds at most ``max_rows`` rows, each greedy or sampled at a
     temperature alone (no top-p, top-k or min-p), with nothing that adjusts or reports its
     logits (penalties, biases, logprobs, grammars)."""
 
     num_draft_tokens: int = 3
     ngram_size: int = 3
     max_rows: int = 4
+    draft_model: nn.Module | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("num_draft_tokens", "ngram_size", "max_rows"):
@@ -245,6 +250,20 @@ class DraftModel:
         enforce_max_kv(self.trimmable, self.max_kv_size, self.kv_sink)
 
 
+def load_draft(path, tokenizer, specs=None) -> nn.Module:
+    """The draft checkpoint at ``path``, built; ``CheckpointError`` when it cannot draft for a
+    model of ``tokenizer`` (another vocabulary: its token ids would mean other tokens)."""
+    from mlxc.runtime.checkpoint.loading import CheckpointError, load_checkpoint
+
+    draft = load_checkpoint(path, specs=specs)
+    if draft.tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise CheckpointError(
+            f"the draft model at {path} has another tokenizer vocabulary than the model: "
+            "its token ids would mean other tokens"
+        )
+    return draft.load_model()
+
+
 # --- the loop -----------------------------------------------------------------------------------
 
 
@@ -332,10 +351,7 @@ def speculative_tokens(
             if temp == 0:
                 new = greedy_accept(mx.argmax(logits, -1).tolist(), drafts)
             else:
-                p = probs(logits, temp)
-                if q is not None and q.shape[1] != p.shape[1]:
-                    q = _vocab_like(q, p.shape[1])
-                new = accept_drafts(p, q, drafts, rng)
+                new = accept_drafts(probs(logits, temp), q, drafts, rng)
             n_accepted = len(new) - 1
             rewind_caches(cache, len(drafts) - n_accepted)
             trim()  # on the accepted state only
