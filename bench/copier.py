@@ -79,8 +79,8 @@ LOOKBACK_PAIRS = 12  # fastest RoPE pairs, which locate the tokens 1 and 2 back
 LOOKBACK_SHARPNESS = 30.0  # score gap grows with it: the token looked for takes ~all the weight
 LOOKBACK_GAIN = 0.1  # the slots hold those contents at about the stream's own scale
 MATCH_PAIRS = 16  # slowest RoPE pairs, where the content match barely turns with distance
-MATCH_SHARPNESS = 60.0
-COPY_GAIN = 1.0  # copied content, after layer 1's norm, is ~10x the current token's
+MATCH_SHARPNESS = 60.0  # two matching tokens outscore one by far more than the noise
+COPY_GAIN = 1.0  # the copied content (layer 1's normed input) is ~13x the current token's
 OUTPUT_SCALE = 5.0  # final norm weight: many logits between the copied token and the rest
 
 
@@ -226,6 +226,19 @@ def write_checkpoint(path: Path, size: str) -> Path:
         "copy_rate": {b: copy_rate(narrow, narrow_cfg, b) for b in (64, 256)},
     }
     (path / "copier.json").write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
+def write_draft(path: Path, size: str) -> Path:
+    """Write the narrow copier alone (no padding) to ``path``: the draft model of the wide
+    one, the same function at a fraction of the cost. Its vocabulary is the narrow one (the
+    ids it knows); a draft only needs the ids it proposes to mean the same tokens."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = narrow_config(size)
+    weights = {k: v.astype(mx.bfloat16) for k, v in circuit(cfg).items()}
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return path
 
 

@@ -1,25 +1,28 @@
-"""Prompt-lookup speculative decoding on an input-repeating task: tokens/s with and without it,
-the acceptance rate, greedy output identical, and what a K+1-token verification forward costs
+"""Speculative decoding on an input-repeating task: tokens/s with and without it, the
+acceptance rate, greedy output identical, and what a K+1-token verification forward costs
 against a one-token step::
 
     python -m bench.speculative --device cpu --arch llama --size small --out bench/results/spec-cpu
     python -m bench.speculative --device gpu --arch llama --size medium --out bench/results/spec-gpu-h200
-    python -m bench.speculative --copier --size small --out bench/results/spec-copier-cpu
+    python -m bench.speculative --copier --size small --server-rows 1,4,16 --out bench/results/spec-copier-cpu-small
 
 The task stands for "rewrite this code with one change": the prompt holds a block of "code"
 (random token ids) twice, the second time with one token changed, then the block's first
 tokens again, so a model that copies continues it. By default the checkpoint has random
-weights (``bench.models``): its greedy output copies from the prompt only as far as the model
-does (random models fall into loops of their own, which prompt lookup also matches in the
-output). ``--copier`` uses ``bench.copier`` instead: a hand-built induction circuit in a narrow
-llama, written into the bench llama's shape with zeros around it, so a forward costs the bench
-model's and the output copies. The acceptance rate is measured, not assumed, and reported next to the
-speed-up.
+weights (``bench.models``) and the drafts come from prompt lookup: the greedy output copies
+from the prompt only as far as the model does (random models fall into loops of their own,
+which prompt lookup also matches in the output). ``--copier`` uses ``bench.copier`` instead: a
+hand-built induction circuit in a narrow llama, written into the bench llama's shape with
+zeros around it, so a forward costs the bench model's and the output copies; the narrow model
+alone is then also measured as a draft model. ``--server-rows`` runs concurrent copy tasks
+through the server's scheduler, plain and speculating in the decode batch. The acceptance rate
+is measured, not assumed, and reported next to the speed-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -51,6 +54,19 @@ def timed(fn, repeats: int) -> tuple[float, object]:
         out = fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times), out
+
+
+def timed_pair(a, b, repeats: int) -> tuple[float, float, object, object]:
+    """``timed`` for two functions, alternated (a, b, a, b, ...) so that a shared machine's
+    slow spells fall on both: (median seconds of a, of b, a's output, b's output)."""
+    times: tuple[list[float], list[float]] = ([], [])
+    outs = [None, None]
+    for _ in range(repeats):
+        for i, fn in enumerate((a, b)):
+            start = time.perf_counter()
+            outs[i] = fn()
+            times[i].append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1]), *outs
 
 
 def step_cost(model, prompt: list[int], k: int, repeats: int) -> dict:
@@ -123,30 +139,28 @@ def served(model, tokenizer, prompts: list[list[int]], n: int, speculation) -> t
     return sum(map(len, answers)) / (end - first[0]), answers
 
 
-def server_rows(model, tokenizer, ids, block, n, rows, k, ngram) -> list[dict]:
-    """Per number of concurrent requests: the Scheduler's aggregate tokens/s with and without
-    prompt-lookup speculation in its decode batch, greedy answers compared. Each request is
-    its own copy task (another block), so the rows draft from their own prompts."""
-    from mlxc.runtime.serving.speculative import BatchSpeculation
-
+def served_rows(model, tokenizer, ids, block, n, rows, specs: dict) -> list[dict]:
+    """``rows`` concurrent requests through the Scheduler: aggregate tokens/s plain and with
+    each of ``specs`` (``BatchSpeculation`` by drafter name), greedy answers compared. Each
+    request is its own copy task (another block), so the rows draft from their own prompts."""
+    prompts = [task(ids, block, seed=1 + i) for i in range(rows)]
+    served(model, tokenizer, prompts[:1], 4, None)  # warm-up: kernels, caches
+    plain_tps, plain = served(model, tokenizer, prompts, n, None)
     out = []
-    for r in rows:
-        prompts = [task(ids, block, seed=1 + i) for i in range(r)]
-        served(model, tokenizer, prompts[:1], 4, None)  # warm-up: kernels, caches
-        plain_tps, plain = served(model, tokenizer, prompts, n, None)
-        spec = BatchSpeculation(num_draft_tokens=k, ngram_size=ngram, max_rows=r)
+    for name, spec in specs.items():
         spec_tps, got = served(model, tokenizer, prompts, n, spec)
         out.append(
             {
-                "rows": r,
-                "k": k,
+                "rows": rows,
+                "drafter": name,
+                "k": spec.num_draft_tokens,
                 "identical": got == plain,
                 "plain_tps": plain_tps,
                 "spec_tps": spec_tps,
                 "speedup": spec_tps / plain_tps,
             }
         )
-        _log(f"rows={r}: {out[-1]}")
+        _log(f"rows={rows}: {out[-1]}")
     return out
 
 
@@ -156,7 +170,7 @@ def report(result: dict) -> str:
     where = m.get("device_info", {}).get("device_name") or m.get("cpu", "?")
     lines = [
         (
-            f"# Prompt-lookup speculative decoding: {result['arch']} {result['size']} "
+            f"# Speculative decoding: {result['arch']} {result['size']} "
             f"({result.get('weights', 'random weights')})"
         ),
         "",
@@ -165,20 +179,23 @@ def report(result: dict) -> str:
             f"Prompt {result['prompt_tokens']} tokens (a {result['block']}-token block, the block "
             f"with one change, its first quarter); {result['generated']} tokens generated "
             f"greedily, n-gram {result['ngram_size']}; tokens/s over the whole call, the "
-            f"prompt's prefill included. Plain decoding: {result['plain_tps']:.1f} tokens/s; "
+            f"prompt's prefill included; each row times plain and speculative decoding "
+            f"alternately. Plain decoding: {result['plain_tps']:.1f} tokens/s (median of the "
+            f"rows); "
             f"the model's own greedy output copies the block for its first "
             f"{result['copies_block_for']} tokens."
         ),
         "",
         (
-            "| K | greedy identical | tokens/s | speed-up | acceptance | tokens/step "
+            "| drafter | K | greedy identical | tokens/s | speed-up | acceptance | tokens/step "
             "| 1-token step ms | K+1 verify ms | verify / step |"
         ),
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['k']} | {'yes' if r['identical'] else 'NO'} | {r['tps']:.1f} | "
+            f"| {r.get('drafter', 'prompt lookup')} | {r['k']} | "
+            f"{'yes' if r['identical'] else 'NO'} | {r['tps']:.1f} | "
             f"{r['speedup']:.2f}x | {r['acceptance']:.0%} | {r['tokens_per_step']:.2f} | "
             f"{r['one_token_s'] * 1e3:.2f} | {r['verify_s'] * 1e3:.2f} | {r['ratio']:.2f}x |"
         )
@@ -187,17 +204,21 @@ def report(result: dict) -> str:
             "",
             (
                 "In the server's scheduler (in-process, no HTTP): concurrent requests, each its "
-                "own copy task, decoded in one batch, plain and with prompt lookup "
+                "own copy task, decoded in one batch, plain and speculating in the batch "
                 "(`BatchSpeculation`); aggregate tokens/s from the first token to the last "
                 "answer's end:"
             ),
             "",
-            "| requests | K | greedy identical | plain tokens/s | prompt lookup tokens/s | speed-up |",
-            "|---|---|---|---|---|---|",
+            (
+                "| requests | drafter | K | greedy identical | plain tokens/s "
+                "| speculating tokens/s | speed-up |"
+            ),
+            "|---|---|---|---|---|---|---|",
         ]
         for r in result["server"]:
             lines.append(
-                f"| {r['rows']} | {r['k']} | {'yes' if r['identical'] else 'NO'} | "
+                f"| {r['rows']} | {r.get('drafter', 'prompt lookup')} | {r['k']} | "
+                f"{'yes' if r['identical'] else 'NO'} | "
                 f"{r['plain_tps']:.1f} | {r['spec_tps']:.1f} | {r['speedup']:.2f}x |"
             )
     return "\n".join(lines) + "\n"
@@ -242,7 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     from bench import copier, models
     from bench.run import machine
     from mlxc.runtime.serving.generate import generate_tokens
-    from mlxc.runtime.serving.speculative import PromptLookup, SpecStats, speculative_tokens
+    from mlxc.runtime.serving.speculative import (
+        DraftModel,
+        PromptLookup,
+        SpecStats,
+        speculative_tokens,
+    )
 
     if args.device:
         mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
@@ -268,32 +294,40 @@ def main(argv: list[str] | None = None) -> int:
     def plain():
         return list(generate_tokens(model, prompt, max_tokens=n))
 
-    plain_s, reference = timed(plain, args.repeats)
+    reference = plain()  # also the warm-up
     # How far the model itself copies: the block's continuation after its first quarter.
     expected = prompt[args.block // 4 : args.block]
     copied = next(
         (i for i, (a, b) in enumerate(zip(reference, expected)) if a != b), len(reference)
     )
+    # With the copier, its narrow model (unpadded) drafts too: the same function, far cheaper.
+    drafters = {"prompt lookup": lambda k: PromptLookup(args.ngram_size)}
+    if copier_info:
+        with tempfile.TemporaryDirectory(prefix="mlxc-spec-draft-") as tmp:
+            draft = load_model(str(copier.write_draft(Path(tmp) / "d", args.size)))
+            mx.eval(draft.parameters())
+        drafters["draft model"] = lambda k: DraftModel(draft, k)
     rows = []
-    for k in args.num_draft_tokens:
+    for (name, make), k in itertools.product(drafters.items(), args.num_draft_tokens):
         stats = SpecStats()
 
-        def spec(k=k, stats=stats):
+        def spec(k=k, stats=stats, make=make):
             stats.__init__()
-            drafter = PromptLookup(args.ngram_size)
             return list(
                 speculative_tokens(
-                    model, prompt, drafter, max_tokens=n, num_draft_tokens=k, stats=stats
+                    model, prompt, make(k), max_tokens=n, num_draft_tokens=k, stats=stats
                 )
             )
 
-        spec_s, got = timed(spec, args.repeats)
+        plain_s, spec_s, _, got = timed_pair(plain, spec, args.repeats)
         cost = step_cost(model, prompt, k, args.repeats)
         rows.append(
             {
+                "drafter": name,
                 "k": k,
                 "identical": got == reference,
                 "tps": len(got) / spec_s,
+                "plain_tps": len(reference) / plain_s,
                 "speedup": plain_s / spec_s,
                 "acceptance": stats.acceptance,
                 "tokens_per_step": len(got) / max(stats.steps + 1, 1),
@@ -301,17 +335,21 @@ def main(argv: list[str] | None = None) -> int:
                 **cost,
             }
         )
-        _log(f"k={k}: {rows[-1]}")
+        _log(f"{name} k={k}: {rows[-1]}")
     server = []
     if args.server_rows:
         from mlxc.runtime.checkpoint.tokenizer import load_tokenizer
+        from mlxc.runtime.serving.speculative import BatchSpeculation
 
         with tempfile.TemporaryDirectory(prefix="mlxc-spec-tok-") as tmp:
             models.write_tokenizer(Path(tmp), model(mx.array([[0]])).shape[-1])
             tokenizer = load_tokenizer(tmp)
-        levels = [int(x) for x in args.server_rows.split(",")]
         k = max(args.num_draft_tokens)
-        server = server_rows(model, tokenizer, ids, args.block, n, levels, k, args.ngram_size)
+        for r in (int(x) for x in args.server_rows.split(",")):
+            specs = {"prompt lookup": BatchSpeculation(k, args.ngram_size, r)}
+            if copier_info:
+                specs["draft model"] = BatchSpeculation(k, max_rows=r, draft_model=draft)
+            server += served_rows(model, tokenizer, ids, args.block, n, r, specs)
     result = {
         "machine": machine(device),
         "device": device,
@@ -326,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         "ngram_size": args.ngram_size,
         "prompt_tokens": len(prompt),
         "generated": len(reference),
-        "plain_tps": len(reference) / plain_s,
+        "plain_tps": statistics.median(r["plain_tps"] for r in rows),
         "copies_block_for": copied,
         "rows": rows,
         "server": server,
