@@ -178,6 +178,25 @@ def test_draft_model_batch_equals_plain_greedy(tokenizer, draft_seed, cache):
         assert spec["accepted"] < spec["proposed"]
 
 
+def test_draft_rows_catch_up_after_plain_steps(tokenizer):
+    """A row drafts alone (one row allowed), then a second row's arrival makes the steps plain
+    until it ends, then the first drafts again: its draft caches catch up on the plain steps'
+    tokens in one forward. With the model as its own draft, every draft must still be kept:
+    a draft cache that missed or repeated a token would propose something else."""
+    model = tiny("llama")
+    first, second = repeating_prompt(model, 3), repeating_prompt(model, 4) * 2  # 39, 78
+    jobs = [
+        (first, SamplingParams(max_tokens=120, ignore_eos=True)),
+        (second, SamplingParams(max_tokens=6, ignore_eos=True)),
+    ]
+    wants = [_plain(model, ids, p.max_tokens, prefill_chunk_size=8) for ids, p in jobs]
+    spec = BatchSpeculation(4, 3, 1, draft_model=model)
+    got, stats = _serve(model, tokenizer, jobs, speculation=spec, prefill_chunk_size=8)
+    assert got == wants
+    spec = stats["speculation"]
+    assert spec["steps"] > 0 and spec["accepted"] == spec["proposed"]
+
+
 def test_draft_model_sampled_rows(tokenizer):
     """Rows sampled at a temperature verify the draft model's drafts by the accept/reject rule
     with the draft's own distributions: near temperature 0 that keeps exactly the drafts equal

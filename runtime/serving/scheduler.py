@@ -108,8 +108,8 @@ from mlxc.runtime.serving.prefix_cache import (
 from mlxc.runtime.serving.sample import RowSampler, Sampled, sample_rows
 from mlxc.runtime.serving.serve_defaults import DEFAULT_PREFIX_CACHE_BYTES
 from mlxc.runtime.serving.speculative import (
+    BatchDrafter,
     BatchSpeculation,
-    DraftModel,
     PromptLookup,
     SpecStats,
     accept_drafts,
@@ -321,8 +321,6 @@ class _Sequence:
         # and the host generator of its accept/reject draws (seeded like its sampler).
         self.history: list[int] | None = list(request.prompt_ids) if keep_history else None
         self.spec_rng = np.random.default_rng(p.seed) if keep_history else None
-        # With a draft model: its caches for this sequence, made at its first speculation.
-        self.drafter: DraftModel | None = None
         # Its grammar (runtime.serving.structured), None when its output is free.
         self.constraint = p.constraint
         # Its text and events: detokenizer, stop strings, completion tokens.
@@ -388,11 +386,19 @@ class Scheduler:
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.lockstep = lockstep
         self.speculation = speculation
-        self._lookup = None
+        # The drafter: n-grams, or the draft model on a batch of its own (refused here, named,
+        # when its caches cannot rewind).
+        self._lookup = self._drafter = None
         if speculation is not None and speculation.draft_model is None:
             self._lookup = PromptLookup(speculation.ngram_size)
-        elif speculation is not None:  # a draft whose caches cannot rewind fails here (named)
-            self._new_drafter()
+        elif speculation is not None:
+            self._drafter = BatchDrafter(
+                speculation.draft_model,
+                max_kv_size=max_kv_size,
+                kv_sink=kv_sink,
+                kv_quant=kv_quant,
+                prefill_chunk_size=prefill_chunk_size,
+            )
         self.spec_stats = SpecStats()  # verification steps, drafts proposed and kept
 
         # Waiting requests, slots, counters, the stats snapshot: shared with other threads.
@@ -450,8 +456,8 @@ class Scheduler:
                 if self.speculation is not None:
                     queries = tuple(range(1, self.speculation.num_draft_tokens + 2))
                 cuda_attention.warm(self.model, queries, self.pool.kv_quant)
-                if self._lookup is None and self.speculation is not None:
-                    cuda_attention.warm(self.speculation.draft_model, queries, self.pool.kv_quant)
+                if self._drafter is not None:
+                    cuda_attention.warm(self._drafter.model, queries, self.pool.kv_quant)
                 self.pool.model = self.model
             except BaseException as e:  # noqa: BLE001 - start() re-raises it
                 errors.append(e)
@@ -784,8 +790,14 @@ class Scheduler:
                 drafted = [
                     (self._lookup.propose(seq.history, k, 0.0, None)[0], None) for seq in rows
                 ]
-            else:  # each row's draft model decodes k tokens on its own caches
-                drafted = [self._draft(seq, k) for seq in rows]
+            else:  # the draft model decodes k tokens for all rows, one forward each
+                drafted = self._drafter.propose(
+                    [seq.request.id for seq in rows],
+                    [seq.history for seq in rows],
+                    k,
+                    [0.0 if seq.sampler.greedy else seq.sampler.temperature for seq in rows],
+                    [seq.spec_rng for seq in rows],
+                )
         except Exception as e:  # noqa: BLE001 - a draft forward failed: these requests end
             for seq in rows:
                 self._fail(seq, e)
@@ -812,9 +824,8 @@ class Scheduler:
         n = len(emitted[0])  # tokens per row; the caches keep the input token and n - 1 drafts
         rewind_caches(batch, k + 1 - n)
         self.pool.enforce(batch)
-        for seq in rows:  # the drafts' caches keep the same n - 1 drafts
-            if seq.drafter is not None:
-                seq.drafter.accepted(n - 1, k)
+        if self._drafter is not None:  # the draft's rows keep the same n - 1 drafts
+            self._drafter.accepted(n - 1)
         stats = self.spec_stats
         stats.steps += 1
         stats.proposed += k * len(rows)
@@ -831,27 +842,6 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001 - ends this request only
                     self._fail(seq, e)
         return True
-
-    def _new_drafter(self) -> DraftModel:
-        pool = self.pool
-        return DraftModel(
-            self.speculation.draft_model,
-            self.speculation.num_draft_tokens,
-            max_kv_size=pool.max_kv_size,
-            kv_sink=pool.kv_sink,
-            kv_quant=pool.kv_quant,
-        )
-
-    def _draft(self, seq: _Sequence, k: int) -> tuple[list[int], np.ndarray | None]:
-        """``seq``'s next ``k`` tokens from the draft model, and (sampled rows) their
-        distributions. Its draft caches are made and prefilled at its first speculation (the
-        draft model's prefill, in this tick); later ones catch up on the tokens of any plain
-        steps in between in one forward (``DraftModel.propose``)."""
-        if seq.drafter is None:
-            seq.drafter = self._new_drafter()
-            seq.drafter.prefill(seq.history[:-1], self.prefill_chunk_size)
-        temp = 0.0 if seq.sampler.greedy else seq.sampler.temperature
-        return seq.drafter.propose(seq.history, k, temp, seq.spec_rng)
 
     def _prompt_group(self, first: _Sequence) -> list[_Sequence]:
         """``first`` and the waiting prompts that prefill with it as the rows of one batch (one
@@ -1033,7 +1023,9 @@ class Scheduler:
         if seq in self._prefill_queue:
             self._prefill_queue.remove(seq)
         self.pool.release(seq.request.id)
-        seq.caches, seq.drafter = [], None
+        seq.caches = []
+        if self._drafter is not None:
+            self._drafter.drop(seq.request.id)
 
     def _publish(self) -> None:
         snapshot = {

@@ -20,7 +20,8 @@ In the server (``BatchSpeculation``) the rows of the decode batch speculate toge
 verification forward of ``k + 1`` tokens per row, each row's own acceptance (greedy, or the
 rule above at its temperature), then every row keeps as many drafts as the row that kept the
 fewest (``cut_to_shortest``), because the rows share one cache column index
-(``BatchKVCache.rewind``).
+(``BatchKVCache.rewind``). Their drafts come from prompt lookup, or from ``BatchDrafter``: the
+draft model on a decode batch of its own, one forward per draft token for every row.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ import numpy as np
 from mlx import nn
 
 from mlxc.runtime.model import cuda_attention
+from mlxc.runtime.model.batch import BatchCache
 from mlxc.runtime.model.cache import (
     KVQuant,
+    RewindError,
     cache_arrays,
     check_kv_limits,
     enforce_max_kv,
@@ -125,7 +128,7 @@ def cut_to_shortest(emitted: list[list[int]]) -> list[list[int]]:
 class BatchSpeculation:
     """Speculation in the server's decode batch (``mlxc serve --prompt-lookup`` or
     ``--draft-model``): up to ``num_draft_tokens`` drafts per row, from n-grams of up to
-    ``ngram_size`` tokens or from ``draft_model`` (each row its own ``DraftModel`` caches), in
+    ``ngram_size`` tokens or from ``draft_model`` (``BatchDrafter``: all rows at once), in
     the steps where the batch holds at most ``max_rows`` rows, each greedy or sampled at a
     temperature alone (no top-p, top-k or min-p), with nothing that adjusts or reports its
     logits (penalties, biases, logprobs, grammars)."""
@@ -248,6 +251,138 @@ class DraftModel:
         self.seen += kept
         self.unverified = 0
         enforce_max_kv(self.trimmable, self.max_kv_size, self.kv_sink)
+
+
+class BatchDrafter:
+    """A draft model drafting for every row of the server's decode batch at once
+    (``mlxc serve --draft-model``): one forward of the draft per draft token, whatever the
+    number of rows.
+
+    Its own ``BatchCache`` holds, per row (a request id), that row's history but the last
+    token, which leads the next drafting. Rows that took plain steps since they last drafted
+    catch up in one forward (they all lag by the same count: they were in the decode batch for
+    the same steps); a row new to the drafts is prefilled alone and joins. Under
+    ``--max-kv-size`` the draft's rows are trimmed after each catch-up and acceptance, so a
+    draft may differ from what an exact one-token run of the draft would propose: drafts are
+    proposals, and the model's verification decides every token.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_kv_size: int | None = None,
+        kv_sink: int = DEFAULT_KV_SINK,
+        kv_quant: KVQuant | None = None,
+        prefill_chunk_size: int = 512,
+    ) -> None:
+        probe = make_caches(model, kv_quant)
+        if not BatchCache.accepts(probe) or not all(
+            getattr(layer, "rewindable", False) for layer in BatchCache.like(probe)
+        ):
+            raise RewindError(
+                "the draft model's caches cannot rewind in a decode batch (sliding-window, "
+                "recurrent or model-owned layers)"
+            )
+        self.model = model
+        self.max_kv_size, self.kv_sink, self.kv_quant = max_kv_size, kv_sink, kv_quant
+        self.prefill_chunk_size = prefill_chunk_size
+        self.batch: BatchCache | None = None
+        self.keys: list[str] = []  # the request id of each row, in row order
+        self.seen: dict[str, int] = {}  # tokens of each row's history in its draft caches
+        self.unverified = 0  # drafts in every row's caches the model has not judged yet
+
+    def propose(
+        self,
+        keys: list[str],
+        histories: list[list[int]],
+        k: int,
+        temps: list[float],
+        rngs: list,
+    ) -> list[tuple[list[int], np.ndarray | None]]:
+        """Each row's ``k`` drafts (greedy at temperature 0, else drawn at its temperature
+        from its generator) and, for sampled rows, their distributions ``[k, V]``."""
+        self._sync(keys, histories)
+        drafts: list[list[int]] = [[] for _ in keys]
+        dists: list[list[np.ndarray]] = [[] for _ in keys]
+        ids = mx.array([[h[-1]] for h in histories], dtype=mx.int32)
+        for _ in range(k):
+            logits = self.model(ids, cache=self.batch)[:, -1, :]
+            tokens = mx.argmax(logits, axis=-1).tolist()
+            for b, temp in enumerate(temps):
+                if temp > 0:
+                    q = probs(logits[b : b + 1], temp)[0]
+                    dists[b].append(q)
+                    tokens[b] = _draw(q, rngs[b])
+                drafts[b].append(tokens[b])
+            ids = mx.array(tokens, dtype=mx.int32)[:, None]
+        # Every row's caches hold its history and every draft but the last.
+        for key, history in zip(keys, histories):
+            self.seen[key] = len(history)
+        self.unverified = k - 1
+        return [(d, np.stack(q) if q else None) for d, q in zip(drafts, dists)]
+
+    def accepted(self, n_accepted: int) -> None:
+        """The verification kept ``n_accepted`` drafts in every row: take back the rest."""
+        kept = min(n_accepted, self.unverified)
+        rewind_caches(self.batch, self.unverified - kept)
+        for key in self.keys:
+            self.seen[key] += kept
+        self.unverified = 0
+        self._trim(self.batch)
+
+    def drop(self, key: str) -> None:
+        """Forget a row (its request ended)."""
+        if key not in self.seen:
+            return
+        del self.seen[key]
+        row = self.keys.index(key)
+        del self.keys[row]
+        if not self.keys:
+            self.batch = None
+        else:
+            self.batch.keep_rows([b for b in range(len(self.keys) + 1) if b != row])
+
+    def _trim(self, caches) -> None:
+        enforce_max_kv(caches_to_trim(self.model, caches), self.max_kv_size, self.kv_sink)
+
+    def _sync(self, keys: list[str], histories: list[list[int]]) -> None:
+        """Make the rows ``keys``, in that order, each holding its history but the last token."""
+        wanted = dict(zip(keys, histories))
+        for key in [key for key in self.keys if key not in wanted]:
+            self.drop(key)
+        lags = {len(wanted[key]) - 1 - self.seen[key] for key in self.keys}
+        if len(lags) > 1 or min(lags, default=0) < 0:  # not expected: start the rows afresh
+            for key in list(self.keys):
+                self.drop(key)
+        elif lags and (lag := lags.pop()) > 0:  # plain steps since the last drafting
+            behind = [wanted[key][self.seen[key] : self.seen[key] + lag] for key in self.keys]
+            for start in range(0, lag, self.prefill_chunk_size):
+                chunk = [tokens[start : start + self.prefill_chunk_size] for tokens in behind]
+                self.model(mx.array(chunk, dtype=mx.int32), cache=self.batch)
+                self._trim(self.batch)
+                mx.eval(cache_arrays(self.batch))
+            for key in self.keys:
+                self.seen[key] += lag
+        new = [key for key in keys if key not in self.seen]
+        rows = []
+        for key in new:  # prefilled alone, as generate_tokens would, then joined
+            caches = make_caches(self.model, self.kv_quant)
+            prompt = wanted[key][:-1]
+            prefill_prompt(
+                self.model, caches, prompt, self.prefill_chunk_size, lambda c=caches: self._trim(c)
+            )
+            mx.eval(cache_arrays(caches))
+            rows.append(caches)
+            self.seen[key] = len(prompt)
+        if rows:
+            if self.batch is None:
+                self.batch = BatchCache.like(rows[0])
+            self.batch.extend(rows)
+            self.keys += new
+        if self.keys != keys:
+            self.batch.keep_rows([self.keys.index(key) for key in keys])
+            self.keys = list(keys)
 
 
 def load_draft(path, tokenizer, specs=None) -> nn.Module:
