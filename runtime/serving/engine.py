@@ -112,7 +112,10 @@ class Engine:
         if draft_model is not None:
             from mlxc.runtime.serving.speculative import load_draft
 
-            draft = load_draft(draft_model, checkpoint.tokenizer, specs=specs)
+            try:
+                draft = load_draft(draft_model, checkpoint.tokenizer, specs=specs)
+            except CheckpointError as e:  # say which of the two checkpoints it is
+                raise CheckpointError(f"the draft model: {e}") from e
             speculation = scheduler_options["speculation"]
             scheduler_options["speculation"] = dataclasses.replace(speculation, draft_model=draft)
 
