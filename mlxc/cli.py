@@ -788,20 +788,18 @@ def serve(
     if prompt_lookup or draft_model is not None:
         from mlxc.runtime.serving.speculative import BatchSpeculation
 
-        flag = "'--draft-model'" if draft_model is not None else "'--prompt-lookup'"
         if prompt_lookup and draft_model is not None:
             raise click.BadParameter("give --draft-model or --prompt-lookup, not both")
-        if group is not None:
-            raise click.BadParameter(
-                "speculation runs unsharded (not under mlx.launch yet)", param_hint=flag
-            )
         speculation = BatchSpeculation(num_draft_tokens, ngram_size, speculative_rows)
     distributed = {}
     if group is not None:
         agree_on_seed(group)  # samplers without a seed draw the same tokens on every rank
         distributed = {"group": group, "lockstep": Lockstep(group)}
         if group.rank() != 0:
-            return _follow(model_dir, distributed, max_kv_size, kv_sink, prefill_chunk_size, specs)
+            spec = {"speculation": speculation, "draft_model": draft_model}
+            return _follow(
+                model_dir, distributed, max_kv_size, kv_sink, prefill_chunk_size, specs, spec
+            )
 
     # Bind first: a port in use is reported now, not after the model has loaded.
     try:
@@ -911,16 +909,19 @@ def _json_object(value: str | None, flag: str) -> dict:
     return parsed
 
 
-def _follow(model_dir, distributed, max_kv_size, kv_sink, prefill_chunk_size, specs) -> None:
+def _follow(
+    model_dir, distributed, max_kv_size, kv_sink, prefill_chunk_size, specs, speculation
+) -> None:
     """A rank other than 0 of `mlx.launch ... mlxc serve`: no HTTP; its scheduler runs the
-    ticks rank 0 broadcasts (the same cache settings, so every rank trims alike) until rank 0
-    stops."""
+    ticks rank 0 broadcasts (the same cache and speculation settings, so every rank trims and
+    speculates alike: each drafts for itself, the same drafts) until rank 0 stops."""
     import time
 
     from mlxc.runtime.checkpoint import demo
     from mlxc.runtime.checkpoint.loading import CheckpointError
     from mlxc.runtime.serving.engine import Engine
 
+    draft = speculation["draft_model"]
     try:
         engine = Engine.from_path(
             _resolve_model(model_dir)[0] if model_dir else demo.ensure_demo(),
@@ -928,6 +929,8 @@ def _follow(model_dir, distributed, max_kv_size, kv_sink, prefill_chunk_size, sp
             kv_sink=kv_sink,
             prefill_chunk_size=prefill_chunk_size,
             specs=specs,
+            speculation=speculation["speculation"],
+            draft_model=draft and _resolve_model(draft)[0],
             **distributed,
         )
     except CheckpointError as e:

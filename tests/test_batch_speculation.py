@@ -266,8 +266,3 @@ def test_recurrent_batches_take_plain_steps(tokenizer):
     jobs = [(ids, SamplingParams(max_tokens=12, ignore_eos=True)) for ids in prompts]
     got, stats = _serve(model, tokenizer, jobs, speculation=BatchSpeculation(4, 3, 4))
     assert got == wants and stats["speculation"]["steps"] == 0
-
-
-def test_speculation_is_refused_under_tensor_parallelism(toy_model, tokenizer):
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        Scheduler(toy_model, tokenizer, lockstep=object(), speculation=BatchSpeculation())

@@ -168,6 +168,42 @@ def test_serve_on_two_ranks_answers_as_one_process(tmp_path):
     assert "Traceback" not in pair.log_text(), pair.log_text()
 
 
+@pytest.mark.parametrize("drafter", ["--prompt-lookup", "--draft-model"])
+def test_serve_on_two_ranks_speculates_as_one_process(tmp_path, drafter):
+    """`mlx.launch -n 2 mlxc serve --prompt-lookup` (or `--draft-model`, the model itself,
+    unsharded on each rank): every rank drafts the same tokens and accepts the same ones, so
+    the sharded verification forwards pair up and the greedy answers are `mlxc generate`'s;
+    concurrent requests speculate in one decode batch on both ranks."""
+    from openai import OpenAI
+
+    path = test_server.make_qwen3_moe(tmp_path / "qwen3_moe")
+    asks = ["abc abd abc abd abc abd abc", "count: one two one two one two one"]
+    expected = [test_server.mlxc_generate(path, ask, "--max-tokens", 24)[0] for ask in asks]
+    flags = [drafter] if drafter == "--prompt-lookup" else [drafter, path]
+    pair = LaunchedServer(["--model", path, *flags, "--num-draft-tokens", 3], tmp_path)
+    # Ranks that drafted or accepted differently would wait on each other's collectives: a
+    # deadline turns that hang into a failure.
+    client = OpenAI(base_url=pair.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def answer(ask: str) -> str:
+        messages = [{"role": "user", "content": ask}]
+        r = client.chat.completions.create(
+            model=path.name, messages=messages, max_tokens=24, temperature=0
+        )
+        return r.choices[0].message.content
+
+    try:
+        assert [answer(ask) for ask in asks] == expected, pair.log_text()
+        with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:
+            assert list(pool.map(answer, asks)) == expected, pair.log_text()
+        health = pair.wait_idle()
+        assert health["requests"]["failed"] == 0, pair.log_text()
+        assert health["speculation"]["steps"] > 0
+    finally:
+        pair.close()
+    assert "Traceback" not in pair.log_text(), pair.log_text()
+
+
 def test_lockstep_fails_a_request_it_cannot_hand_to_the_other_ranks():
     """Rank 0's side of the hook, on a group of one: a request whose inputs cannot be pickled
     ends with Failed and is dropped this tick, the others are handed on as they are."""

@@ -318,9 +318,14 @@ class _Sequence:
         self.prompt_batchable = False
         self.last_token: int | None = None  # input of the next decode step
         # Prompt and generated tokens, where prompt lookup drafts from them (speculation),
-        # and the host generator of its accept/reject draws (seeded like its sampler).
+        # and the host generator of its accept/reject draws: the request's seed, else one
+        # drawn from MLX's generator, which mlx.launch's ranks agree on (agree_on_seed), so
+        # every rank accepts the same drafts.
         self.history: list[int] | None = list(request.prompt_ids) if keep_history else None
-        self.spec_rng = np.random.default_rng(p.seed) if keep_history else None
+        self.spec_rng = None
+        if keep_history:
+            seed = p.seed if p.seed is not None else mx.random.randint(0, 2**31, ()).item()
+            self.spec_rng = np.random.default_rng(seed)
         # Its grammar (runtime.serving.structured), None when its output is free.
         self.constraint = p.constraint
         # Its text and events: detokenizer, stop strings, completion tokens.
@@ -372,8 +377,6 @@ class Scheduler:
         check_kv_limits(max_kv_size, kv_sink)
         if (model is None) == (load is None):
             raise ValueError("pass either a model or a load function")
-        if speculation is not None and lockstep is not None:
-            raise ValueError("speculation is not supported with tensor parallelism yet")
         self.model = model
         self._load = load
         # Used on the scheduler thread only (detokenizing). Hugging Face tokenizers are not
