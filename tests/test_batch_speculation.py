@@ -242,6 +242,17 @@ def test_sampled_rows_speculate_by_the_accept_rule(toy_model, tokenizer):
     assert stats["speculation"]["steps"] == 0
 
 
+def test_a_negative_seed_speculates(tokenizer):
+    """OpenAI's seeds are any int64; the accept/reject generator takes the seed modulo 2**64
+    (numpy refuses a negative one, which once failed the request at admission)."""
+    model = tiny("llama")
+    ids = repeating_prompt(model, 3)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=-5)
+    runs = [_serve(model, tokenizer, [(ids, params)], speculation=BatchSpeculation()) for _ in "ab"]
+    assert len(runs[0][0][0]) == 12 and runs[0][0] == runs[1][0]
+    assert runs[0][1]["requests"]["failed"] == 0 and runs[0][1]["speculation"]["steps"] > 0
+
+
 def test_rows_that_report_or_adjust_take_plain_steps(toy_model, tokenizer):
     """A batch with a row that asks for logprobs (or has penalties, biases or a grammar) never
     speculates; a lone greedy request does, once the others are done."""

@@ -293,7 +293,7 @@ class _Sequence:
         caches: list,
         tokenizer: Any,
         eos_token_ids: frozenset[int],
-        keep_history: bool = False,
+        spec_seed: int | None = None,
     ) -> None:
         p = request.params
         self.request = request
@@ -317,15 +317,11 @@ class _Sequence:
         # (decided once, at admission: Scheduler._prefills_together).
         self.prompt_batchable = False
         self.last_token: int | None = None  # input of the next decode step
-        # Prompt and generated tokens, where prompt lookup drafts from them (speculation),
-        # and the host generator of its accept/reject draws: the request's seed, else one
-        # drawn from MLX's generator, which mlx.launch's ranks agree on (agree_on_seed), so
-        # every rank accepts the same drafts.
-        self.history: list[int] | None = list(request.prompt_ids) if keep_history else None
-        self.spec_rng = None
-        if keep_history:
-            seed = p.seed if p.seed is not None else mx.random.randint(0, 2**31, ()).item()
-            self.spec_rng = np.random.default_rng(seed)
+        # With speculation (a ``spec_seed``): prompt and generated tokens, where the drafts
+        # start from, and the host generator of its accept/reject draws.
+        speculates = spec_seed is not None
+        self.history: list[int] | None = list(request.prompt_ids) if speculates else None
+        self.spec_rng = np.random.default_rng(spec_seed) if speculates else None
         # Its grammar (runtime.serving.structured), None when its output is free.
         self.constraint = p.constraint
         # Its text and events: detokenizer, stop strings, completion tokens.
@@ -403,6 +399,11 @@ class Scheduler:
                 prefill_chunk_size=prefill_chunk_size,
             )
         self.spec_stats = SpecStats()  # verification steps, drafts proposed and kept
+        # The seeds of unseeded requests' accept/reject draws, from MLX's generator: under
+        # mlx.launch the ranks agree on it (agree_on_seed runs first), so they accept alike.
+        self._spec_seeds = None
+        if speculation is not None:
+            self._spec_seeds = np.random.default_rng(mx.random.randint(0, 2**31, ()).item())
 
         # Waiting requests, slots, counters, the stats snapshot: shared with other threads.
         self._queue = AdmissionQueue(max_concurrency, max_queue)
@@ -555,9 +556,13 @@ class Scheduler:
     def _admit(self, request: Request) -> None:
         try:
             caches = self.pool.allocate(request.id)
-            seq = _Sequence(
-                request, caches, self.tokenizer, self.eos_token_ids, self.speculation is not None
-            )
+            spec_seed = None
+            if self._spec_seeds is not None:  # the request's seed, else the next agreed one
+                spec_seed = request.params.seed
+                if spec_seed is None:
+                    spec_seed = int(self._spec_seeds.integers(2**63))
+                spec_seed %= 2**64  # numpy takes no negative seed; OpenAI's are any int64
+            seq = _Sequence(request, caches, self.tokenizer, self.eos_token_ids, spec_seed)
             prompt = request.prompt_ids
             seq.chunks = prefill_chunks(
                 len(prompt), self.prefill_chunk_size, prefill_spans(self.model, prompt)
