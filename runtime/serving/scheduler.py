@@ -22,8 +22,8 @@ Each tick of the loop:
 With ``speculation`` (``mlxc serve --prompt-lookup`` or ``--draft-model``), a tick whose
 decode batch is small and whose rows may speculate (``BatchSpeculation``) reads the step in
 flight first, drafts each row's next tokens (from n-grams of its own prompt and output, or
-from the draft model on that row's own draft caches) and verifies them in one forward of the
-batch; each row accepts by its own rule (greedy, or the accept/reject rule at its
+from the draft model, one forward per draft token for all rows: ``speculative.BatchDrafter``)
+and verifies them in one forward of the batch; each row accepts by its own rule (greedy, or the accept/reject rule at its
 temperature), the rows keep as many drafts as the row that kept the fewest
 (``speculative.cut_to_shortest``) and rewind the rest (``BatchKVCache.rewind``), then trim.
 Greedy output is the plain greedy output; sampled output follows the same distribution.
