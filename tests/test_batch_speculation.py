@@ -155,15 +155,20 @@ def test_speculating_batch_equals_plain_greedy(toy_model, tokenizer, arch, cache
 
 
 @pytest.mark.parametrize(
-    ("draft_seed", "cache"),
-    [(0, {}), (1, {}), (1, {"prefill_chunk_size": 8, "max_kv_size": 64, "kv_sink": 2})],
+    ("arch", "draft_seed", "cache"),
+    [
+        ("llama", 0, {}),
+        ("llama", 1, {}),
+        ("llama", 1, {"prefill_chunk_size": 8, "max_kv_size": 64, "kv_sink": 2}),
+        ("qwen3", 0, {"kv_quant": KVQuant(8, 32)}),  # the draft's batch quantised too
+    ],
 )
-def test_draft_model_batch_equals_plain_greedy(tokenizer, draft_seed, cache):
+def test_draft_model_batch_equals_plain_greedy(tokenizer, arch, draft_seed, cache):
     """`mlxc serve --draft-model`: every row drafts on draft caches of its own, the batch
     verifies them in one forward, and the greedy answers are the plain ones (79 tokens under
     --max-kv-size 64: trims too). Seed 0: the draft is the model itself, so every draft is
-    kept; seed 1: another random llama, whose drafts are mostly rejected."""
-    model, draft = tiny("llama"), tiny("llama", draft_seed)
+    kept; seed 1: another random model, whose drafts are mostly rejected."""
+    model, draft = tiny(arch), tiny(arch, draft_seed)
     prompts = [repeating_prompt(model, seed) for seed in (3, 4, 5)]  # 39 tokens
     wants = [_plain(model, ids, 40, **cache) for ids in prompts]
     jobs = [(ids, SamplingParams(max_tokens=40, ignore_eos=True)) for ids in prompts]
