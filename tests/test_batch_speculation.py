@@ -164,9 +164,9 @@ def test_speculating_batch_equals_plain_greedy(toy_model, tokenizer, arch, cache
     ],
 )
 def test_draft_model_batch_equals_plain_greedy(tokenizer, arch, draft_seed, cache):
-    """`mlxc serve --draft-model`: every row drafts on draft caches of its own, the batch
-    verifies them in one forward, and the greedy answers are the plain ones (79 tokens under
-    --max-kv-size 64: trims too). Seed 0: the draft is the model itself, so every draft is
+    """`mlxc serve --draft-model`: the draft model drafts for all rows at once on its own batch,
+    the batch verifies them in one forward, and the greedy answers are the plain ones (79
+    tokens under --max-kv-size 64: trims too). Seed 0: the draft is the model itself, so every draft is
     kept; seed 1: another random model, whose drafts are mostly rejected."""
     model, draft = tiny(arch), tiny(arch, draft_seed)
     prompts = [repeating_prompt(model, seed) for seed in (3, 4, 5)]  # 39 tokens
