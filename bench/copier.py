@@ -115,8 +115,10 @@ def _rope_angles(cfg: dict) -> np.ndarray:
     return np.arctan2(turned[half:], turned[:half])
 
 
-def circuit(cfg: dict, seed: int = 0) -> dict[str, mx.array]:
-    """The narrow copier's weights (hub names) for the narrow config ``cfg``."""
+def circuit(cfg: dict, seed: int = 0, match: int = 2) -> dict[str, mx.array]:
+    """The narrow copier's weights (hub names) for the narrow config ``cfg``. ``match``: the
+    tokens its induction head matches, 2 (this one and the previous one) or 1 (this one only:
+    where a token occurs twice in the block, it may continue from the wrong occurrence)."""
     d, inter, half = cfg["hidden_size"], cfg["intermediate_size"], HEAD_DIM // 2
     heads, slot = cfg["num_attention_heads"], np.arange(WIDTH)
     angles = _rope_angles(cfg)
@@ -160,11 +162,12 @@ def circuit(cfg: dict, seed: int = 0) -> dict[str, mx.array]:
             # the best match: the token that followed the same two tokens.
             pairs = np.arange(half - MATCH_PAIRS, half)
             dims = np.concatenate([pairs, pairs + half])
-            n = len(dims) // 2
+            n = len(dims) // match  # the dims each matched token gets
             q[dims[:n], CONTENT + np.arange(n)] = MATCH_SHARPNESS
             k[dims[:n], PREVIOUS + np.arange(n)] = 1.0
-            q[dims[n:], PREVIOUS + np.arange(n)] = MATCH_SHARPNESS
-            k[dims[n:], BEFORE + np.arange(n)] = 1.0
+            if match == 2:
+                q[dims[n:], PREVIOUS + np.arange(n)] = MATCH_SHARPNESS
+                k[dims[n:], BEFORE + np.arange(n)] = 1.0
             o[CONTENT + slot, slot] = COPY_GAIN
         attn = p + "self_attn."
         w |= {attn + "q_proj.weight": q, attn + "k_proj.weight": k}
@@ -230,13 +233,16 @@ def write_checkpoint(path: Path, size: str) -> Path:
 
 
 def write_draft(path: Path, size: str) -> Path:
-    """Write the narrow copier alone (no padding) to ``path``: the draft model of the wide
-    one, the same function at a fraction of the cost. Its vocabulary is the narrow one (the
-    ids it knows); a draft only needs the ids it proposes to mean the same tokens."""
+    """Write a draft model for the wide copier to ``path``: the narrow copier alone (no
+    padding, a fraction of the cost) whose induction head matches one token instead of two,
+    so it is another function and its drafts are sometimes wrong (at a token that occurs twice
+    in the block it may copy from the wrong occurrence), as a real draft's are. Its vocabulary
+    is the narrow one (the ids it knows); a draft only needs the ids it proposes to mean the
+    same tokens."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = narrow_config(size)
-    weights = {k: v.astype(mx.bfloat16) for k, v in circuit(cfg).items()}
+    weights = {k: v.astype(mx.bfloat16) for k, v in circuit(cfg, match=1).items()}
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return path

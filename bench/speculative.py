@@ -13,8 +13,8 @@ weights (``bench.models``) and the drafts come from prompt lookup: the greedy ou
 from the prompt only as far as the model does (random models fall into loops of their own,
 which prompt lookup also matches in the output). ``--copier`` uses ``bench.copier`` instead: a
 hand-built induction circuit in a narrow llama, written into the bench llama's shape with
-zeros around it, so a forward costs the bench model's and the output copies; the narrow model
-alone is then also measured as a draft model. ``--server-rows`` runs concurrent copy tasks
+zeros around it, so a forward costs the bench model's and the output copies; a narrow copier
+that matches one token instead of two is then also measured as a draft model. ``--server-rows`` runs concurrent copy tasks
 through the server's scheduler, plain and speculating in the decode batch. The acceptance rate
 is measured, not assumed, and reported next to the speed-up.
 """
@@ -300,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     copied = next(
         (i for i, (a, b) in enumerate(zip(reference, expected)) if a != b), len(reference)
     )
-    # With the copier, its narrow model (unpadded) drafts too: the same function, far cheaper.
+    # With the copier, a narrow copier drafts too: far cheaper, matching one token instead of
+    # two, so its drafts are sometimes wrong (copier.write_draft).
     drafters = {"prompt lookup": lambda k: PromptLookup(args.ngram_size)}
     if copier_info:
         with tempfile.TemporaryDirectory(prefix="mlxc-spec-draft-") as tmp:
