@@ -796,9 +796,15 @@ def serve(
         agree_on_seed(group)  # samplers without a seed draw the same tokens on every rank
         distributed = {"group": group, "lockstep": Lockstep(group)}
         if group.rank() != 0:
-            spec = {"speculation": speculation, "draft_model": draft_model}
             return _follow(
-                model_dir, distributed, max_kv_size, kv_sink, prefill_chunk_size, specs, spec
+                model_dir,
+                distributed,
+                max_kv_size,
+                kv_sink,
+                prefill_chunk_size,
+                specs,
+                speculation,
+                draft_model,
             )
 
     # Bind first: a port in use is reported now, not after the model has loaded.
@@ -910,7 +916,14 @@ def _json_object(value: str | None, flag: str) -> dict:
 
 
 def _follow(
-    model_dir, distributed, max_kv_size, kv_sink, prefill_chunk_size, specs, speculation
+    model_dir,
+    distributed,
+    max_kv_size,
+    kv_sink,
+    prefill_chunk_size,
+    specs,
+    speculation,
+    draft_model,
 ) -> None:
     """A rank other than 0 of `mlx.launch ... mlxc serve`: no HTTP; its scheduler runs the
     ticks rank 0 broadcasts (the same cache and speculation settings, so every rank trims and
@@ -921,7 +934,6 @@ def _follow(
     from mlxc.runtime.checkpoint.loading import CheckpointError
     from mlxc.runtime.serving.engine import Engine
 
-    draft = speculation["draft_model"]
     try:
         engine = Engine.from_path(
             _resolve_model(model_dir)[0] if model_dir else demo.ensure_demo(),
@@ -929,8 +941,8 @@ def _follow(
             kv_sink=kv_sink,
             prefill_chunk_size=prefill_chunk_size,
             specs=specs,
-            speculation=speculation["speculation"],
-            draft_model=draft and _resolve_model(draft)[0],
+            speculation=speculation,
+            draft_model=_resolve_model(draft_model)[0] if draft_model else None,
             **distributed,
         )
     except CheckpointError as e:

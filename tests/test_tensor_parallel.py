@@ -130,11 +130,26 @@ class LaunchedServer(Server):
                 self.proc.wait()
 
 
+def _greedy_chat(pair: LaunchedServer, model: str, max_tokens: int, **client_options):
+    """A function asking ``pair`` one greedy chat question (the openai client) for its answer."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=pair.url + "/v1", api_key="unused", max_retries=0, **client_options)
+
+    def answer(ask: str) -> str:
+        messages = [{"role": "user", "content": ask}]
+        r = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=max_tokens, temperature=0
+        )
+        return r.choices[0].message.content
+
+    return answer
+
+
 def test_serve_on_two_ranks_answers_as_one_process(tmp_path):
     """Greedy chat answers of a two-rank server (the openai client), one at a time and then all
     at once (one decode batch on both ranks), equal `mlxc generate` in one process, under a
     bounded cache trimmed after every small prefill chunk and decode step on every rank."""
-    from openai import OpenAI
 
     path = test_server.make_qwen3_moe(tmp_path / "qwen3_moe")
     flags = ["--max-kv-size", "24", "--prefill-chunk-size", "8"]
@@ -142,14 +157,7 @@ def test_serve_on_two_ranks_answers_as_one_process(tmp_path):
     expected = [test_server.mlxc_generate(path, ask, "--max-tokens", 20, *flags)[0] for ask in asks]
 
     pair = LaunchedServer(["--model", path, *flags], tmp_path)
-    client = OpenAI(base_url=pair.url + "/v1", api_key="unused", max_retries=0)
-
-    def answer(ask: str) -> str:
-        messages = [{"role": "user", "content": ask}]
-        r = client.chat.completions.create(
-            model=path.name, messages=messages, max_tokens=20, temperature=0
-        )
-        return r.choices[0].message.content
+    answer = _greedy_chat(pair, path.name, max_tokens=20)
 
     try:
         # A stream dropped mid-way: its cancellation reaches both ranks in the same tick.
@@ -174,7 +182,6 @@ def test_serve_on_two_ranks_speculates_as_one_process(tmp_path, drafter):
     unsharded on each rank): every rank drafts the same tokens and accepts the same ones, so
     the sharded verification forwards pair up and the greedy answers are `mlxc generate`'s;
     concurrent requests speculate in one decode batch on both ranks."""
-    from openai import OpenAI
 
     path = test_server.make_qwen3_moe(tmp_path / "qwen3_moe")
     asks = ["abc abd abc abd abc abd abc", "count: one two one two one two one"]
@@ -183,14 +190,7 @@ def test_serve_on_two_ranks_speculates_as_one_process(tmp_path, drafter):
     pair = LaunchedServer(["--model", path, *flags, "--num-draft-tokens", 3], tmp_path)
     # Ranks that drafted or accepted differently would wait on each other's collectives: a
     # deadline turns that hang into a failure.
-    client = OpenAI(base_url=pair.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-    def answer(ask: str) -> str:
-        messages = [{"role": "user", "content": ask}]
-        r = client.chat.completions.create(
-            model=path.name, messages=messages, max_tokens=24, temperature=0
-        )
-        return r.choices[0].message.content
+    answer = _greedy_chat(pair, path.name, max_tokens=24, timeout=120)
 
     try:
         assert [answer(ask) for ask in asks] == expected, pair.log_text()

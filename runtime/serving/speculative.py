@@ -303,9 +303,19 @@ class BatchDrafter:
         """Each row's ``k`` drafts (greedy at temperature 0, else drawn at its temperature
         from its generator) and, for sampled rows, their distributions ``[k, V]``."""
         self._sync(keys, histories)
+        ids = mx.array([[h[-1]] for h in histories], dtype=mx.int32)
+        # Every row's caches will hold its history and every draft but the last.
+        for key, history in zip(keys, histories):
+            self.seen[key] = len(history)
+        self.unverified = k - 1
+        if not any(temp > 0 for temp in temps):  # all greedy: k forwards, one host read
+            steps = []
+            for _ in range(k):
+                ids = mx.argmax(self.model(ids, cache=self.batch)[:, -1, :], axis=-1)[:, None]
+                steps.append(ids)
+            return [(d, None) for d in mx.concatenate(steps, axis=1).tolist()]
         drafts: list[list[int]] = [[] for _ in keys]
         dists: list[list[np.ndarray]] = [[] for _ in keys]
-        ids = mx.array([[h[-1]] for h in histories], dtype=mx.int32)
         for _ in range(k):
             logits = self.model(ids, cache=self.batch)[:, -1, :]
             tokens = mx.argmax(logits, axis=-1).tolist()
@@ -316,10 +326,6 @@ class BatchDrafter:
                     tokens[b] = _draw(q, rngs[b])
                 drafts[b].append(tokens[b])
             ids = mx.array(tokens, dtype=mx.int32)[:, None]
-        # Every row's caches hold its history and every draft but the last.
-        for key, history in zip(keys, histories):
-            self.seen[key] = len(history)
-        self.unverified = k - 1
         return [(d, np.stack(q) if q else None) for d, q in zip(drafts, dists)]
 
     def accepted(self, n_accepted: int) -> None:
