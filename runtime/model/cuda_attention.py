@@ -47,6 +47,10 @@ __device__ __forceinline__ float warp_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
+__device__ __forceinline__ float warp_max(float x) {
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
 // Element e of a row of D values: a float one, or MLX's affine packing (values low bits
 // first in uint32 words, one scale and bias per GS elements).
 template <typename P, typename S, int BITS, int GS>
@@ -80,16 +84,18 @@ __device__ __forceinline__ long long at4(
 
 # One block per (row, KV head, tile of R query rows, chunk of keys). A KV head's query rows
 # (its G = Hq / Hkv heads times L queries) share each key and value the block loads: GQA
-# reads the cache once per KV head, not once per query head. WARPS warps walk the chunk's keys
-# U at a time (the U loads in flight together hide the memory latency), their 32 lanes
-# splitting the head dim; online softmax per warp and row, merged across the warps in shared
-# memory. With one chunk the block writes the output, else its partial sums. The queries per
-# row, the mask kind, the sinks and the chunking are run-time values (``flags``: scale, mask
-# kind, sinks, heads, queries): every variant is a JIT compile of a second or more, so only
-# what shapes registers (dtypes, head dim, rows per tile, packing) is a template argument.
+# reads the cache once per KV head, not once per query head. The tile's queries sit in shared
+# memory. WARPS warps take 32 keys at a time, a key per lane: each lane scores its key against
+# every row (no reduction across lanes per key), the warp takes one maximum per row for the 32
+# (online softmax, rescaled once per 32 keys, not per key), and writes the probabilities to
+# shared memory; then its lanes split the head dim and walk the 32 values. The warps' sums
+# merge in shared memory. With one chunk the block writes the output, else its partial sums.
+# The queries per row, the mask kind, the sinks and the chunking are run-time values (``flags``:
+# scale, mask kind, sinks, heads, queries): every variant is a JIT compile of a second or more,
+# so only what shapes registers (dtypes, head dim, rows per tile, packing) is a template argument.
 _SOURCE = """
   constexpr int DPL = D / 32;
-  constexpr int U = 4;
+  constexpr int VK = 16 / sizeof(KT) < D ? 16 / sizeof(KT) : D;  // a key's elements per load
   constexpr float LOG2E = 1.4426950408889634f;
   const float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
   const int chunk = blockIdx.x, n_chunks = gridDim.x;
@@ -103,19 +109,22 @@ _SOURCE = """
   const bool has_sinks = flags[2] != 0.f;
 
   // Row r of the tile: query head h = kvh * G + g, query l (rows past n_rows idle).
+  __shared__ float qs[R][D];
+  __shared__ float ps[WARPS][R][32];
   int rh[R], rl[R];
-  float qr[R][DPL], m[R], s[R], acc[R][DPL];
+  float m[R], s[R], acc[R][DPL];
   for (int r = 0; r < R; ++r) {
     const int rr = min(tile * R + r, n_rows - 1);
     rh[r] = kvh * G + rr / L; rl[r] = rr % L;
-    for (int j = 0; j < DPL; ++j) {
-      qr[r][j] = static_cast<float>(
-          q[b * q_strides[0] + rh[r] * q_strides[1] + rl[r] * q_strides[2] +
-            (lane * DPL + j) * q_strides[3]]) * sc;
-      acc[r][j] = 0.f;
-    }
+    for (int j = 0; j < DPL; ++j) acc[r][j] = 0.f;
     m[r] = NEG_INF; s[r] = 0.f;
   }
+  for (int i = threadIdx.x; i < R * D; i += blockDim.x) {
+    const int r = i / D, e = i % D;
+    qs[r][e] = static_cast<float>(
+        q[b * q_strides[0] + rh[r] * q_strides[1] + rl[r] * q_strides[2] + e * q_strides[3]]) * sc;
+  }
+  __syncthreads();
   const int per_chunk = (Tk + n_chunks - 1) / n_chunks;
   const int start = chunk * per_chunk, end = min(Tk, start + per_chunk);
   const auto* krow = k + b * k_strides[0] + kvh * k_strides[1];
@@ -124,49 +133,66 @@ _SOURCE = """
   const auto* kbi = k_biases + b * k_biases_strides[0] + kvh * k_biases_strides[1];
   const auto* vsc = v_scales + b * v_scales_strides[0] + kvh * v_scales_strides[1];
   const auto* vbi = v_biases + b * v_biases_strides[0] + kvh * v_biases_strides[1];
-  // Float rows with a contiguous head dim (every cache's): one vector load per lane.
+  // Float rows with a contiguous head dim on 16-byte boundaries (every cache's): vector loads.
   const bool contiguous = BITS == 0 && k_strides[3] == 1 && v_strides[3] == 1 &&
-      k_strides[2] % DPL == 0 && v_strides[2] % DPL == 0 &&
-      (reinterpret_cast<uintptr_t>(krow) | reinterpret_cast<uintptr_t>(vrow)) %
-          (DPL * sizeof(KT)) == 0;
-  for (int t0 = start + warp * U; t0 < end; t0 += WARPS * U) {
-    float kr[U][DPL], vr[U][DPL];
-    for (int u = 0; u < U; ++u) {
-      const int t = min(t0 + u, end - 1);  // past the end: a valid key, never used
+      k_strides[2] % VK == 0 && v_strides[2] % VK == 0 &&
+      (reinterpret_cast<uintptr_t>(krow) | reinterpret_cast<uintptr_t>(vrow)) % 16 == 0;
+  for (int t0 = start + warp * 32; t0 < end; t0 += WARPS * 32) {
+    const int t = t0 + lane;  // this lane's key
+    float d[R];
+    for (int r = 0; r < R; ++r) d[r] = 0.f;
+    if (t < end) {
       if (contiguous) {
-        load_floats<KT, DPL>(krow + t * k_strides[2] + lane * DPL, kr[u]);
-        load_floats<KT, DPL>(vrow + t * v_strides[2] + lane * DPL, vr[u]);
+        for (int e0 = 0; e0 < D; e0 += VK) {
+          float kr[VK];
+          load_floats<KT, VK>(krow + t * k_strides[2] + e0, kr);
+          for (int r = 0; r < R; ++r)
+            for (int j = 0; j < VK; ++j) d[r] += qs[r][e0 + j] * kr[j];
+        }
       } else {
-        for (int j = 0; j < DPL; ++j) {
-          const int e = lane * DPL + j;
-          kr[u][j] = element<KT, S, BITS, GS>(krow + t * k_strides[2],
+        for (int e = 0; e < D; ++e) {
+          const float kf = element<KT, S, BITS, GS>(krow + t * k_strides[2],
               ksc + t * k_scales_strides[2], kbi + t * k_biases_strides[2], e, k_strides[3],
               k_scales_strides[3]);
-          vr[u][j] = element<KT, S, BITS, GS>(vrow + t * v_strides[2],
-              vsc + t * v_scales_strides[2], vbi + t * v_biases_strides[2], e, v_strides[3],
-              v_scales_strides[3]);
+          for (int r = 0; r < R; ++r) d[r] += qs[r][e] * kf;
         }
       }
     }
-    for (int u = 0; u < U; ++u) {
-      const int t = t0 + u;
-      if (t >= end) break;
+    for (int r = 0; r < R; ++r) {
+      bool use = t < end;
+      if (use && mask_kind == 1) use = t <= Tk - L + rl[r];
+      else if (use && mask_kind == 2) use = mask[at4(mask_shape, mask_strides, b, rh[r], rl[r], t)];
+      const float x = use ? d[r] : NEG_INF;
+      const float mn = fmaxf(m[r], warp_max(x));
+      // A row that has attended to nothing yet keeps m = -inf and sums of zero.
+      const float p = mn == NEG_INF ? 0.f : exp2f(x - mn);
+      const float f = mn == NEG_INF ? 1.f : exp2f(m[r] - mn);
+      s[r] = s[r] * f + p;  // this lane's share; summed across the warp at the end
+      for (int j = 0; j < DPL; ++j) acc[r][j] *= f;
+      m[r] = mn;
+      ps[warp][r][lane] = p;
+    }
+    __syncwarp();
+    const int n_keys = min(32, end - t0);
+    for (int u = 0; u < n_keys; ++u) {
+      const int tu = t0 + u;
+      float vr[DPL];
+      if (contiguous) {
+        load_floats<KT, DPL>(vrow + tu * v_strides[2] + lane * DPL, vr);
+      } else {
+        for (int j = 0; j < DPL; ++j)
+          vr[j] = element<KT, S, BITS, GS>(vrow + tu * v_strides[2],
+              vsc + tu * v_scales_strides[2], vbi + tu * v_biases_strides[2], lane * DPL + j,
+              v_strides[3], v_scales_strides[3]);
+      }
       for (int r = 0; r < R; ++r) {
-        bool use = true;  // the same for every lane of the warp
-        if (mask_kind == 1) use = t <= Tk - L + rl[r];
-        else if (mask_kind == 2) use = mask[at4(mask_shape, mask_strides, b, rh[r], rl[r], t)];
-        if (!use) continue;
-        float d = 0.f;
-        for (int j = 0; j < DPL; ++j) d += qr[r][j] * kr[u][j];
-        d = warp_sum(d);
-        const float mn = fmaxf(m[r], d);
-        const float f = exp2f(m[r] - mn), p = exp2f(d - mn);
-        s[r] = s[r] * f + p;
-        for (int j = 0; j < DPL; ++j) acc[r][j] = acc[r][j] * f + p * vr[u][j];
-        m[r] = mn;
+        const float p = ps[warp][r][u];
+        for (int j = 0; j < DPL; ++j) acc[r][j] += p * vr[j];
       }
     }
+    __syncwarp();
   }
+  for (int r = 0; r < R; ++r) s[r] = warp_sum(s[r]);
 
   __shared__ float wm[WARPS][R], ws[WARPS][R], wacc[WARPS][R][D];
   for (int r = 0; r < R; ++r) {
@@ -300,8 +326,9 @@ def _rows(rows_per_kv_head: int) -> int:
 
 def _chunks(blocks: int, n_keys: int) -> int:
     """Chunks of keys per block of rows: about 2,048 blocks in all (16 resident per SM of an
-    H200, 64 warps: enough to hide the loads' latency), no fewer than 64 keys per block."""
-    return max(1, min(math.ceil(2048 / blocks), math.ceil(n_keys / 64)))
+    H200, 64 warps: enough to hide the loads' latency), no fewer keys per block than its warps
+    take in one round (WARPS x 32)."""
+    return max(1, min(math.ceil(2048 / blocks), math.ceil(n_keys / (WARPS * 32))))
 
 
 def attention(

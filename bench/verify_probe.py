@@ -1,0 +1,170 @@
+"""Where a K+1-token verification forward's extra time goes, against a one-token step::
+
+    python -m bench.verify_probe --device gpu --size medium --queries 1,3,5,9 --out bench/results/verify-probe-gpu-h200
+
+Speculative decoding pays off when verifying K drafts costs little more than one decode step
+(issue target: <= 1.2x). This times, at the bench llama's shapes, each kind of work in a forward
+at 1 and at K+1 query tokens: the whole forward on a prompt's cache (rewound after each), every
+projection of one layer and the LM head alone (``count`` independent copies per evaluation, so a
+kernel's launch is in its time, as in a forward), and attention over the prompt's keys through
+mlxc's ``attend`` (the mask a verification uses: ``"causal"``, or None for one query). A ratio
+far above the rest names the kernel to fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _per_call(fn, count: int, repeats: int) -> float:
+    """Median seconds per call of ``fn`` (which builds one lazy result), ``count`` calls per
+    evaluation."""
+    import mlx.core as mx
+
+    mx.eval([fn() for _ in range(count)])  # warm-up (kernel compiles)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval([fn() for _ in range(count)])
+        times.append((time.perf_counter() - start) / count)
+    return statistics.median(times)
+
+
+def probe(model, prompt_len: int, queries: list[int], count: int, repeats: int) -> list[dict]:
+    import mlx.core as mx
+    import numpy as np
+    from mlx import nn
+
+    from bench.speculative import timed
+    from mlxc.runtime.model.cache import cache_arrays, make_caches, rewind_caches
+    from mlxc.runtime.model.layers import attend
+
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, 1000, prompt_len).tolist()
+    cache = make_caches(model)
+    mx.eval(model(mx.array([prompt]), cache=cache))
+    mx.eval(cache_arrays(cache))
+    layer = model.model.layers[0]
+    attn = layer.self_attn
+    dtype = mx.bfloat16 if isinstance(attn.o_proj, nn.QuantizedLinear) else attn.o_proj.weight.dtype
+    projections = {
+        name: module
+        for name, module in layer.named_modules()
+        if isinstance(module, (nn.Linear, nn.QuantizedLinear)) and "." in name
+    }
+    # The LM head: its own projection, or the tied embedding read as one.
+    head = getattr(model, "lm_head", None) or model.model.embed_tokens.as_linear
+    rows = []
+    for n in queries:
+        row: dict = {"queries": n}
+        ids = mx.array([prompt[-n:]])
+
+        def forward(ids=ids, n=n):
+            mx.eval(model(ids, cache=cache))
+            rewind_caches(cache, n)
+
+        forward()
+        row["forward_s"], _ = timed(forward, repeats * 5)
+        for name, module in projections.items():
+            width = (
+                module.scales.shape[-1] * module.group_size
+                if isinstance(module, nn.QuantizedLinear)
+                else module.weight.shape[-1]
+            )
+            x = mx.random.normal((1, n, width)).astype(dtype)
+            row[name + "_s"] = _per_call(lambda m=module, x=x: m(x), count, repeats)
+        x = mx.random.normal((1, n, model.args.hidden_size)).astype(dtype)
+        row["lm_head_s"] = _per_call(lambda x=x: head(x), count, repeats)
+        q = mx.random.normal((1, attn.n_heads, n, attn.head_dim)).astype(dtype)
+        k = mx.random.normal((1, attn.n_kv_heads, prompt_len + n, attn.head_dim)).astype(dtype)
+        v = mx.random.normal(k.shape).astype(dtype)
+        mask = None if n == 1 else "causal"
+        row["attention_s"] = _per_call(
+            lambda q=q, k=k, v=v, mask=mask: attend(q, k, v, scale=attn.scale, mask=mask),
+            count,
+            repeats,
+        )
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows
+
+
+def report(result: dict) -> str:
+    rows = result["rows"]
+    base = rows[0]
+    keys = [k for k in base if k.endswith("_s")]
+    head = "| work | " + " | ".join(f"{r['queries']} q (us)" for r in rows)
+    head += " | " + " | ".join(f"{r['queries']} q / 1 q" for r in rows[1:]) + " |"
+    lines = [
+        f"# Verification forward probe ({result['device']}, {result['checkpoint']})",
+        "",
+        (
+            f"MLX {result['mlx']}; prompt of {result['prompt_len']} tokens; each projection "
+            f"and attention timed as {result['count']} copies per evaluation (launches included)."
+        ),
+        "",
+        head,
+        "|---" * (1 + 2 * len(rows) - 1) + "|",
+    ]
+    for key in keys:
+        cells = [f"{r[key] * 1e6:,.1f}" for r in rows]
+        cells += [f"{r[key] / base[key]:.2f}x" for r in rows[1:]]
+        lines.append(f"| {key[:-2]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.verify_probe", description=__doc__)
+    p.add_argument("--model", help="checkpoint directory (default: bench.models' llama)")
+    p.add_argument("--size", default="small", choices=["small", "medium"])
+    p.add_argument("--device", choices=["cpu", "gpu"], default=None)
+    p.add_argument("--queries", default="1,3,5,9")
+    p.add_argument("--prompt-len", type=int, default=640)
+    p.add_argument("--count", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", required=True, help="write OUT.json and OUT.md")
+    args = p.parse_args(argv)
+
+    from mlxc import load_model  # noqa: I001  (mlxc first: it may load a BLAS before MLX)
+
+    import mlx.core as mx
+
+    from bench import models
+
+    if args.device:
+        mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
+    queries = [int(q) for q in args.queries.split(",")]
+    if queries[0] != 1:
+        p.error("--queries starts at 1 (the one-token step the others are compared with)")
+    with tempfile.TemporaryDirectory(prefix="mlxc-verify-probe-") as tmp:
+        path = (
+            Path(args.model)
+            if args.model
+            else models.write_checkpoint(Path(tmp) / "m", "llama", args.size)
+        )
+        model = load_model(str(path))
+        mx.eval(model.parameters())
+    rows = probe(model, args.prompt_len, queries, args.count, args.repeats)
+    result = {
+        "device": str(mx.default_device()),
+        "checkpoint": args.model or f"bench.models llama {args.size}",
+        "mlx": mx.__version__,
+        "prompt_len": args.prompt_len,
+        "count": args.count,
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    out.with_suffix(".md").write_text(report(result))
+    print(report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
