@@ -65,6 +65,7 @@ def measure(name: str, command: list[str], port: int, args, log_dir: Path, cwd: 
             endpoint="completions",
             duration=args.duration,
             timeout=args.timeout,
+            clients=None,
         )
         target = serve_load.check_loopback(url)
         # One full request first: the first decode steps of a server compile its kernels.

@@ -1,0 +1,100 @@
+"""bench.serve_load's client processes: every request of a level is made once, by one of the
+processes, and their results come back merged (against a stand-in OpenAI stream server)."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from bench import serve_load
+
+TOKENS = 3  # content chunks per streamed answer
+
+_SERVER = textwrap.dedent(
+    f"""
+    import json, sys
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with open(sys.argv[2], "a") as seen:  # one line per request: its prompt's first word
+                seen.write(body["prompt"].split()[0] + "\\n")
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            events = [{{"choices": [{{"text": "x"}}]}} for _ in range({TOKENS})]
+            events.append({{"choices": [], "usage": {{"completion_tokens": {TOKENS}}}}})
+            for event in events:
+                self.wfile.write(f"data: {{json.dumps(event)}}\\n\\n".encode())
+            self.wfile.write(b"data: [DONE]\\n\\n")
+
+    ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def stream_server(tmp_path):
+    port, seen = _free_port(), tmp_path / "seen.txt"
+    proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(port), str(seen)])
+    try:
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        yield ("127.0.0.1", port, ""), seen
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _args(clients: int) -> argparse.Namespace:
+    return argparse.Namespace(
+        requests=12,
+        max_tokens=TOKENS,
+        prompt_words=4,
+        endpoint="completions",
+        duration=60.0,
+        timeout=30.0,
+        clients=clients,
+    )
+
+
+@pytest.mark.parametrize("clients", [1, 3])
+def test_every_request_once_across_client_processes(stream_server, clients):
+    target, seen = stream_server
+    level = serve_load.run_level(target, "m", 5, _args(clients))
+    assert level["requests"] == 12 and level["errors"] == 0
+    assert level["completion_tokens"] == 12 * TOKENS
+    # Each request id's prompt was sent exactly once, whichever process sent it.
+    want = sorted(serve_load.prompt_text(5 * 100_000 + i, 4).split()[0] for i in range(12))
+    assert sorted(seen.read_text().split()) == want
+    assert level["wall_s"] > 0 and level["aggregate_tps"] > 0
+
+
+def test_clients_scale_with_streams_and_cpus(monkeypatch):
+    monkeypatch.setattr(serve_load.os, "cpu_count", lambda: 16)
+    assert [serve_load.clients(n) for n in (1, 8, 9, 16, 64)] == [1, 1, 2, 2, 4]
+    monkeypatch.setattr(serve_load.os, "cpu_count", lambda: 2)
+    assert serve_load.clients(64) == 1
