@@ -84,6 +84,53 @@ def test_rows_hold_exactly_their_sequences_live_keys(monkeypatch, rng, max_kv, k
     assert compacted == (max_kv is not None)
 
 
+@pytest.mark.parametrize("max_kv, keep", [(None, 0), (12, 0), (12, 4)])
+def test_a_row_placed_over_a_dead_one_holds_exactly_its_keys(monkeypatch, rng, max_kv, keep):
+    """Row 0's sequence leaves at step 10 but its row stays (dead, still written to); at step
+    14 another sequence is placed over it (``place``: no other row copied) and from then on
+    that row holds exactly the new sequence's live keys, the other rows theirs."""
+    monkeypatch.setattr(KVCache, "step", 8)
+    monkeypatch.setattr(BatchKVCache, "step", 8)
+    prompts = [chunks(rng, n) for n in (23, 4, 30, 9)]
+    alone = [filled(p, max_kv, keep) for p in prompts]
+    batch = BatchKVCache()
+    batch.extend([filled(prompts[r], max_kv, keep) for r in (0, 1, 2)])
+    members: list[int | None] = [0, 1, 2]
+    for step in range(40):
+        if step == 10:
+            members[0] = None  # left: its row decodes on, unread
+        if step == 14:
+            joining = BatchKVCache()
+            joining.extend([filled(prompts[3], max_kv, keep)])
+            assert batch.fits(joining)
+            others = np.array(batch.keys[1:])
+            batch.place([0], joining)
+            members[0] = 3
+            np.testing.assert_array_equal(np.array(batch.keys[1:]), others)  # untouched
+        new = [rng.standard_normal((1, H, 1, D)) for _ in members]
+        batch.update_and_fetch(mx.array(np.concatenate(new)), mx.array(2 * np.concatenate(new)))
+        enforce_max_kv([batch], max_kv, keep)
+        for r, k in zip(members, new):
+            if r is not None:
+                alone[r].update_and_fetch(mx.array(k), mx.array(2 * k))
+                enforce_max_kv([alone[r]], max_kv, keep)
+        for b, (keys, values) in enumerate(batch_rows(batch)):
+            r = members[b]
+            if r is None:
+                continue
+            np.testing.assert_array_equal(keys, live(alone[r]))
+            np.testing.assert_array_equal(values, 2 * live(alone[r]))
+            assert int(batch.offset[b]) == alone[r].offset
+            assert batch.row_live_len[b] == alone[r].live_len
+
+
+def test_place_needs_a_batch_at_least_as_wide(rng):
+    narrow, wide = BatchKVCache(), BatchKVCache()
+    narrow.extend([filled(chunks(rng, 4), None, 0)])
+    wide.extend([filled(chunks(rng, 9), None, 0)])
+    assert wide.fits(narrow) and not narrow.fits(wide)
+
+
 def test_a_batch_takes_only_filled_single_rows():
     with pytest.raises(ValueError, match="single sequence"):
         BatchKVCache().extend([KVCache()])

@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # the toy model lives beside the
 import _toy_model as toy
 
 from mlxc.runtime.checkpoint.tokenizer import StreamingDetokenizer, load_tokenizer
-from mlxc.runtime.model.cache import cache_policy
+from mlxc.runtime.model.batch import BatchCache, BatchKVCache
+from mlxc.runtime.model.cache import KVCache, cache_policy
 from mlxc.runtime.serving.generate import generate_tokens, prefill_chunks
 from mlxc.runtime.serving.sample import make_sampler
 from mlxc.runtime.serving.scheduler import (
@@ -184,6 +185,47 @@ def test_concurrent_sequences_match_alone_and_pool_empties(model, make_scheduler
     # max_kv_size (+1 token in flight before a trim) tokens per running sequence.
     per_token = 2 * 2 * 32 * 4
     assert 0 < stats["pool"]["peak_bytes"] <= 3 * 40 * per_token
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"max_kv_size": 12, "kv_sink": 2}],
+    ids=["plain", "trimmed"],
+)
+def test_rows_that_leave_are_taken_over_in_place(model, make_scheduler, monkeypatch, options):
+    """Requests of different lengths through 3 rows: a finished row stays in the batch, dead,
+    and a joining request is written over it (BatchCache.place) rather than the batch copied;
+    every answer still equals generate_tokens alone."""
+    # A small step: buffers grow, and rows placed at the growing column index soon waste a
+    # step's worth of columns, so the pool compacts within this short schedule too.
+    monkeypatch.setattr(KVCache, "step", 8)
+    monkeypatch.setattr(BatchKVCache, "step", 8)
+    kept = []
+    keep_rows = BatchCache.keep_rows
+    monkeypatch.setattr(
+        BatchCache, "keep_rows", lambda b, rows: kept.append(rows) or keep_rows(b, rows)
+    )
+    placed = []
+    place = BatchCache.place
+
+    def recorded(batch, slots, other):
+        placed.append(place(batch, slots, other))
+        return placed[-1]
+
+    monkeypatch.setattr(BatchCache, "place", recorded)
+    lengths = [(5, 9), (7, 30), (6, 4), (9, 25), (4, 12), (8, 6), (5, 20), (6, 3), (3, 14)]
+    jobs = [(prompt(n, start=7 * i), k) for i, (n, k) in enumerate(lengths)]
+    wants = [expected(model, ids, k, **options) for ids, k in jobs]
+    s = make_scheduler(max_concurrency=3, **options)
+    outs = [Collector() for _ in jobs]
+    for (ids, k), out in zip(jobs, outs):
+        s.submit(ids, SamplingParams(max_tokens=k, ignore_eos=True), out)
+    for want, out in zip(wants, outs):
+        assert out.result()[0] == want
+    assert any(placed), "no joining request took a dead row's place"
+    assert kept, "dead rows were never dropped"
+    stats = wait_idle(s)
+    assert stats["pool"]["batched"] == 0 and stats["pool"]["bytes"] == 0
 
 
 class Recorder:

@@ -17,8 +17,11 @@ away, then its most recent tokens. A trim widens the gap instead of moving keys;
 ``step`` columns are dead in every row, the rows are compacted (one gather), so resident memory
 stays bounded by ``max_kv_size + 2 * step`` columns per row.
 
-Prefill stays per sequence (``KVCache``); a sequence joins the batch when its prompt is done
-(``BatchCache.extend``) and leaves it when it finishes (``BatchCache.keep_rows``).
+Prefill stays per sequence (``KVCache``) or per batch of prompts (``start_rows``); a sequence
+joins the batch when its prompt is done and leaves it when it finishes. Adding rows at the end
+(``extend``, ``append_batch``) and taking rows out (``keep_rows``) copy every row; ``place``
+writes new rows over rows whose sequences have left (the server's dead rows,
+``runtime.serving.scheduler.CachePool``), a write of those rows only.
 
 A speculative verification (``mlxc serve --prompt-lookup``) writes ``k + 1`` columns to every
 row; ``rewind`` takes the rejected ones back from all rows at once (one column index), so the
@@ -149,7 +152,7 @@ class BatchKVCache:
         self.gap = self.gap + n
         if trimming.any():
             self.appended = 0
-        if len(self.pad) and (self.pad + self.gap).min() >= self.step:
+        if len(self.pad) and self.waste.min() >= self.step:
             self._compact()
         return n
 
@@ -232,6 +235,35 @@ class BatchKVCache:
             setattr(self, name, np.concatenate([getattr(self, name), getattr(other, name)]))
         self.appended = 0
 
+    def fits(self, other: BatchKVCache) -> bool:
+        """Whether ``place`` can write ``other``'s rows into rows of this batch: both hold keys
+        of one kind, and ``other`` is no wider (its rows end at this batch's column index)."""
+        return (
+            type(other) is type(self)
+            and self.keys is not None
+            and other.keys is not None
+            and other.width <= self.width
+        )
+
+    def place(self, slots: list[int], other: BatchKVCache) -> None:
+        """Write ``other``'s rows over rows ``slots`` of this batch (rows whose sequences have
+        left: their keys are dropped), right-aligned on this batch's column index: a write of
+        those rows only, where ``extend`` and ``keep_rows`` copy every row. See ``fits``."""
+        start = self.width - other.width
+        for i, b in enumerate(slots):
+            self.keys[b, :, start : self.width] = other.keys[i, :, : other.width]
+            if self.values is not None:
+                self.values[b, :, start : self.width] = other.values[i, :, : other.width]
+        self.pad[slots] = other.pad + start
+        for name in ("offsets", "sink", "gap", "trimmed"):
+            getattr(self, name)[slots] = getattr(other, name)
+        self.appended = 0
+
+    @property
+    def waste(self) -> np.ndarray:
+        """``[B]`` columns of each row that hold none of its keys (padding and trimmed gap)."""
+        return self.pad + self.gap
+
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only ``rows`` (in that order), then compact if every row wastes ``step``."""
         if not rows:
@@ -243,7 +275,7 @@ class BatchKVCache:
             self.values = self.values[index]
         for name in ("offsets", "pad", "sink", "gap", "trimmed"):
             setattr(self, name, getattr(self, name)[rows])
-        if (self.pad + self.gap).min() >= self.step:
+        if self.waste.min() >= self.step:
             self._compact()
 
     def _compact(self) -> None:
@@ -293,6 +325,10 @@ class BatchWindowedKVCache(BatchKVCache):
 
     def extend(self, caches: list[KVCache]) -> None:
         super().extend(caches)
+        self._drop_unseen()
+
+    def place(self, slots: list[int], other: BatchKVCache) -> None:
+        super().place(slots, other)
         self._drop_unseen()
 
     def _drop_unseen(self) -> None:
@@ -418,6 +454,28 @@ class BatchCache(SequenceCache):
             batch.keep_rows(rows)
         if self.rope_state is not None:
             self.rope_state.deltas = self.rope_state.deltas[rows]
+
+    def place(self, slots: list[int], other: BatchCache) -> bool:
+        """Write ``other``'s rows over rows ``slots`` (rows whose sequences have left), layer
+        by layer (``BatchKVCache.place``), if every layer can; False (nothing written) if one
+        cannot: a layer kind without ``place``, or ``other`` wider than this batch."""
+        if len(other) != len(self) or not all(
+            hasattr(mine, "place") and mine.fits(theirs) for mine, theirs in zip(self, other)
+        ):
+            return False
+        for mine, theirs in zip(self, other):
+            mine.place(slots, theirs)
+        if self.rope_state is not None:
+            self.rope_state.deltas[slots] = other.rope_state.deltas
+        return True
+
+    def wasteful(self, rows: list[int]) -> bool:
+        """Whether every one of ``rows`` wastes ``step`` or more columns in some layer, so that
+        ``keep_rows(rows)`` would compact it."""
+        return any(
+            isinstance(batch, BatchKVCache) and batch.waste[rows].min() >= batch.step
+            for batch in self
+        )
 
     @property
     def nbytes(self) -> int:

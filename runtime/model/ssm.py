@@ -149,6 +149,17 @@ class BatchRecurrentCache(_RecurrentState):
         self.ssm = mx.concatenate([r.ssm for r in rows])
         self.offsets = np.concatenate([self.offsets, [c.offset for c in caches]])
 
+    def fits(self, other: BatchRecurrentCache) -> bool:
+        """Whether ``place`` can take ``other``'s rows: both hold state (no time axis to fit)."""
+        return type(other) is type(self) and self.ssm is not None and other.ssm is not None
+
+    def place(self, slots: list[int], other: BatchRecurrentCache) -> None:
+        """Write ``other``'s rows over rows ``slots`` (rows whose sequences have left)."""
+        index = mx.array(slots)
+        self.conv[index] = other.conv
+        self.ssm[index] = other.ssm
+        self.offsets[slots] = other.offsets
+
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only ``rows`` (in that order)."""
         if not rows:

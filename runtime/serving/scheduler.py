@@ -173,6 +173,15 @@ class CachePool:
     ``join`` moves them into ``batch`` (row ``b`` belongs to ``batch_keys[b]``). ``enforce`` is
     the one call site of ``enforce_max_kv`` in the server; model-owned caches
     (the model's ``cache_policy`` is "model-owned") are never trimmed and never batched.
+
+    Rows are slots: a sequence that leaves leaves its row behind, dead (``batch_keys[b]`` is
+    None: the step still computes it, ``live_rows`` drops its output), and a sequence that
+    joins is written over a dead row (``BatchCache.place``, a write of that row only). Taking
+    a row out or adding one at the end copies every row of every layer, which on the H200 cost
+    more than a decode step (``bench/batch_churn.py``), and a loaded server's requests end and
+    arrive every few steps. The dead rows go (``drop_dead``, one copy) once they are as many as
+    the live ones, once every live row wastes a compaction's worth of columns, or before a
+    speculative verification.
     """
 
     def __init__(
@@ -188,7 +197,11 @@ class CachePool:
         self.kv_quant = kv_quant  # --kv-bits: each new sequence's keys and values quantised
         self._caches: dict[str, list] = {}
         self.batch: BatchCache | None = None
-        self.batch_keys: list[str] = []
+        self.batch_keys: list[str | None] = []  # None: a dead row (see the class docstring)
+        # When some rows are dead: the live rows' indices, and each row's index into the live
+        # rows' inputs (a dead row's: one past them); see slot_inputs and live_rows.
+        self._live_index: mx.array | None = None
+        self._slot_source: mx.array | None = None
         self.peak_bytes = 0
         self.peak_batched = 0  # the most rows the decode batch has held at once
 
@@ -208,36 +221,104 @@ class CachePool:
         owned = cache_policy(self.model) == "model-owned"
         return caches is not None and not owned and BatchCache.accepts(caches)
 
+    @property
+    def live_keys(self) -> list[str]:
+        """The keys of the batch's live rows, in row order."""
+        return [k for k in self.batch_keys if k is not None]
+
     def join(self, keys: list[str]) -> None:
         """Move these sequences' caches into the decode batch (see ``batchable``)."""
         caches = [self._caches.pop(k) for k in keys]
+        if self._dead_rows(len(keys)):
+            rows = BatchCache.like(caches[0])
+            rows.extend(caches)  # these rows alone, then written over dead ones
+            if self._place(keys, rows):
+                return
+        self.drop_dead()
         if self.batch is None:
             self.batch = BatchCache.like(caches[0])
         self.batch.extend(caches)
-        self.batch_keys += keys
-        self.peak_batched = max(self.peak_batched, len(self.batch_keys))
+        self._added(keys)
 
     def join_batch(self, keys: list[str], batch: BatchCache) -> None:
         """Move the rows of prompts prefilled together (``batch``, row ``b`` = ``keys[b]``)
         into the decode batch; their own caches were never used."""
         for key in keys:
             self._caches.pop(key)
+        if self._dead_rows(len(keys)) and self._place(keys, batch):
+            return
+        self.drop_dead()
         if self.batch is None:
             self.batch = batch
         else:
             self.batch.append_batch(batch)
-        self.batch_keys += keys
-        self.peak_batched = max(self.peak_batched, len(self.batch_keys))
+        self._added(keys)
 
     def release(self, key: str) -> None:
         self._caches.pop(key, None)
         if key in self.batch_keys:
-            kept = [b for b, k in enumerate(self.batch_keys) if k != key]
-            self.batch_keys.remove(key)
-            if kept:
-                self.batch.keep_rows(kept)
+            self.batch_keys[self.batch_keys.index(key)] = None
+            live = len(self.live_keys)
+            if 2 * live <= len(self.batch_keys):  # as many dead rows as live ones: drop them
+                self.drop_dead()
             else:
-                self.batch = None
+                self._rows_changed()
+
+    def drop_dead(self) -> None:
+        """Take the dead rows out of the batch (one copy of the live ones)."""
+        if None in self.batch_keys:
+            self._keep_live()
+
+    def _keep_live(self) -> None:
+        """Keep the live rows only: one copy, which also compacts the rows that waste ``step``
+        columns (``BatchKVCache.keep_rows``)."""
+        live = [b for b, k in enumerate(self.batch_keys) if k is not None]
+        if live:
+            self.batch.keep_rows(live)
+        else:
+            self.batch = None
+        self.batch_keys = [self.batch_keys[b] for b in live]
+        self._rows_changed()
+
+    def slot_inputs(self, ids: mx.array) -> mx.array:
+        """``ids [live rows, ...]`` spread over the batch's rows, dead rows given token 0."""
+        if self._live_index is None:
+            return ids
+        padded = mx.concatenate([ids, mx.zeros((1, *ids.shape[1:]), ids.dtype)])
+        return padded[self._slot_source]
+
+    def live_rows(self, out: mx.array) -> mx.array:
+        """The live rows of ``out [batch rows, ...]``, in row order (dead rows' output dropped)."""
+        return out if self._live_index is None else out[self._live_index]
+
+    def _dead_rows(self, n: int) -> bool:
+        return self.batch is not None and self.batch_keys.count(None) >= n
+
+    def _place(self, keys: list[str], rows: BatchCache) -> bool:
+        """Write ``rows`` over the first dead rows, if the batch can (``BatchCache.place``)."""
+        slots = [b for b, k in enumerate(self.batch_keys) if k is None][: len(keys)]
+        if not self.batch.place(slots, rows):
+            return False
+        for slot, key in zip(slots, keys):
+            self.batch_keys[slot] = key
+        live = [b for b, k in enumerate(self.batch_keys) if k is not None]
+        if self.batch.wasteful(live):  # rows joining at the column index leave the front unused
+            self._keep_live()
+        self._added([])
+        return True
+
+    def _added(self, keys: list[str]) -> None:
+        self.batch_keys += keys
+        self.peak_batched = max(self.peak_batched, len(self.live_keys))
+        self._rows_changed()
+
+    def _rows_changed(self) -> None:
+        self._live_index = self._slot_source = None
+        if None in self.batch_keys:
+            live = [b for b, k in enumerate(self.batch_keys) if k is not None]
+            source = np.full(len(self.batch_keys), len(live))  # a dead row: the zero appended
+            source[live] = np.arange(len(live))
+            self._live_index, self._slot_source = mx.array(live), mx.array(source)
 
     def enforce(self, caches: list) -> int:
         """Trim ``caches`` back to ``max_kv_size`` live tokens (per row); the most dropped."""
@@ -246,7 +327,7 @@ class CachePool:
         return enforce_max_kv(trimmable(self.model, caches), self.max_kv_size, self.kv_sink)
 
     def __len__(self) -> int:
-        return len(self._caches) + len(self.batch_keys)
+        return len(self._caches) + len(self.live_keys)
 
     def nbytes(self) -> int:
         total = sum(_cache_nbytes(c) for caches in self._caches.values() for c in caches)
@@ -690,6 +771,7 @@ class Scheduler:
             if previous is not None:  # the drafts continue the tokens in flight: read them
                 self._read_tokens(*previous)
                 previous = None
+            self.pool.drop_dead()  # a verification's rows are the batch's rows
             rows = self._batch_rows()
             if rows and self._speculate(rows):
                 rows = []  # the verification was this tick's batched step
@@ -765,7 +847,7 @@ class Scheduler:
     def _batch_rows(self) -> list[_Sequence]:
         """The sequences of the decode batch's rows, in row order."""
         by_key = {s.request.id: s for s in self._running}
-        return [by_key[k] for k in self.pool.batch_keys]
+        return [by_key[k] for k in self.pool.live_keys]
 
     def _may_speculate(self, rows: list[_Sequence]) -> bool:
         """Whether this tick's batched step may be a verification (``BatchSpeculation``)."""
@@ -938,12 +1020,14 @@ class Scheduler:
             if pending is not None:
                 inputs = mx.concatenate([pending, inputs])
             ids = inputs[mx.array([where[id(seq)] for seq in rows])][:, None]
-        logits = self.model(ids, cache=self.pool.batch)
+        # The batch's dead rows (CachePool) take a token too; their outputs are dropped.
+        logits = self.model(self.pool.slot_inputs(ids), cache=self.pool.batch)
         self.pool.enforce(self.pool.batch)
+        logits = self.pool.live_rows(logits[:, -1, :])
         if any(seq.constraint is not None for seq in rows):
-            return logits[:, -1, :]  # their masks need the step in flight: see _tick
+            return logits  # their masks need the step in flight: see _tick
         # Every row's own sampling, in one batched call (one argmax when all are greedy).
-        return sample_rows(logits[:, -1, :], [seq.sampler for seq in rows])
+        return sample_rows(logits, [seq.sampler for seq in rows])
 
     def _masked(self, rows: list[_Sequence], logits: mx.array) -> mx.array:
         """``logits`` with each constrained row's grammar mask applied (rows that ended since
@@ -1038,7 +1122,7 @@ class Scheduler:
     def _publish(self) -> None:
         snapshot = {
             "pool_sequences": len(self.pool),
-            "pool_batched": len(self.pool.batch_keys),
+            "pool_batched": len(self.pool.live_keys),
             "pool_bytes": self.pool.nbytes(),
             "prefix_cache": None if self.prefix is None else self.prefix.stats(),
             "speculation": None if self.speculation is None else self._spec_snapshot(),
