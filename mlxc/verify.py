@@ -350,8 +350,10 @@ def _check_prefix_resume(model, chunks, vision, straight: list[mx.array]) -> str
     return f"resumed after {n} prefill chunks: equal"
 
 
-BATCH_PROMPTS = (44, 9, 23)  # prompt lengths of the batch's rows; the first has the image
-BATCH_STEPS = 6  # decode steps; row 2 joins after 2 of them, row 0 leaves after 4
+BATCH_PROMPTS = (44, 9, 23, 12)  # prompt lengths of the batch's rows; the first has the image
+# Decode steps: row 2 joins after 2 of them, row 0 leaves after 4 (the batch copied), row 1
+# ends after 6 leaving its row dead, and row 3 is written over that row after 7.
+BATCH_STEPS = 10
 
 
 def _batched_decode_error(model, rng, vocab, vision, image, quant=None) -> float:
@@ -359,7 +361,9 @@ def _batched_decode_error(model, rng, vocab, vision, image, quant=None) -> float
 
     Each row is prefilled twice on its own (chunked, trimmed to ``MAX_KV`` with sinks): one
     copy decodes alone, the other joins the batch. Rows differ in length, so the batch has
-    padding; the first is trimmed before it joins and every row is trimmed while decoding.
+    padding; the first is trimmed before it joins and every row is trimmed while decoding. A
+    row leaves by a copy of the batch (``keep_rows``), another stays dead (decoded, unread) until
+    a new row takes its place (``BatchCache.place``), as in the server.
     """
     keep = SINKS[-1]
     rows = []
@@ -382,7 +386,7 @@ def _batched_decode_error(model, rng, vocab, vision, image, quant=None) -> float
             pair.append(cache)
         rows.append((tokens[n:], *pair))
     batch = BatchCache.like(rows[0][1])
-    members = [0, 1]
+    members: list[int | None] = [0, 1]  # None: a dead row
     batch.extend([rows[r][2] for r in members])
     err = 0.0
     for step in range(BATCH_STEPS):
@@ -392,10 +396,21 @@ def _batched_decode_error(model, rng, vocab, vision, image, quant=None) -> float
         if step == 4:
             batch.keep_rows([1, 2])
             members.remove(0)
-        ids = mx.array([[int(rows[r][0][step])] for r in members])
+        if step == 6:
+            members[members.index(1)] = None
+        if step == 7:
+            joining = BatchCache.like(rows[3][2])
+            joining.extend([rows[3][2]])
+            slot = members.index(None)
+            if not batch.place([slot], joining):
+                raise VerifyError("a joining row could not take a dead row's place")
+            members[slot] = 3
+        ids = mx.array([[0 if r is None else int(rows[r][0][step])] for r in members])
         batched = model(ids, cache=batch)
         enforce_max_kv(batch, MAX_KV, keep)
         for b, r in enumerate(members):
+            if r is None:
+                continue
             alone = model(ids[b : b + 1], cache=rows[r][1])
             enforce_max_kv(rows[r][1], MAX_KV, keep)
             err = max(err, mx.abs(batched[b] - alone[0]).max().item())
