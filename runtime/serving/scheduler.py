@@ -226,10 +226,15 @@ class CachePool:
         """The keys of the batch's live rows, in row order."""
         return [k for k in self.batch_keys if k is not None]
 
+    @property
+    def _live_slots(self) -> list[int]:
+        """The indices of the batch's live rows."""
+        return [b for b, k in enumerate(self.batch_keys) if k is not None]
+
     def join(self, keys: list[str]) -> None:
         """Move these sequences' caches into the decode batch (see ``batchable``)."""
         caches = [self._caches.pop(k) for k in keys]
-        if self._dead_rows(len(keys)):
+        if self._has_dead_rows(len(keys)):
             rows = BatchCache.like(caches[0])
             rows.extend(caches)  # these rows alone, then written over dead ones
             if self._place(keys, rows):
@@ -245,7 +250,7 @@ class CachePool:
         into the decode batch; their own caches were never used."""
         for key in keys:
             self._caches.pop(key)
-        if self._dead_rows(len(keys)) and self._place(keys, batch):
+        if self._has_dead_rows(len(keys)) and self._place(keys, batch):
             return
         self.drop_dead()
         if self.batch is None:
@@ -272,7 +277,7 @@ class CachePool:
     def _keep_live(self) -> None:
         """Keep the live rows only: one copy, which also compacts the rows that waste ``step``
         columns (``BatchKVCache.keep_rows``)."""
-        live = [b for b, k in enumerate(self.batch_keys) if k is not None]
+        live = self._live_slots
         if live:
             self.batch.keep_rows(live)
         else:
@@ -291,7 +296,7 @@ class CachePool:
         """The live rows of ``out [batch rows, ...]``, in row order (dead rows' output dropped)."""
         return out if self._live_index is None else out[self._live_index]
 
-    def _dead_rows(self, n: int) -> bool:
+    def _has_dead_rows(self, n: int) -> bool:
         return self.batch is not None and self.batch_keys.count(None) >= n
 
     def _place(self, keys: list[str], rows: BatchCache) -> bool:
@@ -301,8 +306,7 @@ class CachePool:
             return False
         for slot, key in zip(slots, keys):
             self.batch_keys[slot] = key
-        live = [b for b, k in enumerate(self.batch_keys) if k is not None]
-        if self.batch.wasteful(live):  # rows joining at the column index leave the front unused
+        if self.batch.wasteful(self._live_slots):  # placed at the column index: fronts unused
             self._keep_live()
         self._added([])
         return True
@@ -315,7 +319,7 @@ class CachePool:
     def _rows_changed(self) -> None:
         self._live_index = self._slot_source = None
         if None in self.batch_keys:
-            live = [b for b, k in enumerate(self.batch_keys) if k is not None]
+            live = self._live_slots
             source = np.full(len(self.batch_keys), len(live))  # a dead row: the zero appended
             source[live] = np.arange(len(live))
             self._live_index, self._slot_source = mx.array(live), mx.array(source)
