@@ -18,6 +18,7 @@ import _toy_model as toy
 from mlxc.runtime.checkpoint.tokenizer import StreamingDetokenizer, load_tokenizer
 from mlxc.runtime.model.batch import BatchCache, BatchKVCache
 from mlxc.runtime.model.cache import KVCache, cache_policy
+from mlxc.runtime.serving import metrics
 from mlxc.runtime.serving.generate import generate_tokens, prefill_chunks
 from mlxc.runtime.serving.sample import make_sampler
 from mlxc.runtime.serving.scheduler import (
@@ -226,6 +227,24 @@ def test_rows_that_leave_are_taken_over_in_place(model, make_scheduler, monkeypa
     assert kept, "dead rows were never dropped"
     stats = wait_idle(s)
     assert stats["pool"]["batched"] == 0 and stats["pool"]["bytes"] == 0
+
+
+def test_forwards_are_counted_by_kind(model, make_scheduler):
+    """``mlxc_forwards_total{kind}``: one prefill forward per prompt chunk, one decode forward
+    per batched step after the first token (which the last chunk gives)."""
+
+    def count(kind: str) -> float:
+        return metrics.REGISTRY.get_sample_value("mlxc_forwards_total", {"kind": kind}) or 0.0
+
+    before = {kind: count(kind) for kind in ("prefill", "decode")}
+    s = make_scheduler(prefill_chunk_size=8)
+    out = Collector()
+    s.submit(prompt(20), SamplingParams(max_tokens=5, ignore_eos=True), out)
+    assert len(out.result()[0]) == 5
+    wait_idle(s)
+    assert count("prefill") - before["prefill"] == len(prefill_chunks(20, 8))
+    # 4 steps; a step queued before the answer's end was read may run once more, unread.
+    assert count("decode") - before["decode"] in (4, 5)
 
 
 class Recorder:

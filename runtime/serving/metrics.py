@@ -17,6 +17,11 @@ Exposed names (counters get prometheus' ``_total`` suffix):
 - ``mlxc_spec_decode_steps_total``, ``mlxc_spec_decode_draft_tokens_total``,
   ``mlxc_spec_decode_accepted_tokens_total``: verification steps of ``--prompt-lookup``, the
   drafts they verified and the drafts kept (summed over the rows of each step);
+- ``mlxc_forwards_total{kind}``: the scheduler's model forwards, by kind: ``decode`` (the
+  batched step, or a sequence's own step), ``prefill`` (a prompt chunk, or prompts prefilled
+  together) and ``verify`` (a speculative verification); on a GPU a forward costs about its
+  kernel launches whatever its tokens, so prefill forwards per decode forward say how much of
+  a loaded server's device time goes to arriving prompts;
 - ``mlxc_queue_depth``, ``mlxc_running_sequences``, ``mlxc_kv_cache_bytes``: gauges;
 - ``mlxc_time_to_first_token_seconds``: from the request's arrival to its first token;
 - ``mlxc_inter_token_latency_seconds``: between a request's successive tokens;
@@ -74,6 +79,12 @@ SPEC_DRAFT_TOKENS = Counter(
 SPEC_ACCEPTED_TOKENS = Counter(
     "mlxc_spec_decode_accepted_tokens",
     "Draft tokens kept after verification (summed over the rows of each step).",
+    registry=REGISTRY,
+)
+FORWARDS = Counter(
+    "mlxc_forwards",
+    "Model forwards of the scheduler, by kind (decode, prefill, verify).",
+    ["kind"],
     registry=REGISTRY,
 )
 QUEUE_DEPTH = Gauge("mlxc_queue_depth", "Requests waiting for a slot.", registry=REGISTRY)
