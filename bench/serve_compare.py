@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,18 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"server at {url} not ready after {timeout} s")
 
 
+def forwards(url: str) -> dict[str, float] | None:
+    """The server's ``mlxc_forwards_total`` by kind, from ``/metrics``; None from a server
+    without it (mlx_lm.server)."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    found = re.findall(r'^mlxc_forwards_total\{kind="(\w+)"\} ([0-9.e+]+)$', text, re.MULTILINE)
+    return {kind: float(n) for kind, n in found} if found else None
+
+
 def measure(name: str, command: list[str], port: int, args, log_dir: Path, cwd: str) -> dict:
     """Start one server, load it at every level, stop it; the serve_load report.
 
@@ -71,7 +84,11 @@ def measure(name: str, command: list[str], port: int, args, log_dir: Path, cwd: 
         # One full request first: the first decode steps of a server compile its kernels.
         serve_load.one_request(target, None, 999_999, load_args)
         for streams in args.levels:
+            before = forwards(url)
             level = serve_load.run_level(target, None, streams, load_args)
+            after = forwards(url)
+            if before is not None and after is not None:  # what the level's forwards were
+                level["forwards"] = {k: after[k] - before.get(k, 0.0) for k in after}
             print(
                 f"[{name}] {streams:>3} streams: {level['aggregate_tps']:.1f} tok/s, "
                 f"{level['errors']} errors",
@@ -129,6 +146,18 @@ def markdown(report: dict) -> str:
             f"**{ratio:.2f}x** | {_num(a['ttft_p50_s'])} | {_num(b['ttft_p50_s'])} | "
             f"{a['errors']} / {b['errors']} |"
         )
+    counted = [a for a in ours["levels"] if "forwards" in a]
+    if counted:
+        lines += [
+            "",
+            "mlxc's model forwards per level (`mlxc_forwards_total`): "
+            + "; ".join(
+                f"{a['concurrency']} streams: {a['forwards'].get('prefill', 0):.0f} prefill, "
+                f"{a['forwards'].get('decode', 0):.0f} decode"
+                for a in counted
+            )
+            + ".",
+        ]
     lines.append("")
     for side in (ours, peer):
         first, last = side["levels"][0], side["levels"][-1]

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from bench import serve_load
+from bench import serve_compare, serve_load
 
 TOKENS = 3  # content chunks per streamed answer
 
@@ -40,6 +40,17 @@ _SERVER = textwrap.dedent(
             for event in events:
                 self.wfile.write(f"data: {{json.dumps(event)}}\\n\\n".encode())
             self.wfile.write(b"data: [DONE]\\n\\n")
+
+        def do_GET(self):  # /metrics as mlxc serves it (prometheus text); anything else 404
+            body = (
+                b'# TYPE mlxc_forwards_total counter\\n'
+                b'mlxc_forwards_total{{kind="decode"}} 12.0\\n'
+                b'mlxc_forwards_total{{kind="prefill"}} 3.0\\n'
+            )
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
 
     ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
     """
@@ -98,3 +109,10 @@ def test_clients_scale_with_streams_and_cpus(monkeypatch):
     assert [serve_load.clients(n) for n in (1, 8, 9, 16, 64)] == [1, 1, 2, 2, 4]
     monkeypatch.setattr(serve_load.os, "cpu_count", lambda: 2)
     assert serve_load.clients(64) == 1
+
+
+def test_serve_compare_reads_the_forward_counts(stream_server):
+    (host, port, _), _ = stream_server
+    url = f"http://{host}:{port}"
+    assert serve_compare.forwards(url) == {"decode": 12.0, "prefill": 3.0}
+    assert serve_compare.forwards(url + "/nothing") is None  # a server without them: None
