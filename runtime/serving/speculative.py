@@ -259,9 +259,11 @@ class BatchDrafter:
     number of rows.
 
     Its own ``BatchCache`` holds, per row (a request id), that row's history but the last
-    token, which leads the next drafting. Rows that took plain steps since they last drafted
-    catch up in one forward (they all lag by the same count: they were in the decode batch for
-    the same steps); a row new to the drafts is prefilled alone and joins. Under
+    token, which leads the next drafting. Rows that took plain steps since they last drafted,
+    or kept all their drafts, catch up in the first draft forward (they all lag by the same
+    count: they were in the decode batch for the same steps), or in a forward of their own when
+    a row joins or they are more than a chunk behind; a row new to the drafts is prefilled alone
+    and joins. Under
     ``--max-kv-size`` the draft's rows are trimmed after each catch-up and acceptance, so a
     draft may differ from what an exact one-token run of the draft would propose: drafts are
     proposals, and the model's verification decides every token.
@@ -302,8 +304,9 @@ class BatchDrafter:
     ) -> list[tuple[list[int], np.ndarray | None]]:
         """Each row's ``k`` drafts (greedy at temperature 0, else drawn at its temperature
         from its generator) and, for sampled rows, their distributions ``[k, V]``."""
-        self._sync(keys, histories)
-        ids = mx.array([[h[-1]] for h in histories], dtype=mx.int32)
+        behind = self._sync(keys, histories)
+        # The first forward also takes the tokens the rows are behind by (all rows equally).
+        ids = mx.array([b + [h[-1]] for b, h in zip(behind, histories)], dtype=mx.int32)
         # Every row's caches will hold its history and every draft but the last.
         for key, history in zip(keys, histories):
             self.seen[key] = len(history)
@@ -352,15 +355,26 @@ class BatchDrafter:
     def _trim(self, caches) -> None:
         enforce_max_kv(caches_to_trim(self.model, caches), self.max_kv_size, self.kv_sink)
 
-    def _sync(self, keys: list[str], histories: list[list[int]]) -> None:
-        """Make the rows ``keys``, in that order, each holding its history but the last token."""
+    def _sync(self, keys: list[str], histories: list[list[int]]) -> list[list[int]]:
+        """Make the rows ``keys``, in that order, each holding its history but the last token,
+        but for the tokens returned per row (the same count for every row), which the first
+        draft forward takes: the tokens of plain steps (or of a verification whose drafts were
+        all kept) since the rows last drafted, when no row joins and they fit one chunk."""
         wanted = dict(zip(keys, histories))
         for key in [key for key in self.keys if key not in wanted]:
             self.drop(key)
         lags = {len(wanted[key]) - 1 - self.seen[key] for key in self.keys}
+        joining = any(key not in self.seen for key in keys)
         if len(lags) > 1 or min(lags, default=0) < 0:  # not expected: start the rows afresh
             for key in list(self.keys):
                 self.drop(key)
+        elif (
+            self.keys == keys and not joining and 0 < (lag := max(lags)) <= self.prefill_chunk_size
+        ):
+            behind = [wanted[key][self.seen[key] : self.seen[key] + lag] for key in keys]
+            for key in keys:
+                self.seen[key] += lag
+            return behind
         elif lags and (lag := lags.pop()) > 0:  # plain steps since the last drafting
             behind = [wanted[key][self.seen[key] : self.seen[key] + lag] for key in self.keys]
             for start in range(0, lag, self.prefill_chunk_size):
@@ -389,6 +403,7 @@ class BatchDrafter:
         if self.keys != keys:
             self.batch.keep_rows([self.keys.index(key) for key in keys])
             self.keys = list(keys)
+        return [[] for _ in keys]
 
 
 def load_draft(path, tokenizer, specs=None) -> nn.Module:
