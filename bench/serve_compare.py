@@ -74,6 +74,7 @@ def measure(name: str, command: list[str], port: int, args, log_dir: Path, cwd: 
         load_args = argparse.Namespace(
             requests=None,
             max_tokens=args.max_tokens,
+            max_tokens_spread=args.max_tokens_spread,
             prompt_words=args.prompt_words,
             endpoint="completions",
             duration=args.duration,
@@ -123,7 +124,9 @@ def markdown(report: dict) -> str:
         "",
         (
             f"`{report['command']}`. Checkpoint: {report['checkpoint']}; completions, streaming, "
-            f"{report['max_tokens']} tokens per request, ~{report['prompt_words']}-word prompts, "
+            f"{report['max_tokens']} tokens per request"
+            + (f" (+- {report['max_tokens_spread']})" if report.get("max_tokens_spread") else "")
+            + f", ~{report['prompt_words']}-word prompts, "
             "every prompt different. Aggregate = completion tokens / wall time of the level. "
             "Ceiling = `bench.ceiling`: one batched decode forward per step at the level's batch "
             "size (mlx-lm's model, plain KV caches, async_eval), no HTTP, no scheduler. "
@@ -186,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="small", choices=["small", "medium"])
     p.add_argument("--levels", default="1,4,16,64", help="concurrent streams, comma-separated")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--max-tokens-spread",
+        type=int,
+        default=0,
+        help="answer lengths spread over max-tokens +- this (bench.serve_load)",
+    )
     p.add_argument("--prompt-words", type=int, default=64)
     p.add_argument("--duration", type=float, default=120.0, help="seconds per level, at most")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
@@ -235,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": run.machine("gpu" if args.gpu else "cpu"),
         "checkpoint": args.model or f"bench.models {args.arch} {args.size} (random, bf16)",
         "max_tokens": args.max_tokens,
+        "max_tokens_spread": args.max_tokens_spread,
         "prompt_words": args.prompt_words,
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
         "mlxc": ours,

@@ -113,6 +113,14 @@ def prompt_text(i: int, words: int) -> str:
     return f"w{1000 + i % 30000} {body}"
 
 
+def max_tokens(i: int, args) -> int:
+    """Request ``i``'s answer length: ``--max-tokens``, or with ``--max-tokens-spread S`` spread
+    evenly over ``max_tokens - S .. max_tokens + S`` (mean unchanged), so that streams end at
+    different steps instead of in waves."""
+    spread = args.max_tokens_spread
+    return args.max_tokens + (i * 37) % (2 * spread + 1) - spread if spread else args.max_tokens
+
+
 def one_request(target, model: str | None, i: int, args) -> Result:
     host, port, base = target
     if args.endpoint == "chat":
@@ -124,7 +132,7 @@ def one_request(target, model: str | None, i: int, args) -> Result:
     if model is not None:
         body["model"] = model
     body.update(
-        max_tokens=args.max_tokens,
+        max_tokens=max_tokens(i, args),
         temperature=0.0,
         stream=True,
         stream_options={"include_usage": True},
@@ -323,6 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--requests", type=int, default=None, help="per level (default 2 x streams)")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--max-tokens-spread",
+        type=int,
+        default=0,
+        help="answer lengths spread over max-tokens +- this (streams then end at different steps)",
+    )
     p.add_argument("--prompt-words", type=int, default=64)
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--duration", type=float, default=120.0, help="seconds per level, at most")

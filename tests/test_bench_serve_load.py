@@ -84,6 +84,7 @@ def _args(clients: int) -> argparse.Namespace:
     return argparse.Namespace(
         requests=12,
         max_tokens=TOKENS,
+        max_tokens_spread=0,
         prompt_words=4,
         endpoint="completions",
         duration=60.0,
@@ -116,3 +117,11 @@ def test_serve_compare_reads_the_forward_counts(stream_server):
     url = f"http://{host}:{port}"
     assert serve_compare.forwards(url) == {"decode": 12.0, "prefill": 3.0}
     assert serve_compare.forwards(url + "/nothing") is None  # a server without them: None
+
+
+def test_answer_lengths_spread_evenly_around_the_mean():
+    args = argparse.Namespace(max_tokens=64, max_tokens_spread=32)
+    lengths = [serve_load.max_tokens(i, args) for i in range(65 * 4)]
+    assert min(lengths) == 32 and max(lengths) == 96
+    assert sum(lengths) / len(lengths) == 64  # every length of 32..96 equally often
+    assert serve_load.max_tokens(7, argparse.Namespace(max_tokens=64, max_tokens_spread=0)) == 64
