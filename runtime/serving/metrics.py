@@ -87,6 +87,10 @@ FORWARDS = Counter(
     ["kind"],
     registry=REGISTRY,
 )
+# Bound once: the scheduler counts every forward, and ``labels()`` looks its child up each call.
+DECODE_FORWARDS, PREFILL_FORWARDS, VERIFY_FORWARDS = (
+    FORWARDS.labels(kind) for kind in ("decode", "prefill", "verify")
+)
 QUEUE_DEPTH = Gauge("mlxc_queue_depth", "Requests waiting for a slot.", registry=REGISTRY)
 RUNNING = Gauge(
     "mlxc_running_sequences", "Sequences admitted (prefilling or decoding).", registry=REGISTRY

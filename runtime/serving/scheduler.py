@@ -23,8 +23,8 @@ With ``speculation`` (``mlxc serve --prompt-lookup`` or ``--draft-model``), a ti
 decode batch is small and whose rows may speculate (``BatchSpeculation``) reads the step in
 flight first, drafts each row's next tokens (from n-grams of its own prompt and output, or
 from the draft model, one forward per draft token for all rows: ``speculative.BatchDrafter``)
-and verifies them in one forward of the batch; each row accepts by its own rule (greedy, or the accept/reject rule at its
-temperature), the rows keep as many drafts as the row that kept the fewest
+and verifies them in one forward of the batch; each row accepts by its own rule (greedy, or
+the accept/reject rule at its temperature), the rows keep as many drafts as the row that kept the fewest
 (``speculative.cut_to_shortest``) and rewind the rest (``BatchKVCache.rewind``), then trim.
 Greedy output is the plain greedy output; sampled output follows the same distribution.
 
@@ -903,7 +903,7 @@ class Scheduler:
         ids = mx.array([[seq.last_token, *d] for seq, d in zip(rows, drafts)], dtype=mx.int32)
         try:
             logits = self.model(ids, cache=batch)
-            metrics.FORWARDS.labels("verify").inc()
+            metrics.VERIFY_FORWARDS.inc()
             targets = mx.argmax(logits, axis=-1).tolist()
             emitted = [
                 greedy_accept(targets[b], d)
@@ -994,7 +994,7 @@ class Scheduler:
             tails = mx.array([prompt[-1:] for prompt in prompts], dtype=mx.int32)
             logits = self.model(tails, cache=batch, last_only=True)
             self.pool.enforce(batch)
-        metrics.FORWARDS.labels("prefill").inc(2 if last_token_alone else 1)
+        metrics.PREFILL_FORWARDS.inc(2 if last_token_alone else 1)
         for seq, prompt in zip(group, prompts):
             seq.prefilled = len(prompt)
         sampled = sample_rows(self._masked(group, logits[:, -1, :]), [s.sampler for s in group])
@@ -1028,7 +1028,7 @@ class Scheduler:
             ids = inputs[mx.array([where[id(seq)] for seq in rows])][:, None]
         # The batch's dead rows (CachePool) take a token too; their outputs are dropped.
         logits = self.model(self.pool.slot_inputs(ids), cache=self.pool.batch)
-        metrics.FORWARDS.labels("decode").inc()
+        metrics.DECODE_FORWARDS.inc()
         self.pool.enforce(self.pool.batch)
         logits = self.pool.live_rows(logits[:, -1, :])
         if any(seq.constraint is not None for seq in rows):
@@ -1068,7 +1068,7 @@ class Scheduler:
         return piece
 
     def _forward(self, seq: _Sequence, ids: list[int], **kwargs) -> mx.array:
-        metrics.FORWARDS.labels("prefill" if seq.prefilling else "decode").inc()
+        (metrics.PREFILL_FORWARDS if seq.prefilling else metrics.DECODE_FORWARDS).inc()
         inputs = dict(kwargs)
         if seq.first_inputs is not None:  # numpy inputs become MLX arrays here, on this thread
             inputs |= as_model_inputs(seq.first_inputs)

@@ -263,9 +263,8 @@ class BatchDrafter:
     or kept all their drafts, catch up in the first draft forward (they all lag by the same
     count: they were in the decode batch for the same steps), or in a forward of their own when
     a row joins or they are more than a chunk behind; a row new to the drafts is prefilled alone
-    and joins. Under
-    ``--max-kv-size`` the draft's rows are trimmed after each catch-up and acceptance, so a
-    draft may differ from what an exact one-token run of the draft would propose: drafts are
+    and joins. Under ``--max-kv-size`` the draft's rows are trimmed after each catch-up and
+    acceptance, so a draft may differ from what an exact one-token run of the draft would propose: drafts are
     proposals, and the model's verification decides every token.
     """
 
@@ -364,26 +363,20 @@ class BatchDrafter:
         for key in [key for key in self.keys if key not in wanted]:
             self.drop(key)
         lags = {len(wanted[key]) - 1 - self.seen[key] for key in self.keys}
-        joining = any(key not in self.seen for key in keys)
         if len(lags) > 1 or min(lags, default=0) < 0:  # not expected: start the rows afresh
             for key in list(self.keys):
                 self.drop(key)
-        elif (
-            self.keys == keys and not joining and 0 < (lag := max(lags)) <= self.prefill_chunk_size
-        ):
-            behind = [wanted[key][self.seen[key] : self.seen[key] + lag] for key in keys]
-            for key in keys:
-                self.seen[key] += lag
-            return behind
         elif lags and (lag := lags.pop()) > 0:  # plain steps since the last drafting
             behind = [wanted[key][self.seen[key] : self.seen[key] + lag] for key in self.keys]
+            for key in self.keys:
+                self.seen[key] += lag
+            if self.keys == keys and lag <= self.prefill_chunk_size:  # no row joins or goes
+                return behind  # the first draft forward takes them
             for start in range(0, lag, self.prefill_chunk_size):
                 chunk = [tokens[start : start + self.prefill_chunk_size] for tokens in behind]
                 self.model(mx.array(chunk, dtype=mx.int32), cache=self.batch)
                 self._trim(self.batch)
                 mx.eval(cache_arrays(self.batch))
-            for key in self.keys:
-                self.seen[key] += lag
         new = [key for key in keys if key not in self.seen]
         rows = []
         for key in new:  # prefilled alone, as generate_tokens would, then joined
