@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from mlxc import load_model  # noqa: I001  (mlxc first: it may load a BLAS before MLX)
     from mlxc.runtime.checkpoint.tokenizer import load_tokenizer
+    from mlxc.runtime.serving import metrics
     from mlxc.runtime.serving.scheduler import Delta, SamplingParams, Scheduler
 
     from bench import models
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
 
     scheduler.submit([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), warmed)
     warm.wait()
+    counters = {"prefill": metrics.PREFILL_FORWARDS, "decode": metrics.DECODE_FORWARDS}
+    before = {k: c._value.get() for k, c in counters.items()}
     start = time.perf_counter()
     for i in range(args.requests):
         prompt = [(i * 7 + j * 3) % 30000 + 10 for j in range(20 + (i * 13) % 40)]
@@ -70,9 +73,11 @@ def main(argv: list[str] | None = None) -> None:
     seconds = time.perf_counter() - start
     stats = scheduler.stats()
     scheduler.stop()
+    ran = {k: int(c._value.get() - before[k]) for k, c in counters.items()}
     print(
         f"{counts['tokens']} tokens in {seconds:.1f} s: {counts['tokens'] / seconds:.1f} tokens/s "
-        f"({args.rows} rows, {args.requests} requests, peak batched {stats['pool']['peak_batched']})"
+        f"({args.rows} rows, {args.requests} requests, peak batched {stats['pool']['peak_batched']}); "
+        f"{ran['prefill']} prefill and {ran['decode']} decode forwards"
     )
 
 

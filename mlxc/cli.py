@@ -616,6 +616,15 @@ def _drafter(draft_model, prompt_lookup, ngram_size, num_draft_tokens, checkpoin
     "chunks. 0 turns it off.",
 )
 @click.option(
+    "--prefill-wait-steps",
+    default=serve_defaults.DEFAULT_PREFILL_WAIT_STEPS,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Decode steps a new short prompt may wait while others decode, so that prompts "
+    "arriving a few per step prefill together in one forward (until a quarter of the decode "
+    "batch's count waits); 0 prefills each at once.",
+)
+@click.option(
     "--max-tokens",
     default=serve_defaults.DEFAULT_MAX_TOKENS,
     show_default=True,
@@ -728,6 +737,7 @@ def serve(
     max_concurrency,
     max_queue,
     prefix_cache_bytes,
+    prefill_wait_steps,
     max_tokens,
     max_tokens_limit,
     max_images_per_request,
@@ -802,6 +812,8 @@ def serve(
                 max_kv_size,
                 kv_sink,
                 prefill_chunk_size,
+                prefix_cache_bytes,
+                prefill_wait_steps,
                 specs,
                 speculation,
                 draft_model,
@@ -852,6 +864,7 @@ def serve(
             max_concurrency=max_concurrency,
             max_queue=max_queue,
             prefix_cache_bytes=prefix_cache_bytes,
+            prefill_wait_steps=prefill_wait_steps,
             speculation=speculation,
             draft_model=draft_dir,
             specs=specs,
@@ -921,13 +934,16 @@ def _follow(
     max_kv_size,
     kv_sink,
     prefill_chunk_size,
+    prefix_cache_bytes,
+    prefill_wait_steps,
     specs,
     speculation,
     draft_model,
 ) -> None:
     """A rank other than 0 of `mlx.launch ... mlxc serve`: no HTTP; its scheduler runs the
-    ticks rank 0 broadcasts (the same cache and speculation settings, so every rank trims and
-    speculates alike: each drafts for itself, the same drafts) until rank 0 stops."""
+    ticks rank 0 broadcasts (the same cache, prefill and speculation settings, so every rank
+    trims, resumes prefixes, groups prompts and speculates alike: each drafts for itself, the
+    same drafts) until rank 0 stops."""
     import time
 
     from mlxc.runtime.checkpoint import demo
@@ -940,6 +956,8 @@ def _follow(
             max_kv_size=max_kv_size,
             kv_sink=kv_sink,
             prefill_chunk_size=prefill_chunk_size,
+            prefix_cache_bytes=prefix_cache_bytes,
+            prefill_wait_steps=prefill_wait_steps,
             specs=specs,
             speculation=speculation,
             draft_model=_resolve_model(draft_model)[0] if draft_model else None,

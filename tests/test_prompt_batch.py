@@ -90,3 +90,69 @@ def test_prompts_prefilled_together_answer_as_alone(tmp_path, monkeypatch, arch,
         assert groups and max(groups) >= 2 and sum(groups) <= len(jobs)
     else:
         assert groups == []
+
+
+@pytest.mark.parametrize("wait_steps", [0, 3])
+def test_fresh_prompts_wait_while_the_batch_decodes(tmp_path, monkeypatch, wait_steps):
+    """While 12 rows decode, prompts arrive (submitted on the first row's tokens): three at
+    once (a quarter of the rows: prefilled at once), then one, then one more a tick later:
+    these wait until the oldest has waited ``prefill_wait_steps`` ticks and prefill as one
+    forward (with 0, each at once). Every answer is still the one ``generate_tokens`` gives
+    the prompt alone."""
+    checkpoint = load_checkpoint(ckpt.make_llama(tmp_path / "llama"))
+    model = checkpoint.load_model()
+    vocab = model.args.vocab_size
+    rows = [[(3 * i + 5 * r) % (vocab - 3) + 3 for i in range(5 + r)] for r in range(12)]
+    arriving = [[(7 * i + 11 * a) % (vocab - 3) + 3 for i in range(4 + a)] for a in range(5)]
+    due = {2: [0, 1, 2], 6: [3], 7: [4]}  # the first row's token count -> arrivals
+    long_n, short_n = 24, 5
+    want = [list(generate_tokens(model, ids, max_tokens=long_n)) for ids in rows]
+    want += [list(generate_tokens(model, ids, max_tokens=short_n)) for ids in arriving]
+
+    groups: list[tuple[int, int]] = []  # fresh prompts prefilled in one go, ticks the oldest waited
+    prompt_group = Scheduler._prompt_group
+
+    def recording(self, first):
+        fresh = first.prefilled == 0  # not a later chunk (on a CPU the last token goes alone)
+        group = prompt_group(self, first)
+        if fresh:
+            groups.append((len(group), self._ticks - min(s.admitted_tick for s in group)))
+        return group
+
+    monkeypatch.setattr(Scheduler, "_prompt_group", recording)
+    scheduler = Scheduler(
+        model,
+        checkpoint.tokenizer,
+        max_concurrency=len(rows) + len(arriving),
+        prefix_cache_bytes=0,
+        prefill_wait_steps=wait_steps,
+    )
+    outs = [queue.Queue() for _ in rows + arriving]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (long_n, short_n)]
+    seen = [0]
+
+    def first_row(event) -> None:  # the scheduler thread, one token per tick while it decodes
+        outs[0].put(event)
+        seen[0] += 1
+        for a in due.get(seen[0], []):
+            scheduler.submit(arriving[a], params[1], outs[len(rows) + a].put)
+
+    for r, ids in enumerate(rows):
+        scheduler.submit(ids, params[0], first_row if r == 0 else outs[r].put)
+    scheduler.start()
+    try:
+        got = []
+        for out in outs:
+            tokens = []
+            while not isinstance(event := out.get(timeout=120), Finished):
+                assert isinstance(event, Delta), event
+                tokens.append(event.token)
+            got.append(tokens)
+    finally:
+        scheduler.stop()
+    assert got == want
+    if wait_steps == 0:
+        # (on a CPU the second single prompt waits a tick behind the first one's last token)
+        assert [n for n, _ in groups] == [12, 3, 1, 1] and max(w for _, w in groups) <= 2
+    else:
+        assert groups == [(12, 1), (3, 1), (2, wait_steps)]

@@ -106,7 +106,10 @@ from mlxc.runtime.serving.prefix_cache import (
     image_digest,
 )
 from mlxc.runtime.serving.sample import RowSampler, Sampled, sample_rows
-from mlxc.runtime.serving.serve_defaults import DEFAULT_PREFIX_CACHE_BYTES
+from mlxc.runtime.serving.serve_defaults import (
+    DEFAULT_PREFILL_WAIT_STEPS,
+    DEFAULT_PREFIX_CACHE_BYTES,
+)
 from mlxc.runtime.serving.speculative import (
     BatchDrafter,
     BatchSpeculation,
@@ -401,6 +404,7 @@ class _Sequence:
         # Its prompt can prefill as a row of a prompt batch while nothing of it is prefilled
         # (decided once, at admission: Scheduler._prefills_together).
         self.prompt_batchable = False
+        self.admitted_tick = 0  # the scheduler's tick count when it was admitted
         self.last_token: int | None = None  # input of the next decode step
         # With speculation (a ``spec_seed``): prompt and generated tokens, where the drafts
         # start from, and the host generator of its accept/reject draws.
@@ -426,6 +430,11 @@ class _Sequence:
         return plain and (s.greedy or (s.top_p == 1 and s.top_k == 0 and s.min_p == 0))
 
 
+def _fresh(seq: _Sequence) -> bool:
+    """Whether ``seq``'s prompt may still prefill as a row of a prompt batch."""
+    return seq.prompt_batchable and seq.prefilled == 0
+
+
 class Scheduler:
     """Runs many generations on one model from one thread; see the module docstring."""
 
@@ -443,14 +452,19 @@ class Scheduler:
         max_concurrency: int = 8,
         max_queue: int = 64,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+        prefill_wait_steps: int = DEFAULT_PREFILL_WAIT_STEPS,
         lockstep: Any = None,
         speculation: BatchSpeculation | None = None,
     ) -> None:
         """``lockstep``: under ``mlx.launch``, the hook that makes every rank's ticks admit and
         drop the same requests (``runtime.serving.distributed.Lockstep``). ``speculation``:
-        prompt-lookup drafts verified in the decode batch (see the module docstring)."""
+        prompt-lookup drafts verified in the decode batch (see the module docstring).
+        ``prefill_wait_steps``: the most decode steps a fresh prompt waits for others to
+        prefill with (``_prompts_wait``); 0 prefills each tick's arrivals at once."""
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
+        if prefill_wait_steps < 0:
+            raise ValueError(f"prefill_wait_steps must be >= 0, got {prefill_wait_steps}")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         if max_queue < 0:
@@ -465,6 +479,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.prefill_chunk_size = prefill_chunk_size
+        self.prefill_wait_steps = prefill_wait_steps
         self.pool = CachePool(model, max_kv_size, kv_sink, kv_quant)
         # Snapshots of prompts at their chunk boundaries (runtime.serving.prefix_cache).
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
@@ -494,6 +509,7 @@ class Scheduler:
         self._queue = AdmissionQueue(max_concurrency, max_queue)
         self._running: dict[_Sequence, None] = {}  # admission order; scheduler thread only
         self._prefill_queue: deque[_Sequence] = deque()  # round-robin order of prefills
+        self._ticks = 0  # ticks run: a fresh prompt's wait is counted in them (_prompts_wait)
         # The batched decode step queued but not read yet: (its rows, their sampled tokens).
         self._inflight: tuple[list[_Sequence], Sampled] | None = None
         self._thread: threading.Thread | None = None
@@ -648,6 +664,7 @@ class Scheduler:
                     spec_seed = int(self._spec_seeds.integers(2**63))
                 spec_seed %= 2**64  # numpy takes no negative seed; OpenAI's are any int64
             seq = _Sequence(request, caches, self.tokenizer, self.eos_token_ids, spec_seed)
+            seq.admitted_tick = self._ticks
             prompt = request.prompt_ids
             seq.chunks = prefill_chunks(
                 len(prompt), self.prefill_chunk_size, prefill_spans(self.model, prompt)
@@ -745,6 +762,7 @@ class Scheduler:
         )
 
     def _tick(self) -> None:
+        self._ticks += 1
         for seq in [s for s in self._running if self._cancelled(s)]:
             self._release(seq)
             self._queue.count("cancelled")
@@ -759,8 +777,9 @@ class Scheduler:
 
         work = [s for s in self._running if not (s.prefilling or s.batched)]
         together: list[_Sequence] = []  # fresh prompts prefilled as the rows of one batch
-        if self._prefill_queue:
-            together = self._prompt_group(self._prefill_queue.popleft())
+        first = self._next_prefill()
+        if first is not None:
+            together = self._prompt_group(first)
             if len(together) == 1:
                 work.append(together.pop())
 
@@ -938,17 +957,46 @@ class Scheduler:
                     self._fail(seq, e)
         return True
 
+    def _next_prefill(self) -> _Sequence | None:
+        """The sequence whose prompt moves this tick (taken off the round-robin queue), or
+        None: the front of the queue while fresh prompts need not wait, else the first prompt
+        already under way (a fresh prompt's wait never holds up a chunked one)."""
+        queue = self._prefill_queue
+        if not queue or not self._prompts_wait():
+            return queue.popleft() if queue else None
+        seq = next((s for s in queue if not _fresh(s)), None)
+        if seq is not None:
+            queue.remove(seq)
+        return seq
+
+    def _prompts_wait(self) -> bool:
+        """Whether fresh prompts wait this tick, to prefill later as the rows of one forward.
+
+        On a GPU a short prompt's forward costs about a decode step's kernel launches, and it
+        is evaluated before the next step is queued (the device idles while the host builds
+        it); a loaded server's requests arrive a few per step, so prefilling each tick's
+        arrivals at once adds about one such forward per decode step. They wait while the
+        decode batch runs, until a quarter of its rows' count wait (a group worth the forward)
+        or the oldest has waited ``prefill_wait_steps`` ticks (its first token late by at most
+        that many decode steps). Counted in ticks, so ranks under ``mlx.launch`` agree.
+        """
+        if self.prefill_wait_steps == 0 or not self.pool.live_keys:
+            return False  # nothing decodes: a prompt would wait for nothing
+        fresh = [s for s in self._prefill_queue if _fresh(s)]
+        if not fresh or 4 * len(fresh) >= len(self.pool.live_keys):
+            return False
+        return self._ticks - min(s.admitted_tick for s in fresh) < self.prefill_wait_steps
+
     def _prompt_group(self, first: _Sequence) -> list[_Sequence]:
         """``first`` and the waiting prompts that prefill with it as the rows of one batch (one
         forward instead of one each: a short prompt's forward costs its kernel launches, not
         its tokens), within one chunk's budget of padded tokens; just ``[first]`` when it
         cannot (see ``_prefills_together``)."""
-        if not (first.prompt_batchable and first.prefilled == 0):
+        if not _fresh(first):
             return [first]
         group, width = [first], first.chunks[0][1]
         for seq in list(self._prefill_queue):
-            fresh = seq.prompt_batchable and seq.prefilled == 0
-            if not fresh or len(seq.chunks) != len(first.chunks):
+            if not _fresh(seq) or len(seq.chunks) != len(first.chunks):
                 continue
             wider = max(width, seq.chunks[0][1])
             if (len(group) + 1) * wider > self.prefill_chunk_size:

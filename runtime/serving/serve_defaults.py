@@ -11,3 +11,5 @@ DEFAULT_MAX_IMAGES = 8
 DEFAULT_MAX_REQUEST_PIXELS = 64 * 2**20
 # The prefix cache's budget (runtime.serving.prefix_cache): ~8k tokens of an 8B model's bf16 KV.
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
+# Decode steps a fresh prompt may wait for others to prefill with (Scheduler._prompts_wait).
+DEFAULT_PREFILL_WAIT_STEPS = 8
