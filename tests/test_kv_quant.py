@@ -90,11 +90,14 @@ def _qkv(rng, L: int, T: int, quant: KVQuant):
     return q, quant.quantize(k), quant.quantize(v)
 
 
-@pytest.mark.parametrize("mask_kind", ["none", "causal", "key_valid", "window"])
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "key_valid", "window", "per_head"])
 @pytest.mark.parametrize("sinks", [False, True])
-def test_quantized_attention_is_attention_on_the_dequantized_keys(rng, mask_kind, sinks):
-    """The packed products (GQA 4 query heads on 2 KV heads) equal the fused kernel on the
-    dequantised keys and values for every mask form ``masks.causal`` returns."""
+@pytest.mark.parametrize("packed", [True, False])
+def test_composed_attention_is_the_fused_kernel(rng, mask_kind, sinks, packed):
+    """Attention as its ops (GQA: 4 query heads on 2 KV heads), on packed keys and values (the
+    products through ``quantized_matmul``) or float ones (short prefill chunks on CUDA), equals
+    the fused kernel on the same (dequantised) keys and values, for every mask form
+    ``masks.causal`` returns and a per-head additive mask (MLA's rope scores)."""
     quant = KVQuant(4, 32)
     L, T = (1, 20) if mask_kind in ("none", "key_valid") else (5, 20)
     q, k, v = _qkv(rng, L, T, quant)
@@ -103,14 +106,15 @@ def test_quantized_attention_is_attention_on_the_dequantized_keys(rng, mask_kind
         "causal": "causal",
         "key_valid": mx.array(rng.random((2, 1, 1, T)) > 0.3) | (mx.arange(T) == T - 1),
         "window": mx.arange(T)[None, :] > mx.arange(T - L, T)[:, None] - 6,
+        "per_head": mx.array(rng.standard_normal((2, 4, L, T)).astype(np.float32)),
     }[mask_kind]
     if mask_kind == "window":
         mask = mask & (mx.arange(T)[None, :] <= mx.arange(T - L, T)[:, None])
     sink = mx.array(rng.standard_normal(4).astype(np.float32)) if sinks else None
-    got = layers.quantized_attention(q, k, v, scale=0.125, mask=mask, sinks=sink)
-    want = mx.fast.scaled_dot_product_attention(
-        q, k.dequantize(), v.dequantize(), scale=0.125, mask=mask, sinks=sink
-    )
+    k, v = (k, v) if packed else (k.dequantize(), v.dequantize())
+    got = layers.composed_attention(q, k, v, scale=0.125, mask=mask, sinks=sink)
+    floats = (k.dequantize(), v.dequantize()) if packed else (k, v)
+    want = mx.fast.scaled_dot_product_attention(q, *floats, scale=0.125, mask=mask, sinks=sink)
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
 
 
@@ -119,14 +123,14 @@ def test_attend_dequantises_a_long_chunk_or_where_packing_is_off(rng, monkeypatc
     """A decode step reads the keys packed where ``packed_attention`` holds (CPU, Metal); a
     prefill chunk, and every step where it does not (CUDA), takes the fused kernel on the
     dequantised keys, with the packed path's result."""
-    packed_calls, real = [], layers.quantized_attention
+    packed_calls, real = [], layers.composed_attention
 
     def counted(*args, **kwargs):
         packed_calls.append(args[0].shape[-2])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(layers, "packed_attention", lambda: packed)
-    monkeypatch.setattr(layers, "quantized_attention", counted)
+    monkeypatch.setattr(layers, "composed_attention", counted)
     quant = KVQuant(8, 64)
     for L in (QUANTIZED_MATMUL_QUERIES + 4, 1):
         q, k, v = _qkv(rng, L, 30, quant)
@@ -332,3 +336,25 @@ def test_quantised_caches_resume_from_their_prefix_blocks(window):
     for a, b in zip(cache.update_and_fetch(*step), resumed.update_and_fetch(*step)):
         assert a.shape == b.shape
         assert all(mx.array_equal(x, y).item() for x, y in zip(a.parts, b.parts))
+
+
+def test_attend_composes_short_chunks_on_cuda(rng, monkeypatch):
+    """On CUDA a chunk of 2 to ``CUDNN_QUERIES - 1`` queries that MLX would run through cuDNN
+    (a graph built per shape) takes ``composed_attention``; one query and long chunks take
+    MLX's kernel. (CUDA simulated: the routing is what is checked, on the CPU's kernels.)"""
+    calls, real = [], layers.composed_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[-2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(layers, "composed_attention", counted)
+    monkeypatch.setattr(layers.cuda_attention, "available", lambda: True)
+    for L in (1, 20, layers.CUDNN_QUERIES):
+        q = mx.array(rng.standard_normal((1, 4, L, 64)).astype(np.float32))
+        k, v = (mx.array(rng.standard_normal((1, 2, L, 64)).astype(np.float32)) for _ in "kv")
+        mask = "causal" if L > 1 else None
+        got = attend(q, k, v, scale=0.125, mask=mask)
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+    assert calls == [20]

@@ -42,6 +42,7 @@ from mlxc.runtime.model.cache import (
     QuantizedKV,
     QuantizedKVMixin,
     RewindError,
+    buffer_tokens,
     check_trim,
 )
 from mlxc.runtime.model.multimodal import SequenceCache
@@ -360,7 +361,7 @@ def _per_part(fn, *buffers):
 
 
 def _capacity(columns: int) -> int:
-    return (columns + KVCache.step - 1) // KVCache.step * KVCache.step
+    return buffer_tokens(columns, KVCache.step)
 
 
 def _right_aligned(buffer: mx.array, used: int, width: int, capacity: int) -> mx.array:

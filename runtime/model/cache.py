@@ -162,7 +162,7 @@ class KVCache:
 
     def _grown(self, buffer: mx.array | None, new: mx.array, needed: int) -> mx.array:
         """A buffer with room for ``needed`` tokens holding the live window of ``buffer``."""
-        capacity = (needed + self.step - 1) // self.step * self.step
+        capacity = buffer_tokens(needed, self.step)
         B, H, _, D = new.shape
         grown = mx.zeros((B, H, capacity, D), new.dtype)
         if buffer is not None:
@@ -491,6 +491,18 @@ def check_kv_quant(model: Any, quant: KVQuant | None) -> None:
     model's heads: one token's forward is built (never evaluated) on quantised caches."""
     if quant is not None:
         model(mx.array([[0]]), cache=make_caches(model, quant))
+
+
+def buffer_tokens(needed: int, step: int) -> int:
+    """Tokens a cache buffer holds to take ``needed``: whole ``step``s, plus one.
+
+    The one keeps a buffer off multiples of 256 tokens: MLX 0.32's CUDA attention runs a
+    one-query step whose keys are a slice of such a buffer through cuDNN, which builds (NVRTC
+    compiles) a graph for each new buffer size, a stall each time the buffer grows (H200: decode
+    344 tokens/s with the stalls, 484 without, ``docs/performance.md``); off those sizes the step
+    takes MLX's vector kernel, built once per process.
+    """
+    return -(-needed // step) * step + 1
 
 
 def decode_steps_valid(live: int, n_new: int, max_kv_size: int, keep: int) -> mx.array:

@@ -179,10 +179,12 @@ def attend(
         return cuda_attention.attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     if quantized:
         if queries.shape[-2] <= QUANTIZED_MATMUL_QUERIES and packed_attention():
-            return quantized_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+            return composed_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         # A prefill chunk: its L x T scores would be materialised; dequantising the live keys
         # once lets it take the fused kernel (same values: dequantize is what the matmul reads).
         keys, values = keys.dequantize(), values.dequantize()
+    if 1 < queries.shape[-2] < CUDNN_QUERIES and cuda_attention.available():
+        return composed_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     return mx.fast.scaled_dot_product_attention(
         queries, keys, values, scale=scale, mask=mask, sinks=sinks
     )
@@ -192,9 +194,18 @@ def attend(
 # keys and values directly; longer chunks dequantise them for the fused kernel (``attend``).
 QUANTIZED_MATMUL_QUERIES = 8
 
+# On CUDA, chunks of fewer queries than this attend through ``composed_attention``, not MLX's
+# fused kernel: MLX 0.32 runs a chunk of two or more queries through cuDNN, which builds (NVRTC
+# compiles) a graph for each new shape of queries and keys: 45-170 ms each on the H200, where
+# a server's prompts (and prompt groups) rarely repeat a shape. Composed, a 512-token prompt
+# prefilled as fast as through cuDNN (57.6k against 56.4k tokens/s, built graph); at 2048, full
+# chunks, which repeat their shapes, cuDNN's fused kernel is 1.7x faster and holds no L x T
+# scores (``docs/performance.md``).
+CUDNN_QUERIES = 1024
+
 
 def packed_attention() -> bool:
-    """Whether ``attend`` reads quantised keys packed through ``quantized_attention`` on this
+    """Whether ``attend`` reads quantised keys packed through ``composed_attention`` on this
     device: on the CPU and Metal. MLX 0.32.4's CUDA ``quantized_matmul`` gave wrong scores for
     batched 64-wide quantised keys (max error ~30 on N(0, 1) inputs, or NaN; H200,
     2026-12-01), so CUDA reads them packed through ``cuda_attention`` (its head dims) or
@@ -202,17 +213,18 @@ def packed_attention() -> bool:
     return mx.default_device() == mx.cpu or mx.metal.is_available()
 
 
-def quantized_attention(
+def composed_attention(
     queries: mx.array,
-    keys: QuantizedKV,
-    values: QuantizedKV,
+    keys: mx.array | QuantizedKV,
+    values: mx.array | QuantizedKV,
     *,
     scale: float,
     mask: mx.array | str | None,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    """``attend`` on quantised keys and values (``--kv-bits``): ``softmax(q k^T) v`` with both
-    products through ``mx.quantized_matmul``, so the keys are read packed, never expanded.
+    """``attend`` as its ops: ``softmax(q k^T) v``, the scores materialised. On quantised keys
+    and values (``--kv-bits``) both products go through ``mx.quantized_matmul``, so the keys
+    are read packed, never expanded; on float ones through ``mx.matmul`` (``CUDNN_QUERIES``).
 
     GQA: the ``n_heads / n_kv_heads`` query heads of one KV head attend as ``rep * L`` rows of
     that head (as MLA's decode does), so each product is one plain batched matmul per KV head,
@@ -221,16 +233,26 @@ def quantized_attention(
     B, n_heads, L, _ = queries.shape
     n_kv = keys.shape[1]
     rep = n_heads // n_kv
-    q = keys.quant
-    kw = {"group_size": q.group_size, "bits": q.bits}
+    if isinstance(keys, QuantizedKV):
+        kw = {"group_size": keys.quant.group_size, "bits": keys.quant.bits}
+
+        def product(a: mx.array, b: QuantizedKV, transpose: bool) -> mx.array:
+            return mx.quantized_matmul(a, *b.parts, transpose=transpose, **kw)
+    else:
+
+        def product(a: mx.array, b: mx.array, transpose: bool) -> mx.array:
+            return a @ (b.swapaxes(-1, -2) if transpose else b)
+
     rows = (queries * scale).reshape(B, n_kv, rep * L, -1)
-    scores = mx.quantized_matmul(rows, *keys.parts, transpose=True, **kw)
-    scores = scores.reshape(B, n_kv, rep, L, -1)
+    scores = product(rows, keys, True).reshape(B, n_kv, rep, L, -1)
     if isinstance(mask, str):
         mask = masks.causal_array(L, scores.shape[-1])
     if mask is not None:
-        if mask.ndim == 4:  # [B | 1, 1, L, T]: one mask for every head
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # as [B | 1, H | 1, L, T]
+        if mask.shape[1] == 1:  # one mask for every head
             mask = mx.expand_dims(mask, 2)
+        else:  # a mask per query head: head kv * rep + r is row r of KV head kv
+            mask = mask.reshape(mask.shape[0], n_kv, rep, *mask.shape[2:])
         if mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
         else:
@@ -243,8 +265,8 @@ def quantized_attention(
     probs = mx.softmax(scores, axis=-1, precise=True)
     if sinks is not None:
         probs = probs[..., 1:]
-    probs = probs.reshape(B, n_kv, rep * L, -1)
-    out = mx.quantized_matmul(probs, *values.parts, transpose=False, **kw)  # [B, kv, rep*L, Dv]
+    probs = probs.reshape(B, n_kv, rep * L, -1).astype(queries.dtype)
+    out = product(probs, values, False)  # [B, kv, rep * L, Dv]
     return out.reshape(B, n_heads, L, -1)
 
 
