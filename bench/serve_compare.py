@@ -85,6 +85,11 @@ def measure(name: str, command: list[str], port: int, args, log_dir: Path, cwd: 
         # One full request first: the first decode steps of a server compile its kernels.
         serve_load.one_request(target, None, 999_999, load_args)
         for streams in args.levels:
+            # Then one unmeasured wave at the level's concurrency, on prompts of its own (no
+            # prompt cache can answer the measured ones from it): what a server builds once per
+            # batch shape (kernels, cuBLAS plans) stays out of the level, as in the ceiling's.
+            warm = argparse.Namespace(**{**vars(load_args), "requests": streams})
+            serve_load.run_level(target, None, streams, warm, first_id=streams * 100_000 + 50_000)
             before = forwards(url)
             level = serve_load.run_level(target, None, streams, load_args)
             after = forwards(url)
@@ -127,7 +132,8 @@ def markdown(report: dict) -> str:
             f"{report['max_tokens']} tokens per request"
             + (f" (+- {report['max_tokens_spread']})" if report.get("max_tokens_spread") else "")
             + f", ~{report['prompt_words']}-word prompts, "
-            "every prompt different. Aggregate = completion tokens / wall time of the level. "
+            "every prompt different. Aggregate = completion tokens / wall time of the level, "
+            "which follows an unmeasured wave of as many requests as streams. "
             "Ceiling = `bench.ceiling`: one batched decode forward per step at the level's batch "
             "size (mlx-lm's model, plain KV caches, async_eval), no HTTP, no scheduler. "
             "Scheduler = mlxc's Scheduler in-process on the same checkpoint, no HTTP."

@@ -208,12 +208,17 @@ def _stream_requests(target, model, ids: range, threads: int, deadline: float, a
     return results
 
 
-def run_level(target, model: str | None, concurrency: int, args) -> dict:
+def run_level(
+    target, model: str | None, concurrency: int, args, first_id: int | None = None
+) -> dict:
+    """``first_id``: the first request's id, which picks its prompt (default: the level's own
+    prompts, ``concurrency * 100_000`` on)."""
     n_requests = args.requests or max(8, 2 * concurrency)
     n_clients = min(args.clients or clients(concurrency), concurrency)
     t0 = time.perf_counter()  # CLOCK_MONOTONIC: the client processes' clocks agree with it
     deadline = t0 + args.duration
-    first_id = concurrency * 100_000
+    if first_id is None:
+        first_id = concurrency * 100_000
     if n_clients == 1:
         ids = range(first_id, first_id + n_requests)
         results = _stream_requests(target, model, ids, concurrency, deadline, args)

@@ -105,6 +105,17 @@ def test_every_request_once_across_client_processes(stream_server, clients):
     assert level["wall_s"] > 0 and level["aggregate_tps"] > 0
 
 
+def test_a_warm_up_wave_sends_prompts_the_level_does_not(stream_server):
+    """serve_compare's unmeasured wave before each level (``first_id``) asks other prompts than
+    the level's, so no prompt cache answers the measured requests from it."""
+    target, seen = stream_server
+    serve_load.run_level(target, "m", 5, _args(1), first_id=5 * 100_000 + 50_000)
+    warm = set(seen.read_text().split())
+    serve_load.run_level(target, "m", 5, _args(1))
+    level = set(seen.read_text().split()) - warm
+    assert len(warm) == len(level) == 12  # every prompt distinct, none in both
+
+
 def test_clients_scale_with_streams_and_cpus(monkeypatch):
     monkeypatch.setattr(serve_load.os, "cpu_count", lambda: 16)
     assert [serve_load.clients(n) for n in (1, 8, 9, 16, 64)] == [1, 1, 2, 2, 4]
