@@ -2,7 +2,7 @@ import mlx.core as mx
 import pytest
 
 from mlxc.runtime.model import masks
-from mlxc.runtime.model.cache import KVCache, enforce_max_kv
+from mlxc.runtime.model.cache import KVCache, WindowedKVCache, buffer_tokens, enforce_max_kv
 
 
 def kv(n, start=0):
@@ -115,3 +115,16 @@ def test_kv_caches_satisfy_the_protocol():
     assert BatchKVCache.holds_keys
     assert len(cache.arrays()) == 2 and isinstance(cache.batch_layer(), BatchKVCache)
     assert BatchKVCache().batch_layer() is None  # a batch's rows do not join another batch
+
+
+def test_buffers_are_never_a_multiple_of_256_tokens():
+    """A buffer holds whole steps plus one token (``buffer_tokens``), so no slice of it is what
+    MLX's CUDA attention hands to cuDNN, which builds a graph per buffer size: at every length
+    a full and a windowed cache grow through."""
+    for step in (KVCache.step, WindowedKVCache.step):
+        for n in range(1, 3000):
+            assert buffer_tokens(n, step) % 256 and buffer_tokens(n, step) > n
+    cache = KVCache()
+    for n in (1, 255, 256, 300):
+        cache.update_and_fetch(*kv(n))
+        assert cache.keys.shape[2] % 256 and cache.keys.shape[2] >= cache.offset

@@ -24,7 +24,7 @@ from mlxc.runtime.checkpoint.tokenizer import (
     eos_token_ids,
     load_tokenizer,
 )
-from mlxc.runtime.model.cache import KVCache
+from mlxc.runtime.model.cache import KVCache, buffer_tokens
 from mlxc.runtime.serving.generate import generate_tokens, prefill_chunks
 from mlxc.runtime.serving.sample import make_sampler
 
@@ -106,7 +106,8 @@ def test_resident_kv_stays_flat_ten_times_past_the_limit(model):
         live_bytes.append(sum(c.nbytes for c in cache))
     full = live_bytes.index(max(live_bytes))
     assert len(capacities) == 300 and cache[0].offset > 10 * 24
-    assert set(capacities[full:]) == {KVCache.step}  # one allocation, never grown
+    # One allocation (a step and the token buffer_tokens adds), never grown.
+    assert set(capacities[full:]) == {buffer_tokens(24, KVCache.step)} == {KVCache.step + 1}
     assert set(live_bytes[full:]) == {live_bytes[full]}  # 24 tokens (+0 between steps)
 
 
