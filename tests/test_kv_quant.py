@@ -340,8 +340,9 @@ def test_quantised_caches_resume_from_their_prefix_blocks(window):
 
 def test_attend_composes_short_chunks_on_cuda(rng, monkeypatch):
     """On CUDA a chunk of 2 to ``CUDNN_QUERIES - 1`` queries that MLX would run through cuDNN
-    (a graph built per shape) takes ``composed_attention``; one query and long chunks take
-    MLX's kernel. (CUDA simulated: the routing is what is checked, on the CPU's kernels.)"""
+    (a graph built per shape) takes ``composed_attention`` while its scores stay within
+    ``COMPOSED_SCORES``; one query, long chunks and chunks against many keys take MLX's kernel.
+    (CUDA simulated: the routing is what is checked, on the CPU's kernels.)"""
     calls, real = [], layers.composed_attention
 
     def counted(*args, **kwargs):
@@ -350,11 +351,18 @@ def test_attend_composes_short_chunks_on_cuda(rng, monkeypatch):
 
     monkeypatch.setattr(layers, "composed_attention", counted)
     monkeypatch.setattr(layers.cuda_attention, "available", lambda: True)
-    for L in (1, 20, layers.CUDNN_QUERIES):
+    monkeypatch.setattr(layers, "COMPOSED_SCORES", 4 * 20 * 100)  # 4 heads, 20 queries, 100 keys
+    for L, T in (
+        (1, 1),
+        (20, 20),
+        (20, 100),
+        (20, 101),
+        (layers.CUDNN_QUERIES, layers.CUDNN_QUERIES),
+    ):
         q = mx.array(rng.standard_normal((1, 4, L, 64)).astype(np.float32))
-        k, v = (mx.array(rng.standard_normal((1, 2, L, 64)).astype(np.float32)) for _ in "kv")
+        k, v = (mx.array(rng.standard_normal((1, 2, T, 64)).astype(np.float32)) for _ in "kv")
         mask = "causal" if L > 1 else None
         got = attend(q, k, v, scale=0.125, mask=mask)
         want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
         np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
-    assert calls == [20]
+    assert calls == [20, 20]  # the 20-query chunks against 20 and 100 keys

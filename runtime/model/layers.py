@@ -183,7 +183,7 @@ def attend(
         # A prefill chunk: its L x T scores would be materialised; dequantising the live keys
         # once lets it take the fused kernel (same values: dequantize is what the matmul reads).
         keys, values = keys.dequantize(), values.dequantize()
-    if 1 < queries.shape[-2] < CUDNN_QUERIES and cuda_attention.available():
+    if _composed_on_cuda(queries, keys):
         return composed_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     return mx.fast.scaled_dot_product_attention(
         queries, keys, values, scale=scale, mask=mask, sinks=sinks
@@ -195,13 +195,23 @@ def attend(
 QUANTIZED_MATMUL_QUERIES = 8
 
 # On CUDA, chunks of fewer queries than this attend through ``composed_attention``, not MLX's
-# fused kernel: MLX 0.32 runs a chunk of two or more queries through cuDNN, which builds (NVRTC
-# compiles) a graph for each new shape of queries and keys: 45-170 ms each on the H200, where
-# a server's prompts (and prompt groups) rarely repeat a shape. Composed, a 512-token prompt
-# prefilled as fast as through cuDNN (57.6k against 56.4k tokens/s, built graph); at 2048, full
-# chunks, which repeat their shapes, cuDNN's fused kernel is 1.7x faster and holds no L x T
-# scores (``docs/performance.md``).
+# fused kernel, while their scores stay within COMPOSED_SCORES elements: MLX 0.32 runs a chunk
+# of two or more queries through cuDNN, which builds (NVRTC compiles) a graph for each new
+# shape of queries and keys: 45-170 ms each on the H200, where a server's prompts (and prompt
+# groups) rarely repeat a shape. Composed, a 512-token prompt prefilled as fast as through
+# cuDNN (57.6k against 56.4k tokens/s, built graph); at 2048, full chunks, which repeat their
+# shapes, cuDNN's fused kernel is 1.7x faster and holds no L x T scores, and a chunk against a
+# long context would hold too many (``docs/performance.md``).
 CUDNN_QUERIES = 1024
+COMPOSED_SCORES = 2**27  # 256 MiB of bf16 scores (a 512-token chunk, 32 heads, 8k keys)
+
+
+def _composed_on_cuda(queries: mx.array, keys: mx.array) -> bool:
+    """Whether ``attend`` composes this chunk's attention on CUDA (see CUDNN_QUERIES)."""
+    B, n_heads, L, _ = queries.shape
+    if not 1 < L < CUDNN_QUERIES or B * n_heads * L * keys.shape[-2] > COMPOSED_SCORES:
+        return False
+    return cuda_attention.available()
 
 
 def packed_attention() -> bool:
