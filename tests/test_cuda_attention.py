@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mlxc.runtime.checkpoint.loading import load_model
-from mlxc.runtime.model import cuda_attention, layers
+from mlxc.runtime.model import cuda_attention, layers, masks
 from mlxc.runtime.model.cache import KVQuant
 
 cuda_only = pytest.mark.skipif(
@@ -141,6 +141,25 @@ def test_attend_routes_here_only_where_mlx_has_no_fast_path():
     # And attend's answer is the kernel's.
     out = layers.attend(q, k, v, scale=0.125, mask=mask)
     _check(out, _oracle(q, k, v, 0.125, mask))
+
+
+@cuda_only
+@pytest.mark.parametrize("L, T", [(100, 300), (33, 33)])
+def test_attend_composes_a_short_prefill_chunk(monkeypatch, L, T):
+    """A chunk of 17-1,023 queries attends composed on CUDA (``layers.CUDNN_QUERIES``: no
+    cuDNN graph built per shape), causal or with a row mask, GQA, strided keys. Its scores
+    and probabilities are rounded to bf16 between the products (as MLX's own fallback does),
+    each a relative 2^-9, hence 2e-2 rather than the kernel's 1e-2."""
+    composed, real = [], layers.composed_attention
+    monkeypatch.setattr(
+        layers, "composed_attention", lambda *a, **kw: composed.append(1) or real(*a, **kw)
+    )
+    q, k, v = _inputs(2, 8, 2, L, T, 64, seed=5)
+    for mask in ("causal", _ragged_valid(2, T, L, seed=5) & masks.causal_array(L, T)):
+        out = layers.attend(q, k, v, scale=0.125, mask=mask)
+        want = _oracle(q, k, v, 0.125, mask)
+        assert np.abs(np.array(out.astype(mx.float32)) - want).max() < 2e-2
+    assert len(composed) == 2
 
 
 def test_warm_finds_the_models_attention(tmp_path):
