@@ -801,23 +801,22 @@ def serve(
         if prompt_lookup and draft_model is not None:
             raise click.BadParameter("give --draft-model or --prompt-lookup, not both")
         speculation = BatchSpeculation(num_draft_tokens, ngram_size, speculative_rows)
-    distributed = {}
+    # What every rank under mlx.launch must set alike: their schedulers take the same steps.
+    shared = {
+        "max_kv_size": max_kv_size,
+        "kv_sink": kv_sink,
+        "kv_quant": _kv_quant(kv_bits, kv_group_size),
+        "prefill_chunk_size": prefill_chunk_size,
+        "prefix_cache_bytes": prefix_cache_bytes,
+        "prefill_wait_steps": prefill_wait_steps,
+        "speculation": speculation,
+        "specs": specs,
+    }
     if group is not None:
         agree_on_seed(group)  # samplers without a seed draw the same tokens on every rank
-        distributed = {"group": group, "lockstep": Lockstep(group)}
+        shared |= {"group": group, "lockstep": Lockstep(group)}
         if group.rank() != 0:
-            return _follow(
-                model_dir,
-                distributed,
-                max_kv_size,
-                kv_sink,
-                prefill_chunk_size,
-                prefix_cache_bytes,
-                prefill_wait_steps,
-                specs,
-                speculation,
-                draft_model,
-            )
+            return _follow(model_dir, draft_model, shared)
 
     # Bind first: a port in use is reported now, not after the model has loaded.
     try:
@@ -857,25 +856,14 @@ def serve(
             model_id=model_id,
             chat_template=template,
             description=description,
-            max_kv_size=max_kv_size,
-            kv_sink=kv_sink,
-            kv_quant=_kv_quant(kv_bits, kv_group_size),
-            prefill_chunk_size=prefill_chunk_size,
             max_concurrency=max_concurrency,
             max_queue=max_queue,
-            prefix_cache_bytes=prefix_cache_bytes,
-            prefill_wait_steps=prefill_wait_steps,
-            speculation=speculation,
             draft_model=draft_dir,
-            specs=specs,
-            **distributed,
+            **shared,
         )
-    except (CheckpointError, KVQuantError) as e:
+    except (CheckpointError, KVQuantError, RewindError) as e:
         sock.close()
-        raise _OneLineError(str(e), 1) from e
-    except RewindError as e:  # a draft model whose caches cannot take back rejected drafts
-        sock.close()
-        raise _OneLineError(f"cannot speculate: {e}", 1) from e
+        raise _OneLineError(_load_failure(e), 1) from e
     except KeyboardInterrupt:
         sock.close()
         raise _OneLineError("interrupted while loading the model", 130) from None
@@ -928,45 +916,37 @@ def _json_object(value: str | None, flag: str) -> dict:
     return parsed
 
 
-def _follow(
-    model_dir,
-    distributed,
-    max_kv_size,
-    kv_sink,
-    prefill_chunk_size,
-    prefix_cache_bytes,
-    prefill_wait_steps,
-    specs,
-    speculation,
-    draft_model,
-) -> None:
+def _follow(model_dir, draft_model, shared: dict) -> None:
     """A rank other than 0 of `mlx.launch ... mlxc serve`: no HTTP; its scheduler runs the
-    ticks rank 0 broadcasts (the same cache, prefill and speculation settings, so every rank
-    trims, resumes prefixes, groups prompts and speculates alike: each drafts for itself, the
-    same drafts) until rank 0 stops."""
+    ticks rank 0 broadcasts, with the settings every rank shares (`shared`: caches, prefill,
+    speculation, the group), so every rank trims, resumes prefixes, groups prompts and
+    speculates alike (each drafts for itself, the same drafts), until rank 0 stops."""
     import time
 
     from mlxc.runtime.checkpoint import demo
     from mlxc.runtime.checkpoint.loading import CheckpointError
+    from mlxc.runtime.model.cache import KVQuantError, RewindError
     from mlxc.runtime.serving.engine import Engine
 
     try:
         engine = Engine.from_path(
             _resolve_model(model_dir)[0] if model_dir else demo.ensure_demo(),
-            max_kv_size=max_kv_size,
-            kv_sink=kv_sink,
-            prefill_chunk_size=prefill_chunk_size,
-            prefix_cache_bytes=prefix_cache_bytes,
-            prefill_wait_steps=prefill_wait_steps,
-            specs=specs,
-            speculation=speculation,
             draft_model=_resolve_model(draft_model)[0] if draft_model else None,
-            **distributed,
+            **shared,
         )
-    except CheckpointError as e:
-        raise _OneLineError(str(e), 1) from e
+    except (CheckpointError, KVQuantError, RewindError) as e:
+        raise _OneLineError(_load_failure(e), 1) from e
     while engine.scheduler.alive:
         time.sleep(0.5)
+
+
+def _load_failure(error: Exception) -> str:
+    """The one line `mlxc serve` exits with when its model (or draft model) cannot serve."""
+    from mlxc.runtime.model.cache import RewindError
+
+    if isinstance(error, RewindError):  # a draft model whose caches cannot take back drafts
+        return f"cannot speculate: {error}"
+    return str(error)
 
 
 def _comma_list(value: str) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
+import checkpoints as ckpt
 import test_server
 from test_server import Server, free_port
 
@@ -171,6 +172,24 @@ def test_serve_on_two_ranks_answers_as_one_process(tmp_path):
             assert list(pool.map(answer, asks)) == expected, pair.log_text()
         health = pair.wait_idle()
         assert health["requests"]["failed"] == 0 and health["pool"]["peak_batched"] >= 2
+    finally:
+        pair.close()
+    assert "Traceback" not in pair.log_text(), pair.log_text()
+
+
+def test_serve_on_two_ranks_quantises_the_kv_on_both(tmp_path):
+    """`--kv-bits 4` reaches every rank (each holds its own heads' keys): the two-rank server's
+    greedy answers equal `mlxc generate --kv-bits 4` in one process, not a mix of quantised and
+    float heads."""
+    path = ckpt.make_llama(tmp_path / "llama", head_dim=32)  # groups of 32 need a head dim 32
+    flags = ["--kv-bits", "4", "--kv-group-size", "32"]
+    asks = ["hello there, tiny model", "count: one two three four five six"]
+    expected = [test_server.mlxc_generate(path, ask, "--max-tokens", 24, *flags)[0] for ask in asks]
+
+    pair = LaunchedServer(["--model", path, *flags], tmp_path)
+    try:
+        answer = _greedy_chat(pair, path.name, max_tokens=24)
+        assert [answer(ask) for ask in asks] == expected, pair.log_text()
     finally:
         pair.close()
     assert "Traceback" not in pair.log_text(), pair.log_text()
