@@ -37,6 +37,11 @@ def answers(scheduler: Scheduler, jobs: list[list[int]], n: int) -> list[list[in
     outs = [queue.Queue() for _ in jobs]
     for ids, out in zip(jobs, outs):
         scheduler.submit(ids, SamplingParams(max_tokens=n, ignore_eos=True), out.put)
+    return run(scheduler, outs)
+
+
+def run(scheduler: Scheduler, outs: list[queue.Queue]) -> list[list[int]]:
+    """Start ``scheduler``; each queue's tokens once its request finishes; stop it."""
     scheduler.start()
     try:
         results = []
@@ -139,18 +144,7 @@ def test_fresh_prompts_wait_while_the_batch_decodes(tmp_path, monkeypatch, wait_
 
     for r, ids in enumerate(rows):
         scheduler.submit(ids, params[0], first_row if r == 0 else outs[r].put)
-    scheduler.start()
-    try:
-        got = []
-        for out in outs:
-            tokens = []
-            while not isinstance(event := out.get(timeout=120), Finished):
-                assert isinstance(event, Delta), event
-                tokens.append(event.token)
-            got.append(tokens)
-    finally:
-        scheduler.stop()
-    assert got == want
+    assert run(scheduler, outs) == want
     if wait_steps == 0:
         # (on a CPU the second single prompt waits a tick behind the first one's last token)
         assert [n for n, _ in groups] == [12, 3, 1, 1] and max(w for _, w in groups) <= 2
