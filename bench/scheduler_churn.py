@@ -62,8 +62,12 @@ def main(argv: list[str] | None = None) -> None:
 
     scheduler.submit([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), warmed)
     warm.wait()
-    counters = {"prefill": metrics.PREFILL_FORWARDS, "decode": metrics.DECODE_FORWARDS}
-    before = {k: c._value.get() for k, c in counters.items()}
+
+    def forwards() -> dict[str, float]:
+        value = metrics.REGISTRY.get_sample_value
+        return {k: value("mlxc_forwards_total", {"kind": k}) or 0.0 for k in ("prefill", "decode")}
+
+    before = forwards()
     start = time.perf_counter()
     for i in range(args.requests):
         prompt = [(i * 7 + j * 3) % 30000 + 10 for j in range(20 + (i * 13) % 40)]
@@ -73,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     seconds = time.perf_counter() - start
     stats = scheduler.stats()
     scheduler.stop()
-    ran = {k: int(c._value.get() - before[k]) for k, c in counters.items()}
+    ran = {k: int(n - before[k]) for k, n in forwards().items()}
     print(
         f"{counts['tokens']} tokens in {seconds:.1f} s: {counts['tokens'] / seconds:.1f} tokens/s "
         f"({args.rows} rows, {args.requests} requests, peak batched {stats['pool']['peak_batched']}); "

@@ -972,13 +972,14 @@ class Scheduler:
     def _prompts_wait(self) -> bool:
         """Whether fresh prompts wait this tick, to prefill later as the rows of one forward.
 
-        On a GPU a short prompt's forward costs about a decode step's kernel launches, and it
-        is evaluated before the next step is queued (the device idles while the host builds
-        it); a loaded server's requests arrive a few per step, so prefilling each tick's
-        arrivals at once adds about one such forward per decode step. They wait while the
-        decode batch runs, until a quarter of its rows' count wait (a group worth the forward)
-        or the oldest has waited ``prefill_wait_steps`` ticks (its first token late by at most
-        that many decode steps). Counted in ticks, so ranks under ``mlx.launch`` agree.
+        On a GPU a short prompt's forward costs about a decode step's kernel launches, and the
+        tick evaluates it before the next step is queued (the device idles while the host
+        builds that step); prompts arriving one or two per tick would each pay it. So they
+        wait while the decode batch runs, until a quarter of its rows' count wait (a group
+        worth the forward) or the oldest has waited ``prefill_wait_steps`` ticks (its first
+        token late by at most that many decode steps). Counted in ticks, so ranks under
+        ``mlx.launch`` agree. (On the H200 the served load's prompts already came a few at a
+        time: this halved its prefill forwards without moving its rate, ``docs/performance.md``.)
         """
         if self.prefill_wait_steps == 0 or not self.pool.live_keys:
             return False  # nothing decodes: a prompt would wait for nothing
