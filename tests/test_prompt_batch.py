@@ -14,6 +14,7 @@ import pytest
 from test_server import ARCHS
 
 from mlxc.runtime.checkpoint.loading import load_checkpoint
+from mlxc.runtime.model.batch import BatchCache
 from mlxc.runtime.model.cache import KVQuant
 from mlxc.runtime.serving.generate import generate_tokens
 from mlxc.runtime.serving.scheduler import Delta, Finished, SamplingParams, Scheduler
@@ -150,3 +151,28 @@ def test_fresh_prompts_wait_while_the_batch_decodes(tmp_path, monkeypatch, wait_
         assert [n for n, _ in groups] == [12, 3, 1, 1] and max(w for _, w in groups) <= 2
     else:
         assert groups == [(12, 1), (3, 1), (2, wait_steps)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "deepseek_v3", "nemotron_h"])
+def test_warm_churn_places_a_row_and_drops_the_dead(tmp_path, monkeypatch, arch):
+    """The churn round a CUDA server runs before serving (``Scheduler._warm_churn``, called
+    here directly on the CPU) takes the paths the first ending and arriving requests take: a
+    dead row decoded through, a new row written over it, the dead rows dropped; for cache
+    kinds that prefill as prompt batches and for recurrent ones that do not. The server's own
+    pool is left empty."""
+    checkpoint = load_checkpoint(ARCHS[arch](tmp_path / arch))
+    model = checkpoint.load_model()
+    seen: list[str] = []
+    for name in ("place", "keep_rows", "start_rows"):
+        real = getattr(BatchCache, name)
+
+        def recording(self, *args, _real=real, _name=name, **kwargs):
+            seen.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(BatchCache, name, recording)
+    scheduler = Scheduler(model, checkpoint.tokenizer, prefix_cache_bytes=0)
+    scheduler._warm_churn()
+    prompt_batches = arch != "nemotron_h"  # recurrent state takes no padding
+    assert seen == ["start_rows"] * prompt_batches + ["place", "keep_rows"]
+    assert len(scheduler.pool) == 0 and scheduler.pool.batch is None

@@ -563,6 +563,8 @@ class Scheduler:
                 cuda_attention.warm(self.model, queries, self.pool.kv_quant)
                 if self._drafter is not None:
                     cuda_attention.warm(self._drafter.model, queries, self.pool.kv_quant)
+                if cuda_attention.available():
+                    self._warm_churn()
                 self.pool.model = self.model
             except BaseException as e:  # noqa: BLE001 - start() re-raises it
                 errors.append(e)
@@ -572,6 +574,46 @@ class Scheduler:
             self._loop()
         finally:
             self._done.set()
+
+    def _warm_churn(self) -> None:
+        """One round of the decode batch's churn on throwaway caches, before serving: rows
+        join, one leaves (a dead row: its slot's gathers), a prompt batch is written over it
+        (``place``), the dead rows go (a gather of the rest), with a decode step after each.
+
+        MLX's CUDA backend compiles (NVRTC) kernels the first time each runs. Met by the first
+        request to end, they stalled every stream for 2.3-3.5 s on the H200 (16-stream levels
+        of ``bench/results/serve-gpu-h200-llama-s10.md`` and ``-s11.md``: the first answers
+        ended, the next ones waited). Called on CUDA only, where that cost is."""
+        pool = CachePool(self.model, self.pool.max_kv_size, self.pool.kv_sink, self.pool.kv_quant)
+        keys = ["warm-0", "warm-1", "warm-2"]
+        for n, key in enumerate(keys, start=2):  # prompts of 2, 3 and 4 tokens
+            self.model(mx.ones((1, n), mx.int32), cache=pool.allocate(key))
+        if not pool.batchable(keys[0]):
+            return  # caches that never join a batch: no churn to warm
+
+        def step() -> None:
+            ids = mx.ones((len(pool.live_keys), 1), mx.int32)
+            logits = self.model(pool.slot_inputs(ids), cache=pool.batch)
+            pool.enforce(pool.batch)
+            mx.eval(mx.argmax(pool.live_rows(logits[:, -1, :]), axis=-1))
+
+        pool.join(keys)
+        step()
+        pool.release(keys[0])  # two live rows of three: the dead one stays
+        step()
+        caches = pool.allocate("warm-3")
+        if BatchCache.prefills_together(caches):  # a fresh prompt's batch (_prefill_together)
+            prompt = BatchCache.like(caches)
+            prompt.start_rows([2])
+            self.model(mx.ones((1, 2), mx.int32), cache=prompt)
+            pool.join_batch(["warm-3"], prompt)
+        else:
+            self.model(mx.ones((1, 2), mx.int32), cache=caches)
+            pool.join(["warm-3"])
+        step()
+        for key in keys[1:]:  # the last leaves one live row of three: the dead ones go
+            pool.release(key)
+        step()
 
     def request_stop(self) -> None:
         """Begin shutting down without waiting (signal handlers): the loop ends after its
