@@ -59,6 +59,26 @@ def forwards(url: str) -> dict[str, float] | None:
     return {kind: float(n) for kind, n in found} if found else None
 
 
+def thread_cpu(pid: int) -> dict[str, float] | None:
+    """CPU seconds (user + system) each thread of process ``pid`` has used, summed by thread
+    name: ``main`` for its first thread (a server's HTTP event loop), the OS name for the
+    others (mlxc names its scheduler thread ``mlxc-scheduler``). None without Linux's /proc."""
+    tasks = Path(f"/proc/{pid}/task")
+    if not tasks.is_dir():
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    used: dict[str, float] = {}
+    for task in tasks.iterdir():
+        try:
+            name = "main" if task.name == str(pid) else (task / "comm").read_text().strip()
+            # utime and stime: fields 14 and 15, counted after the parenthesised name
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended between the listing and the read
+            continue
+        used[name] = used.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return used
+
+
 def measure(name: str, command: list[str], port: int, args, log_dir: Path, cwd: str) -> dict:
     """Start one server, load it at every level, stop it; the serve_load report.
 
@@ -90,11 +110,15 @@ def measure(name: str, command: list[str], port: int, args, log_dir: Path, cwd: 
             # batch shape (kernels, cuBLAS plans) stays out of the level, as in the ceiling's.
             warm = argparse.Namespace(**{**vars(load_args), "requests": streams})
             serve_load.run_level(target, None, streams, warm, first_id=streams * 100_000 + 50_000)
-            before = forwards(url)
+            before, cpu_before = forwards(url), thread_cpu(proc.pid)
             level = serve_load.run_level(target, None, streams, load_args)
-            after = forwards(url)
+            after, cpu_after = forwards(url), thread_cpu(proc.pid)
             if before is not None and after is not None:  # what the level's forwards were
                 level["forwards"] = {k: after[k] - before.get(k, 0.0) for k in after}
+            if cpu_before is not None and cpu_after is not None:
+                level["thread_cpu_s"] = {
+                    k: round(v - cpu_before.get(k, 0.0), 3) for k, v in cpu_after.items()
+                }
             print(
                 f"[{name}] {streams:>3} streams: {level['aggregate_tps']:.1f} tok/s, "
                 f"{level['errors']} errors",
@@ -167,6 +191,15 @@ def markdown(report: dict) -> str:
             )
             + ".",
         ]
+    timed = [a for a in ours["levels"] if a.get("thread_cpu_s") and a["completion_tokens"]]
+    if timed:
+        lines += [
+            "",
+            "mlxc's CPU time per streamed token by thread, microseconds (`/proc`; `main` is the "
+            "HTTP event loop): "
+            + "; ".join(f"{a['concurrency']} streams: {_per_token(a)}" for a in timed)
+            + ".",
+        ]
     lines.append("")
     for side in (ours, peer):
         first, last = side["levels"][0], side["levels"][-1]
@@ -182,6 +215,15 @@ def markdown(report: dict) -> str:
 def _machine(m: dict) -> str:
     where = m.get("device_info", {}).get("device_name") or m.get("cpu", "?")
     return f"{where}, {m.get('cpus')} CPUs, mlx {m.get('mlx')}, mlx-lm {m.get('mlx_lm')}"
+
+
+def _per_token(level: dict) -> str:
+    """``main 69, mlxc-scheduler 114, other 830``: a level's CPU microseconds per token."""
+    named = ("main", "mlxc-scheduler")
+    cpu = level["thread_cpu_s"]
+    parts = {k: cpu.get(k, 0.0) for k in named}
+    parts["other"] = sum(v for k, v in cpu.items() if k not in named)
+    return ", ".join(f"{k} {v / level['completion_tokens'] * 1e6:.0f}" for k, v in parts.items())
 
 
 def _num(x) -> str:

@@ -136,3 +136,36 @@ def test_answer_lengths_spread_evenly_around_the_mean():
     assert min(lengths) == 32 and max(lengths) == 96
     assert sum(lengths) / len(lengths) == 64  # every length of 32..96 equally often
     assert serve_load.max_tokens(7, argparse.Namespace(max_tokens=64, max_tokens_spread=0)) == 64
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads Linux's /proc")
+def test_thread_cpu_names_each_thread():
+    """serve_compare's CPU time per thread: a thread named for the OS the way the scheduler
+    names its own (``_name_os_thread``) is counted under that name, the first thread as
+    ``main``; a level's line gives microseconds per token."""
+    import os
+    import threading
+
+    from mlxc.runtime.serving.scheduler import _name_os_thread
+
+    burnt, release = threading.Event(), threading.Event()
+
+    def burn():
+        _name_os_thread("mlxc-burn-test")
+        while time.thread_time() < 0.3:
+            pass
+        burnt.set()
+        release.wait(30)
+
+    thread = threading.Thread(target=burn)
+    thread.start()
+    try:
+        assert burnt.wait(30)
+        used = serve_compare.thread_cpu(os.getpid())
+    finally:
+        release.set()
+        thread.join()
+    assert used["mlxc-burn-test"] >= 0.25 and "main" in used
+    level = {"thread_cpu_s": {"main": 0.069, "mlxc-scheduler": 0.114, "a": 0.5, "b": 0.33}}
+    level["completion_tokens"] = 1000
+    assert serve_compare._per_token(level) == "main 69, mlxc-scheduler 114, other 830"
