@@ -15,7 +15,8 @@ Each tick of the loop:
    prefilling sequence (round-robin) by one chunk of at most ``prefill_chunk_size`` tokens, so
    a long prompt costs the others one chunk per token instead of its whole prefill; fresh
    prompts that fit in one chunk go together instead, as the rows of one forward, within the
-   same budget of (padded) tokens (``_prompt_group``);
+   same budget of (padded) tokens (``_prompt_group``), waiting a few ticks for each other
+   while the batch decodes (``_prompts_wait``);
 4. hands each sampled token to its request. The batched step is read one tick later, after the
    next one is queued, so the device works while the host handles tokens.
 
@@ -587,7 +588,7 @@ class Scheduler:
                 ready.set()
             # Named once the model has run here: threads MLX started for this thread's streams
             # took the name it had then, so the OS's name stands for this thread alone.
-            _name_os_thread("mlxc-scheduler")
+            _name_os_thread(threading.current_thread().name)
             self._loop()
         finally:
             self._done.set()

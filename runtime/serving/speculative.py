@@ -264,8 +264,8 @@ class BatchDrafter:
     count: they were in the decode batch for the same steps), or in a forward of their own when
     a row joins or they are more than a chunk behind; a row new to the drafts is prefilled alone
     and joins. Under ``--max-kv-size`` the draft's rows are trimmed after each catch-up and
-    acceptance, so a draft may differ from what an exact one-token run of the draft would propose: drafts are
-    proposals, and the model's verification decides every token.
+    acceptance, so a draft may differ from what an exact one-token run of the draft would
+    propose: drafts are proposals, and the model's verification decides every token.
     """
 
     def __init__(
