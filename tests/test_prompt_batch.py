@@ -154,12 +154,14 @@ def test_fresh_prompts_wait_while_the_batch_decodes(tmp_path, monkeypatch, wait_
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text", "deepseek_v3", "nemotron_h"])
-def test_warm_churn_places_a_row_and_drops_the_dead(tmp_path, monkeypatch, arch):
-    """The churn round a CUDA server runs before serving (``Scheduler._warm_churn``, called
-    here directly on the CPU) takes the paths the first ending and arriving requests take: a
-    dead row decoded through, a new row written over it, the dead rows dropped; for cache
-    kinds that prefill as prompt batches and for recurrent ones that do not. The server's own
-    pool is left empty."""
+def test_warm_serving_takes_the_churn_and_leaves_no_trace(tmp_path, monkeypatch, arch):
+    """The throwaway requests a CUDA server serves before the real ones
+    (``Scheduler._warm_serving``, called here directly on the CPU) take the paths the first
+    real waves take: several prompts prefilled as one batch (not for recurrent caches, which
+    take no padding), a dead row decoded through and a new row written over it, the dead rows
+    dropped, sampled and logprob rows. They leave the server as they found it: an empty pool,
+    no request counted, an empty prefix cache; and answers after them equal
+    ``generate_tokens``'s."""
     checkpoint = load_checkpoint(ARCHS[arch](tmp_path / arch))
     model = checkpoint.load_model()
     seen: list[str] = []
@@ -171,8 +173,18 @@ def test_warm_churn_places_a_row_and_drops_the_dead(tmp_path, monkeypatch, arch)
             return _real(self, *args, **kwargs)
 
         monkeypatch.setattr(BatchCache, name, recording)
-    scheduler = Scheduler(model, checkpoint.tokenizer, prefix_cache_bytes=0)
-    scheduler._warm_churn()
+    options = {"max_kv_size": MAX_KV, "kv_sink": SINK}
+    scheduler = Scheduler(model, checkpoint.tokenizer, max_concurrency=4, **options)
+    scheduler._warm_serving()
     prompt_batches = arch != "nemotron_h"  # recurrent state takes no padding
-    assert seen == ["start_rows"] * prompt_batches + ["place", "keep_rows"]
-    assert len(scheduler.pool) == 0 and scheduler.pool.batch is None
+    assert ("start_rows" in seen) == prompt_batches
+    assert "place" in seen and "keep_rows" in seen
+    stats = scheduler.stats()
+    assert len(scheduler.pool) == 0 and stats["pool"]["peak_batched"] == 0
+    assert stats["running"] == stats["waiting"] == 0
+    assert not any(stats["requests"].values()), stats["requests"]
+    assert scheduler.prefix.nbytes == 0 and scheduler.prefix.hits == 0
+
+    jobs = prompts(model.args.vocab_size)
+    alone = [list(generate_tokens(model, ids, max_tokens=6, **options)) for ids in jobs]
+    assert answers(scheduler, jobs, 6) == alone

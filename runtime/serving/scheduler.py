@@ -60,6 +60,7 @@ import functools
 import logging
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -141,6 +142,35 @@ __all__ = [
 ]
 
 log = logging.getLogger("mlxc.serve")
+
+# Scheduler._warm_serving's requests, (prompt tokens, sampling), in three waves: the first
+# decodes alone; the next four arrive together (two end first, leaving dead rows); two arrive
+# together once they have ended (a prompt batch written over the dead rows); the last arrives
+# alone once one of those has ended (a row written over a dead one).
+_WARM_REQUESTS = (
+    (5, SamplingParams(max_tokens=24, ignore_eos=True)),
+    (3, SamplingParams(max_tokens=2, ignore_eos=True)),
+    (4, SamplingParams(max_tokens=2, ignore_eos=True)),
+    (
+        7,
+        SamplingParams(
+            max_tokens=10, ignore_eos=True, temperature=0.7, top_p=0.9, top_k=20, seed=0
+        ),
+    ),
+    (
+        4,
+        SamplingParams(
+            max_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=2, repetition_penalty=1.1
+        ),
+    ),
+    (6, SamplingParams(max_tokens=2, ignore_eos=True)),
+    (2, SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.0, min_p=0.05, seed=1)),
+    (3, SamplingParams(max_tokens=3, ignore_eos=True)),
+)
+_ENDED = -1
+# (requests, when they arrive: None at once, else (request, tokens it has streamed or _ENDED))
+_WARM_WAVES = (((0,), None), ((1, 2, 3, 4), (0, 2)), ((5, 6), (2, _ENDED)), ((7,), (5, _ENDED)))
+_WARM_MAX_TICKS = 500  # a scheduler that cannot finish them in this many ticks is broken
 
 
 def _run_then_park(work: list[Callable[[], None]]) -> None:
@@ -338,7 +368,7 @@ class CachePool:
         self._live_index = self._slot_source = None
         if None in self.batch_keys:
             live = self._live_slots
-            source = np.full(len(self.batch_keys), len(live))  # a dead row: the zero appended
+            source = np.full(len(self.batch_keys), len(live), np.int32)  # dead: the zero appended
             source[live] = np.arange(len(live))
             self._live_index, self._slot_source = mx.array(live), mx.array(source)
 
@@ -578,9 +608,16 @@ class Scheduler:
                 cuda_attention.warm(self.model, queries, self.pool.kv_quant)
                 if self._drafter is not None:
                     cuda_attention.warm(self._drafter.model, queries, self.pool.kv_quant)
-                if cuda_attention.available():
-                    self._warm_churn()
                 self.pool.model = self.model
+                if cuda_attention.available():
+                    log.info(
+                        "warming up: %d throwaway requests (MLX compiles its CUDA kernels at "
+                        "first use; about a minute on a machine that has not cached them)",
+                        len(_WARM_REQUESTS),
+                    )
+                    start = time.perf_counter()
+                    self._warm_serving()
+                    log.info("warm-up done in %.1f s", time.perf_counter() - start)
             except BaseException as e:  # noqa: BLE001 - start() re-raises it
                 errors.append(e)
                 return
@@ -593,45 +630,60 @@ class Scheduler:
         finally:
             self._done.set()
 
-    def _warm_churn(self) -> None:
-        """One round of the decode batch's churn on throwaway caches, before serving: rows
-        join, one leaves (a dead row: its slot's gathers), a prompt batch is written over it
-        (``place``), the dead rows go (a gather of the rest), with a decode step after each.
+    def _warm_serving(self) -> None:
+        """Serve a few throwaway requests (``_WARM_REQUESTS``) through the scheduler's own ticks
+        before the real ones: a lone row decoding, prompts prefilled together and joining it,
+        rows ending (dead rows decoded through) and arrivals written over them, sampled rows
+        and one asking for logprobs beside greedy ones.
 
-        MLX's CUDA backend compiles (NVRTC) kernels the first time each runs. Met by the first
-        request to end, they stalled every stream for 2.3-3.5 s on the H200 (16-stream levels
-        of ``bench/results/serve-gpu-h200-llama-s10.md`` and ``-s11.md``: the first answers
-        ended, the next ones waited). Called on CUDA only, where that cost is."""
-        pool = CachePool(self.model, self.pool.max_kv_size, self.pool.kv_sink, self.pool.kv_quant)
-        keys = ["warm-0", "warm-1", "warm-2"]
-        for n, key in enumerate(keys, start=2):  # prompts of 2, 3 and 4 tokens
-            self.model(mx.ones((1, n), mx.int32), cache=pool.allocate(key))
-        if not pool.batchable(keys[0]):
-            return  # caches that never join a batch: no churn to warm
+        MLX's CUDA backend compiles (NVRTC) a module the first time a kernel variant runs, a
+        second or more each; met by real requests, every stream waits. On the H200 the first
+        16-stream wave waited 2.4 s for its first tokens, in the gathers of its first joined
+        decode step (``bench/results/warm-gpu-h200/``), after a warm-up of its own that did not
+        take the scheduler's steps. So this one takes them.
 
-        def step() -> None:
-            ids = mx.ones((len(pool.live_keys), 1), mx.int32)
-            logits = self.model(pool.slot_inputs(ids), cache=pool.batch)
-            pool.enforce(pool.batch)
-            mx.eval(mx.argmax(pool.live_rows(logits[:, -1, :]), axis=-1))
+        The requests have a queue of their own (the server's counters do not see them) and skip
+        the prefix cache; ``mlxc_forwards_total`` counts their forwards. Called on CUDA only."""
+        queue, prefix = self._queue, self.prefix
+        self._queue, self.prefix = AdmissionQueue(len(_WARM_REQUESTS), 0), None
+        streamed: dict[int, int] = {}  # warm request -> tokens it has streamed, or _ENDED
 
-        pool.join(keys)
-        step()
-        pool.release(keys[0])  # two live rows of three: the dead one stays
-        step()
-        caches = pool.allocate("warm-3")
-        if BatchCache.prefills_together(caches):  # a fresh prompt's batch (_prefill_together)
-            prompt = BatchCache.like(caches)
-            prompt.start_rows([2])
-            self.model(mx.ones((1, 2), mx.int32), cache=prompt)
-            pool.join_batch(["warm-3"], prompt)
-        else:
-            self.model(mx.ones((1, 2), mx.int32), cache=caches)
-            pool.join(["warm-3"])
-        step()
-        for key in keys[1:]:  # the last leaves one live row of three: the dead ones go
-            pool.release(key)
-        step()
+        def submit(index: int) -> None:
+            length, params = _WARM_REQUESTS[index]
+            prompt = [10 + (7 * index + 3 * i) % 50 for i in range(length)]
+            streamed[index] = 0
+
+            def emit(event: Event) -> None:
+                if isinstance(event, Failed):
+                    log.warning("warm-up request %d failed: %s", index, event.message)
+                streamed[index] = streamed[index] + 1 if isinstance(event, Delta) else _ENDED
+
+            self._queue.submit(prompt, params, emit, None, lambda: False)
+
+        def arrives(when: tuple[int, int] | None) -> bool:
+            if when is None:
+                return True
+            index, tokens = when
+            now = streamed.get(index, 0)
+            return now == _ENDED or tokens != _ENDED and now >= tokens
+
+        waves = list(_WARM_WAVES)
+        try:
+            for _ in range(_WARM_MAX_TICKS):
+                while waves and arrives(waves[0][1]):
+                    for index in waves.pop(0)[0]:
+                        submit(index)
+                for request in self._queue.admit(busy=True):
+                    self._admit(request)
+                self._tick()
+                if not waves and not self._running:
+                    break
+            else:
+                raise RuntimeError(f"warm-up requests unfinished after {_WARM_MAX_TICKS} ticks")
+        finally:
+            self._queue, self.prefix = queue, prefix
+            self.spec_stats = SpecStats()
+            self.pool.peak_batched = self.pool.peak_bytes = 0
 
     def request_stop(self) -> None:
         """Begin shutting down without waiting (signal handlers): the loop ends after its
