@@ -625,6 +625,14 @@ def _drafter(draft_model, prompt_lookup, ngram_size, num_draft_tokens, checkpoin
     "batch's count waits); 0 prefills each at once.",
 )
 @click.option(
+    "--warmup/--no-warmup",
+    default=True,
+    show_default=True,
+    help="On CUDA, serve a few throwaway requests before the real ones, so that the kernels MLX "
+    "compiles at first use do not stall the first real requests (about a minute on a machine "
+    "whose MLX kernel cache is empty, ~20 s once filled). No effect on other devices.",
+)
+@click.option(
     "--max-tokens",
     default=serve_defaults.DEFAULT_MAX_TOKENS,
     show_default=True,
@@ -738,6 +746,7 @@ def serve(
     max_queue,
     prefix_cache_bytes,
     prefill_wait_steps,
+    warmup,
     max_tokens,
     max_tokens_limit,
     max_images_per_request,
@@ -809,6 +818,7 @@ def serve(
         "prefill_chunk_size": prefill_chunk_size,
         "prefix_cache_bytes": prefix_cache_bytes,
         "prefill_wait_steps": prefill_wait_steps,
+        "warm_up": warmup,
         "speculation": speculation,
         "specs": specs,
     }

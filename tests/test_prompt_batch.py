@@ -188,3 +188,39 @@ def test_warm_serving_takes_the_churn_and_leaves_no_trace(tmp_path, monkeypatch,
     jobs = prompts(model.args.vocab_size)
     alone = [list(generate_tokens(model, ids, max_tokens=6, **options)) for ids in jobs]
     assert answers(scheduler, jobs, 6) == alone
+
+
+@pytest.mark.parametrize("flag, warm", [([], True), (["--no-warmup"], False)])
+def test_warmup_flag_reaches_the_scheduler(tmp_path, monkeypatch, flag, warm):
+    """``mlxc serve --no-warmup`` turns the throwaway requests off (the settings every rank
+    shares: under mlx.launch all ranks warm up or none); with them on, a scheduler on CUDA
+    serves them before ``start`` returns. CUDA is stood in for: ``available`` says yes and the
+    attention kernel's own warm-up is skipped; ``_warm_serving`` runs as it would."""
+    from click.testing import CliRunner
+
+    from mlxc.cli import main
+    from mlxc.runtime.model import cuda_attention
+    from mlxc.runtime.serving.engine import Engine
+
+    path = ARCHS["llama"](tmp_path / "llama")
+    seen = {}
+
+    def loading(*args, **kwargs):
+        seen.update(kwargs)
+        raise KeyboardInterrupt  # stop before serving: the CLI reports it and exits 130
+
+    monkeypatch.setattr(Engine, "from_path", staticmethod(loading))
+    result = CliRunner().invoke(main, ["serve", "--model", str(path), "--port", "0", *flag])
+    assert result.exit_code == 130, result.output
+    assert seen["warm_up"] is warm
+
+    warmed = []
+    real = Scheduler._warm_serving
+    monkeypatch.setattr(Scheduler, "_warm_serving", lambda self: warmed.append(real(self)))
+    monkeypatch.setattr(cuda_attention, "available", lambda: True)
+    monkeypatch.setattr(cuda_attention, "warm", lambda *args, **kwargs: None)
+    checkpoint = load_checkpoint(path)
+    scheduler = Scheduler(checkpoint.load_model(), checkpoint.tokenizer, warm_up=warm)
+    scheduler.start()
+    scheduler.stop()
+    assert len(warmed) == warm and len(scheduler.pool) == 0

@@ -500,12 +500,15 @@ class Scheduler:
         prefill_wait_steps: int = DEFAULT_PREFILL_WAIT_STEPS,
         lockstep: Any = None,
         speculation: BatchSpeculation | None = None,
+        warm_up: bool = True,
     ) -> None:
         """``lockstep``: under ``mlx.launch``, the hook that makes every rank's ticks admit and
         drop the same requests (``runtime.serving.distributed.Lockstep``). ``speculation``:
         prompt-lookup drafts verified in the decode batch (see the module docstring).
         ``prefill_wait_steps``: the most decode steps a fresh prompt waits for others to
-        prefill with (``_prompts_wait``); 0 prefills each tick's arrivals at once."""
+        prefill with (``_prompts_wait``); 0 prefills each tick's arrivals at once.
+        ``warm_up``: on CUDA, serve throwaway requests before the real ones
+        (``_warm_serving``)."""
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
         if prefill_wait_steps < 0:
@@ -525,6 +528,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.prefill_chunk_size = prefill_chunk_size
         self.prefill_wait_steps = prefill_wait_steps
+        self.warm_up = warm_up
         self.pool = CachePool(model, max_kv_size, kv_sink, kv_quant)
         # Snapshots of prompts at their chunk boundaries (runtime.serving.prefix_cache).
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
@@ -609,10 +613,11 @@ class Scheduler:
                 if self._drafter is not None:
                     cuda_attention.warm(self._drafter.model, queries, self.pool.kv_quant)
                 self.pool.model = self.model
-                if cuda_attention.available():
+                if self.warm_up and cuda_attention.available():
                     log.info(
                         "warming up: %d throwaway requests (MLX compiles its CUDA kernels at "
-                        "first use; about a minute on a machine that has not cached them)",
+                        "first use; about a minute on a machine that has not cached them; "
+                        "--no-warmup skips this)",
                         len(_WARM_REQUESTS),
                     )
                     start = time.perf_counter()
