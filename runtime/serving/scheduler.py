@@ -643,9 +643,9 @@ class Scheduler:
 
         MLX's CUDA backend compiles (NVRTC) a module the first time a kernel variant runs, a
         second or more each; met by real requests, every stream waits. On the H200 the first
-        16-stream wave waited 2.4 s for its first tokens, in the gathers of its first joined
-        decode step (``bench/results/warm-gpu-h200/``), after a warm-up of its own that did not
-        take the scheduler's steps. So this one takes them.
+        16-stream wave waited 2.5 s for its first tokens while MLX compiled a gather module for
+        the batched decode step (``bench/results/warm-gpu-h200/``), after a warm-up whose steps
+        were its own, not the scheduler's. So this one takes the scheduler's.
 
         The requests have a queue of their own (the server's counters do not see them) and skip
         the prefix cache; ``mlxc_forwards_total`` counts their forwards. Called on CUDA only."""
