@@ -25,9 +25,9 @@ decode batch is small and whose rows may speculate (``BatchSpeculation``) reads 
 flight first, drafts each row's next tokens (from n-grams of its own prompt and output, or
 from the draft model, one forward per draft token for all rows: ``speculative.BatchDrafter``)
 and verifies them in one forward of the batch; each row accepts by its own rule (greedy, or
-the accept/reject rule at its temperature), the rows keep as many drafts as the row that kept the fewest
-(``speculative.cut_to_shortest``) and rewind the rest (``BatchKVCache.rewind``), then trim.
-Greedy output is the plain greedy output; sampled output follows the same distribution.
+the accept/reject rule at its temperature), the rows keep as many drafts as the row that kept
+the fewest (``speculative.cut_to_shortest``) and rewind the rest (``BatchKVCache.rewind``),
+then trim. Greedy output is the plain greedy output; sampled output follows the same distribution.
 
 A decode step reads every weight once whatever the batch size, which is what makes serving
 many streams cheaper than serving them one by one. Prefill runs per sequence in its own
@@ -1077,8 +1077,10 @@ class Scheduler:
         None: the front of the queue while fresh prompts need not wait, else the first prompt
         already under way (a fresh prompt's wait never holds up a chunked one)."""
         queue = self._prefill_queue
-        if not queue or not self._prompts_wait():
-            return queue.popleft() if queue else None
+        if not queue:
+            return None
+        if not self._prompts_wait():
+            return queue.popleft()
         seq = next((s for s in queue if not _fresh(s)), None)
         if seq is not None:
             queue.remove(seq)
@@ -1096,10 +1098,11 @@ class Scheduler:
         ``mlx.launch`` agree. (On the H200 the served load's prompts already came a few at a
         time: this halved its prefill forwards without moving its rate, ``docs/performance.md``.)
         """
-        if self.prefill_wait_steps == 0 or not self.pool.live_keys:
+        live = len(self.pool.live_keys)
+        if self.prefill_wait_steps == 0 or not live:
             return False  # nothing decodes: a prompt would wait for nothing
         fresh = [s for s in self._prefill_queue if _fresh(s)]
-        if not fresh or 4 * len(fresh) >= len(self.pool.live_keys):
+        if not fresh or 4 * len(fresh) >= live:
             return False
         return self._ticks - min(s.admitted_tick for s in fresh) < self.prefill_wait_steps
 
