@@ -1,0 +1,167 @@
+"""Where a 4-bit-KV decode step (``--kv-bits 4``) spends its extra time against the float cache's:
+one model, its decode timed with parts of the quantised step swapped out::
+
+    python -m bench.kv_step_parts --device gpu --size medium --out bench/results/kv-step-parts-gpu-h200
+
+Variants (llama from ``bench.models``, greedy, a 512-token prompt then 128 tokens, interleaved,
+median of ``--repeats``):
+
+* ``float``: the float cache, as ``mlxc generate`` runs it (MLX's own one-query attention);
+* ``float, mlxc kernel`` (CUDA only): the float cache, but attention through mlxc's kernel
+  (``runtime.model.cuda_attention``), which every 4-bit step takes: the kernel's cost alone;
+* ``kv4``: the 4-bit cache;
+* ``kv4, no quantise``: the 4-bit cache, with each new token's packed parts taken from
+  zero arrays of the right shapes instead of ``mx.quantize``: the quantisation's cost alone (the
+  writes and the packed attention stay; the tokens are then garbage, the timing is not).
+
+Each variant's tokens/s comes from ``generate_tokens``'s own loop; the same steps are also run in
+a plain loop that splits a step into building its graph (host, Python) and evaluating it
+(``mx.eval``: MLX's encoding and the device), medians per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.kv_step_parts", description=__doc__)
+    p.add_argument("--device", choices=["cpu", "gpu"], default="gpu")
+    p.add_argument("--size", choices=["small", "medium"], default="medium")
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    args = p.parse_args(argv)
+
+    from mlxc.runtime import blas
+
+    blas.preload(args.device)  # before MLX is imported
+    import mlx.core as mx
+
+    import mlxc
+    from bench import models
+    from bench.harness import prompt
+    from mlxc.runtime.model import cache as kv
+    from mlxc.runtime.model import cuda_attention
+    from mlxc.runtime.serving.generate import generate_tokens
+
+    mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
+    with tempfile.TemporaryDirectory(prefix="mlxc-kvparts-") as tmp:
+        path = Path(tmp) / "llama"
+        models.write_checkpoint(path, "llama", args.size)
+        model = mlxc.load_model(path)
+    ids = prompt(args.prompt, model.args.vocab_size, 1)
+    quant = kv.KVQuant(4, 64)
+    cuda_attention.warm(model, (1,), quant)
+    real_quantize, real_applies = kv.KVQuant.quantize, cuda_attention.applies
+
+    @functools.cache
+    def zero_parts(shape, dtype, bits, group):
+        *lead, dim = shape
+        packed = mx.zeros((*lead, dim * bits // 32), mx.uint32)
+        scales = mx.zeros((*lead, dim // group), dtype)
+        return packed, scales, mx.zeros_like(scales)
+
+    def no_quantize(self, x):
+        return kv.QuantizedKV(zero_parts(tuple(x.shape), x.dtype, self.bits, self.group_size), self)
+
+    def through_kernel(queries, values_dim, mask, quantized):
+        return real_applies(queries, values_dim, mask, True)
+
+    variants = {"float": (None, {}), "kv4": (quant, {}), "kv4, no quantise": (quant, {"q": 1})}
+    if cuda_attention.available():
+        variants = {"float": variants["float"], "float, mlxc kernel": (None, {"k": 1}), **variants}
+
+    def patched(options):
+        kv.KVQuant.quantize = no_quantize if "q" in options else real_quantize
+        cuda_attention.applies = through_kernel if "k" in options else real_applies
+
+    def own_loop(kv_quant) -> float:
+        times = []
+        for _ in generate_tokens(model, ids, max_tokens=args.tokens + 1, kv_quant=kv_quant):
+            times.append(time.perf_counter())
+        return args.tokens / (times[-1] - times[0])
+
+    def split_loop(kv_quant) -> tuple[float, float]:
+        cache = kv.make_caches(model, kv_quant)
+        y = mx.argmax(model(mx.array([ids]), cache=cache)[:, -1, :], axis=-1)
+        mx.eval(y)
+        builds, evals = [], []
+        for _ in range(args.tokens):
+            t0 = time.perf_counter()
+            y = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
+            t1 = time.perf_counter()
+            mx.eval(y)
+            builds.append(t1 - t0)
+            evals.append(time.perf_counter() - t1)
+        skip = min(8, args.tokens // 2)  # the first steps after a prefill settle
+        return 1e3 * statistics.median(builds[skip:]), 1e3 * statistics.median(evals[skip:])
+
+    try:
+        for kv_quant, options in variants.values():  # warm: kernels compiled, buffers grown
+            patched(options)
+            own_loop(kv_quant)
+        tps = {name: [] for name in variants}
+        for _ in range(args.repeats):
+            for name, (kv_quant, options) in variants.items():
+                patched(options)
+                tps[name].append(own_loop(kv_quant))
+        split = {}
+        for name, (kv_quant, options) in variants.items():
+            patched(options)
+            split[name] = split_loop(kv_quant)
+    finally:
+        patched({})
+
+    base = statistics.median(tps["float"])
+    rows = {
+        name: {
+            "tokens_per_s": statistics.median(xs),
+            "all": [round(x, 1) for x in xs],
+            "vs_float": statistics.median(xs) / base,
+            "build_ms": split[name][0],
+            "eval_ms": split[name][1],
+        }
+        for name, xs in tps.items()
+    }
+    device = mx.device_info().get("device_name", args.device) if args.device == "gpu" else "cpu"
+    command = " ".join(argv or sys.argv[1:])
+    setting = (
+        f"`python -m bench.kv_step_parts {command}`: llama {args.size}, {device}, MLX "
+        f"{mx.__version__}; {args.prompt}-token prompt, {args.tokens} greedy tokens, median of "
+        f"{args.repeats}. Build: the step's graph built in Python; eval: `mx.eval` of it (MLX's "
+        "encoding and the device); medians per step of a plain loop."
+    )
+    lines = [
+        "# 4-bit KV decode, part by part",
+        "",
+        setting,
+        "",
+        "| variant | tokens/s | vs float | build ms | eval ms | runs |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for name, r in rows.items():
+        lines.append(
+            f"| {name} | {r['tokens_per_s']:.1f} | {r['vs_float']:.2f}x | {r['build_ms']:.2f} "
+            f"| {r['eval_ms']:.2f} | {r['all']} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.with_suffix(".json").write_text(
+            json.dumps({"args": vars(args), "device": device, "variants": rows}, indent=1)
+        )
+        out.with_suffix(".md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
