@@ -12,6 +12,7 @@ models resident in one process do not inflate each other's numbers.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -61,6 +62,7 @@ class Side:
 class Run:
     first_s: float  # time to the first token (prefill + one step)
     decode_tps: float | None  # tokens/s after the first token (None with one token)
+    step_ms: list[float]  # the time between consecutive tokens after the first, per token
     peak_bytes: int  # own weights + the run's extra peak
     kv_bytes_per_token: float
     tokens: list[int] = field(default_factory=list)
@@ -101,6 +103,7 @@ def run_once(side: Side, ids: list[int], max_tokens: int) -> Run:
     return Run(
         first_s=times[0] - start,
         decode_tps=decode,
+        step_ms=[1e3 * (b - a) for a, b in itertools.pairwise(times)],
         peak_bytes=side.weight_bytes + max(peak, 0),
         kv_bytes_per_token=kv_bytes_per_token(cache),
         tokens=tokens,
@@ -148,6 +151,7 @@ def measure(
         rs = runs[side.name]
         first = statistics.median(r.first_s for r in rs)
         decodes = [r.decode_tps for r in rs if r.decode_tps is not None]
+        steps = [r for r in rs if r.step_ms]
         out[side.name] = {
             "prefill_tps": len(cell.ids) / first,
             "first_token_s": first,
@@ -157,6 +161,12 @@ def measure(
             "repeats": len(rs),
             "first_token_s_all": [round(r.first_s, 5) for r in rs],
             "decode_tps_all": [round(d, 3) for d in decodes],
+            # The typical step and the longest: a mean rate well under 1000 / median step
+            # means some steps stalled (the machine, a compile), not that every step is slow.
+            "decode_step_ms_median": (
+                statistics.median(statistics.median(r.step_ms) for r in steps) if steps else None
+            ),
+            "decode_step_ms_max": max(max(r.step_ms) for r in steps) if steps else None,
             "tokens": rs[-1].tokens[:8],
         }
         log(

@@ -89,8 +89,29 @@ def _table(result: dict, ours: tuple[str, str], peer: tuple[str, str], title: st
             if "error" in c.get(side, {})
         }
     )
-    lines += [f"`fails`: {e}" for e in errors] + [""]
-    return "\n".join(lines)
+    lines += [f"`fails`: {e}" for e in errors]
+    stalled = sorted(
+        f"{side} {arch} {quant} ({_fmt(c[side]['decode_tps'])} tokens/s overall, "
+        f"{_fmt(1e3 / c[side]['decode_step_ms_median'])} at its median step, longest step "
+        f"{c[side]['decode_step_ms_max']:.0f} ms)"
+        for cells, side in ((o_cells, ours[1]), (p_cells, peer[1]))
+        for (arch, quant), per in cells.items()
+        for c in per.values()
+        if _stalled(c.get(side, {}))
+    )
+    if stalled:
+        lines.append(
+            "Decode runs with stalls (a mean rate under 0.8x that of the median step: some steps "
+            "waited, e.g. on the machine or a compile): " + "; ".join(stalled) + "."
+        )
+    return "\n".join([*lines, ""])
+
+
+def _stalled(numbers: dict) -> bool:
+    """Whether a decode cell's mean rate is well under its median step's (runs from before the
+    per-step times were recorded have none)."""
+    median = numbers.get("decode_step_ms_median")
+    return bool(median and numbers.get("decode_tps")) and numbers["decode_tps"] < 0.8e3 / median
 
 
 def markdown(result: dict) -> str:
