@@ -12,7 +12,10 @@ median of ``--repeats``):
 * ``kv4``: the 4-bit cache;
 * ``kv4, no quantise``: the 4-bit cache, with each new token's packed parts taken from
   zero arrays of the right shapes instead of ``mx.quantize``: the quantisation's cost alone (the
-  writes and the packed attention stay; the tokens are then garbage, the timing is not).
+  writes and the packed attention stay; the tokens are then garbage, the timing is not);
+* ``kv4, dequantised`` (CUDA only): the 4-bit cache, its live keys and values dequantised each
+  step for MLX's one-query kernel instead of read packed by mlxc's (what ``layers.attend`` does
+  for a prefill chunk): whether, at batch one, expanding the cache costs less than the kernel.
 
 Each variant's tokens/s comes from ``generate_tokens``'s own loop; the same steps are also run in
 a plain loop that splits a step into building its graph (host, Python) and evaluating it
@@ -76,13 +79,23 @@ def main(argv: list[str] | None = None) -> None:
     def through_kernel(queries, values_dim, mask, quantized):
         return real_applies(queries, values_dim, mask, True)
 
+    def float_only(queries, values_dim, mask, quantized):
+        return not quantized and real_applies(queries, values_dim, mask, quantized)
+
     variants = {"float": (None, {}), "kv4": (quant, {}), "kv4, no quantise": (quant, {"q": 1})}
     if cuda_attention.available():
-        variants = {"float": variants["float"], "float, mlxc kernel": (None, {"k": 1}), **variants}
+        variants = {
+            "float": variants["float"],
+            "float, mlxc kernel": (None, {"k": 1}),
+            **variants,
+            "kv4, dequantised": (quant, {"d": 1}),
+        }
 
     def patched(options):
         kv.KVQuant.quantize = no_quantize if "q" in options else real_quantize
-        cuda_attention.applies = through_kernel if "k" in options else real_applies
+        cuda_attention.applies = (
+            through_kernel if "k" in options else float_only if "d" in options else real_applies
+        )
 
     def own_loop(kv_quant) -> float:
         times = []
