@@ -17,7 +17,9 @@ from mlxc.runtime.checkpoint.loading import load_checkpoint
 from mlxc.runtime.model.batch import BatchCache
 from mlxc.runtime.model.cache import KVQuant
 from mlxc.runtime.serving.generate import generate_tokens
+from mlxc.runtime.serving import scheduler as scheduler_module
 from mlxc.runtime.serving.scheduler import Delta, Finished, SamplingParams, Scheduler
+from mlxc.runtime.serving.structured import apply_masks
 
 # Prompt lengths (one of a single token); a bound that trims the longest prompt inside its
 # prefill and the others while they decode.
@@ -159,12 +161,21 @@ def test_warm_serving_takes_the_churn_and_leaves_no_trace(tmp_path, monkeypatch,
     (``Scheduler._warm_serving``, called here directly on the CPU) take the paths the first
     real waves take: several prompts prefilled as one batch (not for recurrent caches, which
     take no padding), a dead row decoded through and a new row written over it, the dead rows
-    dropped, sampled and logprob rows. They leave the server as they found it: an empty pool,
-    no request counted, an empty prefix cache; and answers after them equal
-    ``generate_tokens``'s."""
+    dropped, sampled and logprob rows, and a constrained row's masked prefill and decode steps.
+    They leave the server as they found it: an empty pool, no request counted, an empty prefix
+    cache; and answers after them equal ``generate_tokens``'s."""
     checkpoint = load_checkpoint(ARCHS[arch](tmp_path / arch))
     model = checkpoint.load_model()
     seen: list[str] = []
+    masked: list[tuple[int, int]] = []  # (rows masked, rows in the step) per masked step
+
+    def recording_masks(logits, rows, masks):
+        assert all(m.shape == masks[0].shape and (m == -1).all() for m in masks)  # AnyToken
+        if rows:  # every step asks; most have no constrained row
+            masked.append((len(rows), logits.shape[0]))
+        return apply_masks(logits, rows, masks)
+
+    monkeypatch.setattr(scheduler_module, "apply_masks", recording_masks)
     for name in ("place", "keep_rows", "start_rows"):
         real = getattr(BatchCache, name)
 
@@ -178,6 +189,10 @@ def test_warm_serving_takes_the_churn_and_leaves_no_trace(tmp_path, monkeypatch,
     scheduler._warm_serving()
     prompt_batches = arch != "nemotron_h"  # recurrent state takes no padding
     assert ("start_rows" in seen) == prompt_batches
+    # The constrained row's prefill (in a prompt batch of four where they take padding), then
+    # its decode steps beside other rows; its 10 tokens: the prefill's and 9 steps'.
+    assert masked[0] == ((1, 4) if prompt_batches else (1, 1))
+    assert len(masked) == 10 and any(batch > 1 for _, batch in masked[1:])
     assert "place" in seen and "keep_rows" in seen
     stats = scheduler.stats()
     assert len(scheduler.pool) == 0 and stats["pool"]["peak_batched"] == 0

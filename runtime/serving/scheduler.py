@@ -63,6 +63,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
@@ -124,7 +125,7 @@ from mlxc.runtime.serving.speculative import (
     greedy_accept,
     probs,
 )
-from mlxc.runtime.serving.structured import apply_masks
+from mlxc.runtime.serving.structured import AnyToken, apply_masks
 
 __all__ = [
     "CachePool",
@@ -146,7 +147,8 @@ log = logging.getLogger("mlxc.serve")
 # Scheduler._warm_serving's requests, (prompt tokens, sampling), in three waves: the first
 # decodes alone; the next four arrive together (two end first, leaving dead rows); two arrive
 # together once they have ended (a prompt batch written over the dead rows); the last arrives
-# alone once one of those has ended (a row written over a dead one).
+# alone once one of those has ended (a row written over a dead one). _WARM_CONSTRAINED's
+# output is constrained (by AnyToken: the masked steps of structured output, no grammar).
 _WARM_REQUESTS = (
     (5, SamplingParams(max_tokens=24, ignore_eos=True)),
     (3, SamplingParams(max_tokens=2, ignore_eos=True)),
@@ -167,6 +169,7 @@ _WARM_REQUESTS = (
     (2, SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.0, min_p=0.05, seed=1)),
     (3, SamplingParams(max_tokens=3, ignore_eos=True)),
 )
+_WARM_CONSTRAINED = 3
 _ENDED = -1
 # (requests, when they arrive: None at once, else (request, tokens it has streamed or _ENDED))
 _WARM_WAVES = (((0,), None), ((1, 2, 3, 4), (0, 2)), ((5, 6), (2, _ENDED)), ((7,), (5, _ENDED)))
@@ -638,8 +641,9 @@ class Scheduler:
     def _warm_serving(self) -> None:
         """Serve a few throwaway requests (``_WARM_REQUESTS``) through the scheduler's own ticks
         before the real ones: a lone row decoding, prompts prefilled together and joining it,
-        rows ending (dead rows decoded through) and arrivals written over them, sampled rows
-        and one asking for logprobs beside greedy ones.
+        rows ending (dead rows decoded through) and arrivals written over them, sampled rows,
+        one asking for logprobs and one whose output is constrained (the masked steps of
+        structured output) beside greedy ones.
 
         MLX's CUDA backend compiles (NVRTC) a module the first time a kernel variant runs, a
         second or more each; met by real requests, every stream waits. On the H200 the first
@@ -655,6 +659,8 @@ class Scheduler:
 
         def submit(index: int) -> None:
             length, params = _WARM_REQUESTS[index]
+            if index == _WARM_CONSTRAINED:
+                params = replace(params, constraint=AnyToken(len(self.tokenizer)))
             prompt = [10 + (7 * index + 3 * i) % 50 for i in range(length)]
             streamed[index] = 0
 

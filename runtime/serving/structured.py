@@ -126,6 +126,22 @@ class Constraint:
         return self.matcher.is_stopped()
 
 
+class AnyToken:
+    """A constraint every token satisfies: ``Constraint``'s interface with no grammar behind it.
+    The scheduler's CUDA warm-up gives it to one throwaway request, so the steps of a
+    constrained row (masked logits, sampled once the masks are known) compile their kernels
+    before the first real grammar meets them."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self._mask = np.full((vocab_size + 31) // 32, -1, dtype=np.int32)
+
+    def bitmask(self) -> np.ndarray:
+        return self._mask
+
+    def accept(self, token: int) -> None:
+        pass
+
+
 class Grammars:
     """Makes constraints for one tokenizer (the llguidance tokenizer is built on first use)."""
 
