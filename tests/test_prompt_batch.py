@@ -16,8 +16,8 @@ from test_server import ARCHS
 from mlxc.runtime.checkpoint.loading import load_checkpoint
 from mlxc.runtime.model.batch import BatchCache
 from mlxc.runtime.model.cache import KVQuant
-from mlxc.runtime.serving.generate import generate_tokens
 from mlxc.runtime.serving import scheduler as scheduler_module
+from mlxc.runtime.serving.generate import generate_tokens
 from mlxc.runtime.serving.scheduler import Delta, Finished, SamplingParams, Scheduler
 from mlxc.runtime.serving.structured import apply_masks
 
