@@ -16,6 +16,7 @@ from test_server import ARCHS
 from mlxc.runtime.checkpoint.loading import load_checkpoint
 from mlxc.runtime.model.batch import BatchCache
 from mlxc.runtime.model.cache import KVQuant
+from mlxc.runtime.serving import metrics
 from mlxc.runtime.serving import scheduler as scheduler_module
 from mlxc.runtime.serving.generate import generate_tokens
 from mlxc.runtime.serving.scheduler import Delta, Finished, SamplingParams, Scheduler
@@ -186,7 +187,14 @@ def test_warm_serving_takes_the_churn_and_leaves_no_trace(tmp_path, monkeypatch,
         monkeypatch.setattr(BatchCache, name, recording)
     options = {"max_kv_size": MAX_KV, "kv_sink": SINK}
     scheduler = Scheduler(model, checkpoint.tokenizer, max_concurrency=4, **options)
+
+    def forwards() -> list[float | None]:
+        value = metrics.REGISTRY.get_sample_value
+        return [value("mlxc_forwards_total", {"kind": k}) for k in ("prefill", "decode")]
+
+    counted = forwards()
     scheduler._warm_serving()
+    assert forwards() == counted  # the server's metrics count what it served
     prompt_batches = arch != "nemotron_h"  # recurrent state takes no padding
     assert ("start_rows" in seen) == prompt_batches
     # The constrained row's prefill (in a prompt batch of four where they take padding), then

@@ -21,7 +21,8 @@ Exposed names (counters get prometheus' ``_total`` suffix):
   batched step, or a sequence's own step), ``prefill`` (a prompt chunk, or prompts prefilled
   together) and ``verify`` (a speculative verification); on a GPU a forward costs about its
   kernel launches whatever its tokens, so prefill forwards per decode forward say how much of
-  a loaded server's device time goes to arriving prompts;
+  a loaded server's device time goes to arriving prompts (the scheduler's CUDA warm-up, its
+  throwaway requests before serving, counts in none of these);
 - ``mlxc_queue_depth``, ``mlxc_running_sequences``, ``mlxc_kv_cache_bytes``: gauges;
 - ``mlxc_time_to_first_token_seconds``: from the request's arrival to its first token;
 - ``mlxc_inter_token_latency_seconds``: between a request's successive tokens;

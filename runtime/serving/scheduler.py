@@ -562,6 +562,7 @@ class Scheduler:
         self._running: dict[_Sequence, None] = {}  # admission order; scheduler thread only
         self._prefill_queue: deque[_Sequence] = deque()  # round-robin order of prefills
         self._ticks = 0  # ticks run: a fresh prompt's wait is counted in them (_prompts_wait)
+        self._warming = False  # _warm_serving's requests are running (uncounted: _count)
         # The batched decode step queued but not read yet: (its rows, their sampled tokens).
         self._inflight: tuple[list[_Sequence], Sampled] | None = None
         self._thread: threading.Thread | None = None
@@ -651,10 +652,11 @@ class Scheduler:
         the batched decode step (``bench/results/warm-gpu-h200/``), after a warm-up whose steps
         were its own, not the scheduler's. So this one takes the scheduler's.
 
-        The requests have a queue of their own (the server's counters do not see them) and skip
-        the prefix cache; ``mlxc_forwards_total`` counts their forwards. Called on CUDA only."""
+        The requests have a queue of their own and skip the prefix cache; no counter or metric
+        sees them (``_count``). Called on CUDA only."""
         queue, prefix = self._queue, self.prefix
         self._queue, self.prefix = AdmissionQueue(len(_WARM_REQUESTS), 0), None
+        self._warming = True
         streamed: dict[int, int] = {}  # warm request -> tokens it has streamed, or _ENDED
 
         def submit(index: int) -> None:
@@ -690,7 +692,7 @@ class Scheduler:
             else:
                 raise RuntimeError(f"warm-up requests unfinished after {_WARM_MAX_TICKS} ticks")
         finally:
-            self._queue, self.prefix = queue, prefix
+            self._queue, self.prefix, self._warming = queue, prefix, False
             self.spec_stats = SpecStats()
             self.pool.peak_batched = self.pool.peak_bytes = 0
 
@@ -823,8 +825,8 @@ class Scheduler:
             return
         self.prefix.restore(hit, seq.caches)
         seq.prefilled = seq.output.cached_tokens = hit.tokens
-        metrics.PREFIX_CACHE_HITS.inc()
-        metrics.PREFIX_CACHE_HIT_TOKENS.inc(hit.tokens)
+        self._count(metrics.PREFIX_CACHE_HITS)
+        self._count(metrics.PREFIX_CACHE_HIT_TOKENS, hit.tokens)
         seq.prefix_node = hit.node
         if hit.images_done:  # every image token is in the prefix: no vision inputs to run
             seq.first_inputs, seq.images_done = None, True
@@ -1043,7 +1045,7 @@ class Scheduler:
         ids = mx.array([[seq.last_token, *d] for seq, d in zip(rows, drafts)], dtype=mx.int32)
         try:
             logits = self.model(ids, cache=batch)
-            metrics.VERIFY_FORWARDS.inc()
+            self._count(metrics.VERIFY_FORWARDS)
             targets = mx.argmax(logits, axis=-1).tolist()
             emitted = [
                 greedy_accept(targets[b], d)
@@ -1065,9 +1067,9 @@ class Scheduler:
         stats.steps += 1
         stats.proposed += k * len(rows)
         stats.accepted += (n - 1) * len(rows)
-        metrics.SPEC_STEPS.inc()
-        metrics.SPEC_DRAFT_TOKENS.inc(k * len(rows))
-        metrics.SPEC_ACCEPTED_TOKENS.inc((n - 1) * len(rows))
+        self._count(metrics.SPEC_STEPS)
+        self._count(metrics.SPEC_DRAFT_TOKENS, k * len(rows))
+        self._count(metrics.SPEC_ACCEPTED_TOKENS, (n - 1) * len(rows))
         for seq, tokens in zip(rows, emitted):
             for token in tokens:
                 if seq not in self._running:
@@ -1167,7 +1169,7 @@ class Scheduler:
             tails = mx.array([prompt[-1:] for prompt in prompts], dtype=mx.int32)
             logits = self.model(tails, cache=batch, last_only=True)
             self.pool.enforce(batch)
-        metrics.PREFILL_FORWARDS.inc(2 if last_token_alone else 1)
+        self._count(metrics.PREFILL_FORWARDS, 2 if last_token_alone else 1)
         for seq, prompt in zip(group, prompts):
             seq.prefilled = len(prompt)
         sampled = sample_rows(self._masked(group, logits[:, -1, :]), [s.sampler for s in group])
@@ -1201,7 +1203,7 @@ class Scheduler:
             ids = inputs[mx.array([where[id(seq)] for seq in rows])][:, None]
         # The batch's dead rows (CachePool) take a token too; their outputs are dropped.
         logits = self.model(self.pool.slot_inputs(ids), cache=self.pool.batch)
-        metrics.DECODE_FORWARDS.inc()
+        self._count(metrics.DECODE_FORWARDS)
         self.pool.enforce(self.pool.batch)
         logits = self.pool.live_rows(logits[:, -1, :])
         if any(seq.constraint is not None for seq in rows):
@@ -1240,8 +1242,14 @@ class Scheduler:
             piece = self._token_pieces[token] = token_piece(self.tokenizer, token)
         return piece
 
+    def _count(self, counter: Any, n: int = 1) -> None:
+        """Add ``n`` to a Prometheus counter (``runtime.serving.metrics``), unless the
+        warm-up's throwaway requests are running: the counters count what was served."""
+        if not self._warming:
+            counter.inc(n)
+
     def _forward(self, seq: _Sequence, ids: list[int], **kwargs) -> mx.array:
-        (metrics.PREFILL_FORWARDS if seq.prefilling else metrics.DECODE_FORWARDS).inc()
+        self._count(metrics.PREFILL_FORWARDS if seq.prefilling else metrics.DECODE_FORWARDS)
         inputs = dict(kwargs)
         if seq.first_inputs is not None:  # numpy inputs become MLX arrays here, on this thread
             inputs |= as_model_inputs(seq.first_inputs)
