@@ -62,12 +62,7 @@ def main(argv: list[str] | None = None) -> None:
 
     scheduler.submit([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), warmed)
     warm.wait()
-
-    def forwards() -> dict[str, float]:
-        value = metrics.REGISTRY.get_sample_value
-        return {k: value("mlxc_forwards_total", {"kind": k}) or 0.0 for k in ("prefill", "decode")}
-
-    before = forwards()
+    before = metrics.forward_counts()
     start = time.perf_counter()
     for i in range(args.requests):
         prompt = [(i * 7 + j * 3) % 30000 + 10 for j in range(20 + (i * 13) % 40)]
@@ -77,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     seconds = time.perf_counter() - start
     stats = scheduler.stats()
     scheduler.stop()
-    ran = {k: int(n - before[k]) for k, n in forwards().items()}
+    ran = {k: int(n - before[k]) for k, n in metrics.forward_counts().items()}
     print(
         f"{counts['tokens']} tokens in {seconds:.1f} s: {counts['tokens'] / seconds:.1f} tokens/s "
         f"({args.rows} rows, {args.requests} requests, peak batched {stats['pool']['peak_batched']}); "

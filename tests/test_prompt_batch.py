@@ -187,14 +187,9 @@ def test_warm_serving_takes_the_churn_and_leaves_no_trace(tmp_path, monkeypatch,
         monkeypatch.setattr(BatchCache, name, recording)
     options = {"max_kv_size": MAX_KV, "kv_sink": SINK}
     scheduler = Scheduler(model, checkpoint.tokenizer, max_concurrency=4, **options)
-
-    def forwards() -> list[float | None]:
-        value = metrics.REGISTRY.get_sample_value
-        return [value("mlxc_forwards_total", {"kind": k}) for k in ("prefill", "decode")]
-
-    counted = forwards()
+    counted = metrics.forward_counts()
     scheduler._warm_serving()
-    assert forwards() == counted  # the server's metrics count what it served
+    assert metrics.forward_counts() == counted  # the server's metrics count what it served
     prompt_batches = arch != "nemotron_h"  # recurrent state takes no padding
     assert ("start_rows" in seen) == prompt_batches
     # The constrained row's prefill (in a prompt batch of four where they take padding), then

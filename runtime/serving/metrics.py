@@ -89,9 +89,16 @@ FORWARDS = Counter(
     registry=REGISTRY,
 )
 # Bound once: the scheduler counts every forward, and ``labels()`` looks its child up each call.
-DECODE_FORWARDS, PREFILL_FORWARDS, VERIFY_FORWARDS = (
-    FORWARDS.labels(kind) for kind in ("decode", "prefill", "verify")
-)
+FORWARD_KINDS = ("decode", "prefill", "verify")
+DECODE_FORWARDS, PREFILL_FORWARDS, VERIFY_FORWARDS = (FORWARDS.labels(k) for k in FORWARD_KINDS)
+
+
+def forward_counts() -> dict[str, float]:
+    """``mlxc_forwards_total`` so far, by kind (benchmarks and tests read differences of it)."""
+    value = REGISTRY.get_sample_value
+    return {kind: value("mlxc_forwards_total", {"kind": kind}) or 0.0 for kind in FORWARD_KINDS}
+
+
 QUEUE_DEPTH = Gauge("mlxc_queue_depth", "Requests waiting for a slot.", registry=REGISTRY)
 RUNNING = Gauge(
     "mlxc_running_sequences", "Sequences admitted (prefilling or decoding).", registry=REGISTRY
