@@ -168,20 +168,84 @@ def test_streaming_detokenizer_never_splits_a_character(tmp_path):
     assert len([d for d in deltas if d]) > 5  # it streams, not one lump at the end
 
 
-def test_streaming_detokenizer_rust_path_equals_transformers_decode(tmp_path):
-    """The detokenizer calls the Rust tokenizer's decode directly where the transformers class
-    adds nothing to it: on random token streams (special tokens, split multi-byte characters)
-    every delta equals the one transformers' own decode gives."""
-    tokenizer = load_tokenizer(toy.write_tokenizer(tmp_path))
-    fast = StreamingDetokenizer(tokenizer)
-    assert fast._rust_decode is not None  # the tiny tokenizer is a plain TokenizersBackend
+def _sentencepiece_tokenizer(path: Path):
+    """A Llama-2 / Mistral style tokenizer (what their tokenizer.json holds): BPE over
+    ``\u2581``-joined words with byte fallback (``<0x..>`` tokens for characters outside the
+    vocabulary) and a decoder that strips the leading space: the window's left context matters
+    to it, unlike the byte-level tokenizer's."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+    )
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.normalizer = normalizer
+    trainer = trainers.BpeTrainer(
+        vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
+    trained.train_from_iterator(["hello world, the lazy dog jumps over the quick fox"] * 8, trainer)
+    vocab = trained.get_vocab()
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    merges = json.loads(trained.to_str())["model"]["merges"]
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[tuple(m) for m in merges],
+            unk_token="<unk>",
+            byte_fallback=True,
+            fuse_unk=True,
+        )
+    )
+    tok.normalizer = normalizer
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.save_pretrained(str(path))
+    return load_tokenizer(path)
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_streaming_detokenizer_paths_agree(tmp_path, kind):
+    """Where the transformers class adds nothing to the Rust decode, the detokenizer streams
+    through ``tokenizers``' ``DecodeStream`` (the Rust tokenizer's own decode where a marker is
+    written out, and at the end): on random token streams (special tokens, multi-byte
+    characters split across tokens, byte-fallback pieces) every delta equals what the plain
+    window over transformers' own decode gives. (Their join can differ from one decode of the
+    whole stream where random bytes make invalid UTF-8: U+FFFD counts depend on the cuts.)"""
+    if kind == "byte-level":
+        tokenizer = load_tokenizer(toy.write_tokenizer(tmp_path))
+    else:
+        tokenizer = _sentencepiece_tokenizer(tmp_path)
+        assert len(tokenizer.encode("日本", add_special_tokens=False)) == 7  # \u2581, 6 bytes
+    assert StreamingDetokenizer(tokenizer)._stream is not None  # a plain TokenizersBackend
     rng = np.random.default_rng(0)
     for _ in range(20):
         ids = [int(i) for i in rng.integers(0, len(tokenizer), 40)]
-        fast, slow = StreamingDetokenizer(tokenizer), StreamingDetokenizer(tokenizer)
-        slow._rust_decode = None
-        assert [fast.add(i) for i in ids] == [slow.add(i) for i in ids]
-        assert fast.finalize() == slow.finalize()
+        stream, rust, slow = (StreamingDetokenizer(tokenizer) for _ in range(3))
+        rust._stream = None
+        slow._stream = slow._rust = None
+        deltas = [stream.add(i) for i in ids] + [stream.finalize()]
+        assert deltas == [rust.add(i) for i in ids] + [rust.finalize()]
+        assert deltas == [slow.add(i) for i in ids] + [slow.finalize()]
+    # Real text joins to itself, streams a delta per token or so, never splits a character.
+    text = "hello world, 日本語 the lazy dog 🙂 jumps"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = StreamingDetokenizer(tokenizer)
+    deltas = [detok.add(i) for i in ids] + [detok.finalize()]
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas)
+    assert sum(bool(d) for d in deltas) > len(ids) // 2
+    assert detok._stream is not None  # DecodeStream served it all (random bytes may not)
 
 
 def test_no_tokenizer_files(tmp_path):

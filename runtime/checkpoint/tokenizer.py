@@ -154,11 +154,12 @@ def encode_prompt(tokenizer: Any, text: str, chat_template: bool | None = None) 
     return list(tokenizer.encode(rendered, add_special_tokens=False))
 
 
-def _rust_decode(tokenizer: Any) -> Any:
-    """The ``tokenizers`` library's own ``decode`` where the transformers class adds nothing to
-    it (with ``clean_up_tokenization_spaces=False``, a plain ``TokenizersBackend`` only converts
-    its arguments and calls it): each streamed token decodes twice, and the Python wrapper cost
-    ~4x the Rust call on the server's decode step. None for any other tokenizer class."""
+def _rust_tokenizer(tokenizer: Any) -> Any:
+    """The ``tokenizers`` library's ``Tokenizer`` behind ``tokenizer`` where the transformers
+    class adds nothing to its decode (with ``clean_up_tokenization_spaces=False``, a plain
+    ``TokenizersBackend`` only converts its arguments and calls the Rust one), so the Rust
+    decoder can be called directly: the Python wrapper cost ~4x the Rust call on the server's
+    decode step. None for any other tokenizer class."""
     try:
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
@@ -170,7 +171,7 @@ def _rust_decode(tokenizer: Any) -> Any:
         and cls.decode is PreTrainedTokenizerBase.decode
         and cls._decode is TokenizersBackend._decode
     ):
-        return tokenizer._tokenizer.decode
+        return tokenizer._tokenizer
     return None
 
 
@@ -181,17 +182,31 @@ class StreamingDetokenizer:
     of a decode still see their left context) and emits only what is new. Text that ends in
     U+FFFD is an incomplete multi-byte character: it is held back until the next token completes
     it, so a delta never splits a character.
+
+    Where the Rust tokenizer can be called directly, ``tokenizers``' own ``DecodeStream`` runs
+    that window in Rust (one call per token, the window's text kept between calls: the server
+    streams every row's token through here on each decode step). It keeps the same window as
+    the Python path below, which serves other tokenizers, marker tokens written out (``keep``)
+    and the end.
     """
 
     def __init__(self, tokenizer: Any, keep: frozenset[int] = frozenset()) -> None:
         self.tokenizer = tokenizer
-        self._rust_decode = _rust_decode(tokenizer)
+        self._rust = _rust_tokenizer(tokenizer)
+        self._stream = self._new_stream()
         self.tokens: list[int] = []
         self.prefix_offset = 0  # start of the context window
         self.read_offset = 0  # tokens before this one have been emitted
         # Special tokens written out all the same (a tool-call format's markers, such as
         # Mistral's [TOOL_CALLS]): id -> text.
         self.keep = {t: tokenizer.convert_ids_to_tokens(t) for t in keep}
+
+    def _new_stream(self) -> Any:
+        if self._rust is None:
+            return None
+        from tokenizers.decoders import DecodeStream
+
+        return DecodeStream(skip_special_tokens=True)
 
     def _decode(self, tokens: list[int]) -> str:
         if not self.keep:
@@ -206,19 +221,35 @@ class StreamingDetokenizer:
         return "".join(parts) + self._decode_run(run)
 
     def _decode_run(self, tokens: list[int]) -> str:
-        if self._rust_decode is not None:
-            return self._rust_decode(tokens, skip_special_tokens=True)
+        if self._rust is not None:
+            return self._rust.decode(tokens, skip_special_tokens=True)
         return self.tokenizer.decode(
             tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False
         )
 
     def add(self, token: int) -> str:
         """Feed one token; return the newly completed text (maybe "")."""
-        self.tokens.append(int(token))
+        token = int(token)
+        self.tokens.append(token)
+        if self._stream is not None and token not in self.keep:
+            try:
+                text = self._stream.step(self._rust, token)
+            except Exception:  # noqa: BLE001 - a decode that rewrites its window's start
+                self._stream = None  # (DecodeStream refuses it): the Python path from here on
+            else:
+                if text is None:
+                    return ""
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+                return text
         prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
         text = self._decode(self.tokens[self.prefix_offset :])
         if len(text) > len(prefix) and not text.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            if token in self.keep and self._stream is not None:
+                # The text after a written-out marker decodes without left context in the
+                # Python path too (``_decode`` splits the window there): a fresh stream.
+                self.prefix_offset = self.read_offset
+                self._stream = self._new_stream()
             return text[len(prefix) :]
         return ""
 
