@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx import nn
 
 from mlxc.runtime.model import latent, layers, masks, parallel, yarn
-from mlxc.runtime.model.cache import KVCache
+from mlxc.runtime.model.cache import KVCache, dense
 from mlxc.runtime.model.config import read
 from mlxc.runtime.model.layers import AttentionInputs, attend
 from mlxc.runtime.model.multimodal import SequenceCache
@@ -146,10 +146,12 @@ class LatentAttention(nn.Module):
         k_pe = k_pe[:, None]
         q_pe = self.rope(q_pe, offset=inputs.offset)
         k_pe = self.rope(k_pe, offset=inputs.offset)
-        # The cache keeps one shared head: the latent and the rope key, no values.
-        cached, _ = cache.update_and_fetch(mx.concatenate([latent, k_pe], axis=-1))
+        # The cache keeps one shared head: the latent as its keys, the rope key as its values.
+        # Two arrays, not slices of one [latent | rope key] buffer: such a slice is strided, and
+        # MLX's matmuls copy a strided operand before every use (three copies a layer a step).
+        latents, k_pe = cache.update_and_fetch(latent, k_pe)
+        latents, k_pe = dense(latents), dense(k_pe)  # --kv-bits: expanded for the matmuls
         mask = inputs.masks[None]
-        latents = cached[..., : self.kv_lora_rank]
         if L == 1:
             w_k, w_v_t = self.kv_b_halves()
             # Decode: kv_b_proj's key half moves onto the query, q . (W_k c) == (q W_k) . c, so
@@ -157,7 +159,7 @@ class LatentAttention(nn.Module):
             # output is expanded. The rope half of each score, q_pe . k_pe, goes in as an
             # additive mask: the fused kernel then sees one query per head and equal key and
             # value widths (kv_lora_rank) instead of falling back for a [rope | latent] key.
-            rope_scores = (q_pe * self.scale) @ cached[..., self.kv_lora_rank :].swapaxes(-1, -2)
+            rope_scores = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)
             if isinstance(mask, mx.array):  # None or [..., 1, live_len] for one query
                 rope_scores = mx.where(mask, rope_scores, mx.finfo(rope_scores.dtype).min)
             out = attend(q_nope @ w_k, latents, latents, scale=self.scale, mask=rope_scores)
@@ -169,7 +171,6 @@ class LatentAttention(nn.Module):
                 B, -1, self.n_heads, self.qk_nope_head_dim + self.v_head_dim
             )
             k_nope, values = mx.split(kv.transpose(0, 2, 1, 3), [self.qk_nope_head_dim], axis=-1)
-            k_pe = cached[..., self.kv_lora_rank :]
             k_pe = mx.broadcast_to(k_pe, (*k_nope.shape[:3], self.qk_rope_head_dim))
             keys = mx.concatenate([k_nope, k_pe], axis=-1)
             queries = mx.concatenate([q_nope, q_pe], axis=-1)

@@ -72,12 +72,13 @@ def check_chunked_prefill_and_decode(hf, path, seed=1) -> None:
 
 
 def check_latent_cache(path, kv_lora_rank: int, qk_rope_head_dim: int) -> None:
-    """Each layer caches one shared head of ``kv_lora_rank + qk_rope_head_dim`` per token, no
-    values: the latent's bytes, not per-head K/V."""
+    """Each layer caches one shared head per token: the latent (``kv_lora_rank``) as its keys
+    and the rope key (``qk_rope_head_dim``) as its values: the latent's bytes, not per-head
+    K/V."""
     model = mlxc.load_model(path)
     cache = model.make_cache()
     model(mx.array([[1, 2, 3, 4, 5]]), cache=cache)
     for layer in cache:
-        assert layer.keys.shape[1] == 1 and layer.keys.shape[-1] == kv_lora_rank + qk_rope_head_dim
-        assert layer.values is None
+        assert layer.keys.shape[1] == 1 and layer.keys.shape[-1] == kv_lora_rank
+        assert layer.values.shape[1] == 1 and layer.values.shape[-1] == qk_rope_head_dim
         assert layer.nbytes == 5 * (kv_lora_rank + qk_rope_head_dim) * 4

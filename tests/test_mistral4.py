@@ -112,8 +112,9 @@ def test_latent_cache_holds_the_latent_not_per_head_kv(checkpoint):
     cache = model.make_cache()
     model(mx.array([[1, 2, 3, 4, 5]]), cache=cache)
     keys, values = cache[0].keys, cache[0].values
-    assert keys.shape[1] == 1 and keys.shape[-1] == 24 + 8  # one shared head: latent + rope key
-    assert values is None  # the values are the latents, read out of the keys
+    # One shared head: the latent as the keys, the rope key as the values.
+    assert keys.shape[1] == 1 and keys.shape[-1] == 24
+    assert values.shape[1] == 1 and values.shape[-1] == 8
     # Per token and layer: 32 floats, where per-head K/V would be 4 * (16 + 12) = 112.
     assert cache[0].nbytes == 5 * 32 * 4
 

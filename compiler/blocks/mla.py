@@ -89,7 +89,7 @@ class MLAKind(BlockKind):
         return {
             # yarn: the mla softmax and llama4 scales; latent: mlx-lm's split kv_b_proj
             "mlxc.runtime.model": {"latent", "masks", "yarn"},
-            "mlxc.runtime.model.cache": {"KVCache"},
+            "mlxc.runtime.model.cache": {"KVCache", "dense"},
             "mlxc.runtime.model.layers": {"attend"},
             "mlxc.runtime.model.rope": {"make_rope"},
         }

@@ -144,7 +144,7 @@ class KVCache:
     ) -> tuple[mx.array, mx.array | None]:
         """Append ``keys``/``values`` ``[B, H, L, D]``; return the live window after the append.
 
-        ``values`` None keeps keys only (an MLA latent cache reads its values out of the keys).
+        ``values`` None keeps keys only.
         """
         n_new = keys.shape[2]
         start = self.held
@@ -402,23 +402,27 @@ class QuantizedKV:
         return mx.dequantize(*self.parts, group_size=q.group_size, bits=q.bits)
 
 
+def dense(kv: mx.array | QuantizedKV | None) -> mx.array | None:
+    """``kv`` as a float array: what ``update_and_fetch`` returned, dequantised where the cache
+    is quantised (an MLA latent feeds plain matmuls, not ``layers.attend``'s packed path)."""
+    return kv.dequantize() if isinstance(kv, QuantizedKV) else kv
+
+
 class QuantizedKVMixin:
     """Quantises what a KV cache kind stores (``QuantizedKV`` buffers); the kind's own logic
     (growth, trims, sinks, the window) runs unchanged on them. ``update_and_fetch`` returns
     ``QuantizedKV`` keys and values, which ``layers.attend`` reads through
-    ``mx.quantized_matmul``; a keys-only cache (an MLA latent, values None) is stored quantised
-    and returned dequantised, since its attention slices the latent before attending."""
+    ``mx.quantized_matmul`` (or mlxc's CUDA kernel), and ``dense`` expands for other readers."""
 
     quant: KVQuant
 
     def update_and_fetch(
         self, keys: mx.array, values: mx.array | None = None
-    ) -> tuple[QuantizedKV | mx.array, QuantizedKV | None]:
+    ) -> tuple[QuantizedKV, QuantizedKV | None]:
         q = self.quant
-        live_keys, live_values = super().update_and_fetch(
+        return super().update_and_fetch(
             q.quantize(keys), None if values is None else q.quantize(values)
         )
-        return (live_keys.dequantize() if values is None else live_keys), live_values
 
     def _grown(self, buffer: QuantizedKV | None, new: QuantizedKV, needed: int) -> QuantizedKV:
         old = [None] * len(new.parts) if buffer is None else buffer.parts

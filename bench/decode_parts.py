@@ -1,0 +1,173 @@
+"""Where single-stream decode differs from mlx-lm's: attention against the MLP/MoE, side by side::
+
+    python -m bench.decode_parts --device gpu --size medium --arch glm4_moe_lite --arch llama
+
+Both sides load the same ``bench.models`` checkpoint (bf16; on a CPU mlx-lm's model is cast to
+float32, mlxc's compute dtype there), prefill the same prompt, then decode greedily in one and
+the same pipelined loop (build a step, ``mx.async_eval`` it, build the next), four ways:
+
+* ``full``: the model as it is;
+* ``attention only``: every layer's MLP (dense or MoE) replaced by a function returning zeros;
+* ``mlp only``: every layer's attention replaced by the same (the caches then stop growing);
+* ``neither``: both replaced: embedding, norms, residual adds and the LM head.
+
+A replaced part costs one zeros kernel on both sides. So ``attention only - neither`` is the
+attention stack's time per token and ``mlp only - neither`` the MLP stack's, per side: where a
+model's decode ratio against mlx-lm comes from (batch-1 decode on a GPU is bound by kernel
+launches, so the parts add up to about the whole). Variants and sides interleave, median of
+``--repeats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VARIANTS = {  # name -> (attention kept, mlp kept)
+    "full": (True, True),
+    "attention only": (True, False),
+    "mlp only": (False, True),
+    "neither": (False, False),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.decode_parts", description=__doc__)
+    p.add_argument("--arch", action="append", help="bench.models architecture (repeatable)")
+    p.add_argument("--device", choices=["cpu", "gpu"], default="gpu")
+    p.add_argument("--size", choices=["small", "medium"], default="medium")
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    args = p.parse_args(argv)
+    archs = args.arch or ["glm4_moe_lite"]
+
+    from mlxc.runtime import blas
+
+    blas.preload(args.device)  # before MLX is imported
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model as peer_load
+
+    import mlxc
+    from bench import models
+    from bench.harness import prompt
+
+    mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
+
+    def zeros(x, *_, **__):
+        return mx.zeros_like(x)
+
+    def keep(model, attention: bool, mlp: bool) -> None:
+        """Replace (or restore) each layer's parts: an instance attribute shadows the module."""
+        for layer in model.model.layers:
+            for name, kept in (("self_attn", attention), ("mlp", mlp)):
+                if kept:
+                    vars(layer).pop(name, None)
+                else:
+                    object.__setattr__(layer, name, zeros)
+
+    def decode_ms(model, cache, ids) -> float:
+        """Prefill ``ids``, then ``--tokens`` greedy steps, pipelined: ms per step."""
+        y = mx.argmax(model(mx.array([ids]), cache=cache)[:, -1, :], axis=-1)
+        mx.eval(y)
+        warm = 4
+        for i in range(warm + args.tokens):
+            if i == warm:
+                mx.eval(y)
+                start = time.perf_counter()
+            y = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
+            mx.async_eval(y)
+        mx.eval(y)
+        return 1e3 * (time.perf_counter() - start) / args.tokens
+
+    results = {}
+    for arch in archs:
+        with tempfile.TemporaryDirectory(prefix="mlxc-parts-") as tmp:
+            path = Path(tmp) / arch
+            print(f"[{arch}] writing the checkpoint", file=sys.stderr, flush=True)
+            models.write_checkpoint(path, arch, args.size)
+            sides = {"mlxc": mlxc.load_model(path)}
+            peer, _ = peer_load(path)
+            if args.device == "cpu":
+                peer.set_dtype(mx.float32)  # the same compute dtype as mlxc on the CPU
+            mx.eval(peer.parameters())
+            sides["mlx-lm"] = peer
+        caches = {"mlxc": lambda m: m.make_cache(), "mlx-lm": make_prompt_cache}
+        ids = prompt(args.prompt, sides["mlxc"].args.vocab_size, 1)
+        runs = {(v, s): [] for v in VARIANTS for s in sides}
+        for repeat in range(args.repeats + 1):  # the first round warms (kernels, buffers)
+            print(f"[{arch}] round {repeat}", file=sys.stderr, flush=True)
+            for variant, kept in VARIANTS.items():
+                for side, model in sides.items():
+                    keep(model, *kept)
+                    try:
+                        ms = decode_ms(model, caches[side](model), ids)
+                    finally:
+                        keep(model, True, True)
+                    if repeat:
+                        runs[variant, side].append(ms)
+        ms = {key: statistics.median(xs) for key, xs in runs.items()}
+        parts = {
+            side: {
+                "attention": ms["attention only", side] - ms["neither", side],
+                "mlp": ms["mlp only", side] - ms["neither", side],
+                "rest": ms["neither", side],
+            }
+            for side in sides
+        }
+        results[arch] = {
+            "step_ms": {f"{v} / {s}": round(x, 4) for (v, s), x in ms.items()},
+            "runs_ms": {f"{v} / {s}": [round(x, 3) for x in xs] for (v, s), xs in runs.items()},
+            "parts_ms": parts,
+        }
+        del sides, peer
+        mx.clear_cache()
+
+    device = mx.device_info().get("device_name", args.device) if args.device == "gpu" else "cpu"
+    text = _markdown(results, args, device, mx.__version__, argv)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        payload = {"args": vars(args), "device": device, "mlx": mx.__version__, **results}
+        out.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
+        out.with_suffix(".md").write_text(text)
+
+
+def _markdown(results: dict, args, device: str, mlx_version: str, argv) -> str:
+    command = " ".join(argv if argv is not None else sys.argv[1:])
+    setting = (
+        f"`python -m bench.decode_parts {command}`: {args.size} checkpoints, {device}, MLX "
+        f"{mlx_version}; {args.prompt}-token prompt, {args.tokens} greedy steps pipelined, median "
+        f"of {args.repeats}. ms per decode step; a part's time is its variant's step less the "
+        "step with neither part (`bench/decode_parts.py` says how the parts are taken out)."
+    )
+    lines = [
+        "# Decode, part by part: mlxc against mlx-lm",
+        "",
+        setting,
+        "",
+        "| arch | part | mlxc ms | mlx-lm ms | mlxc / mlx-lm time |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for arch, r in results.items():
+        step = r["step_ms"]
+        rows = [("whole step", step["full / mlxc"], step["full / mlx-lm"])]
+        rows += [
+            (part, r["parts_ms"]["mlxc"][part], r["parts_ms"]["mlx-lm"][part])
+            for part in ("attention", "mlp", "rest")
+        ]
+        for part, ours, peer in rows:
+            ratio = f"{ours / peer:.2f}" if peer > 0 else "-"
+            lines.append(f"| {arch} | {part} | {ours:.3f} | {peer:.3f} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
