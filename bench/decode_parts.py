@@ -11,6 +11,9 @@ the same pipelined loop (build a step, ``mx.async_eval`` it, build the next), fo
 * ``mlp only``: every layer's attention replaced by the same (the caches then stop growing);
 * ``neither``: both replaced: embedding, norms, residual adds and the LM head.
 
+Parts are found by mlx-lm's and mlxc's common names (``self_attn``, ``mlp``): a hybrid's mixers
+(nemotron_h) are not split out.
+
 A replaced part costs one zeros kernel on both sides. So ``attention only - neither`` is the
 attention stack's time per token and ``mlp only - neither`` the MLP stack's, per side: where a
 model's decode ratio against mlx-lm comes from (batch-1 decode on a GPU is bound by kernel
@@ -52,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
 
     blas.preload(args.device)  # before MLX is imported
     import mlx.core as mx
+    from mlx import nn
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model as peer_load
 
@@ -65,12 +69,14 @@ def main(argv: list[str] | None = None) -> None:
         return mx.zeros_like(x)
 
     def keep(model, attention: bool, mlp: bool) -> None:
-        """Replace (or restore) each layer's parts: an instance attribute shadows the module."""
+        """Replace (or restore) each layer's parts: an instance attribute shadows the module.
+        A layer without the part (a hybrid's mixer, a no-op block) is left as it is."""
         for layer in model.model.layers:
             for name, kept in (("self_attn", attention), ("mlp", mlp)):
                 if kept:
-                    vars(layer).pop(name, None)
-                else:
+                    if vars(layer).get(name) is zeros:
+                        del vars(layer)[name]
+                elif isinstance(layer.get(name), nn.Module):
                     object.__setattr__(layer, name, zeros)
 
     def decode_ms(model, cache, ids) -> float:
