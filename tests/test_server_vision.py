@@ -4,7 +4,9 @@ scenario with an image before the trims, parity with `mlxc generate --image`, ba
 from __future__ import annotations
 
 import base64
+import threading
 
+import numpy as np
 import pytest
 from test_generate_images import ARCHS, IMAGE_SIZES, build
 from test_server import LONG, SHORT, Server, mlxc_generate
@@ -181,3 +183,66 @@ def test_qwen2_5_vl_3b_templates_through_the_server(tmp_path_factory, logs):
                 assert c.post("/v1/chat/completions", json=text).status_code == 200
         finally:
             server.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "gemma3"])
+def test_the_warm_up_runs_the_vision_tower(tmp_path, monkeypatch, arch):
+    """On CUDA a VL server's throwaway requests include one with an image (the engine makes
+    it through its processor), so the tower's kernels compile before the first real image.
+    CUDA is stood in for (``available`` says yes, the attention kernel's own warm-up is
+    skipped); the warm-up runs as it would. It leaves no trace, and an image chat afterwards
+    answers as on a server that did not warm up."""
+    from PIL import Image
+
+    from mlxc.runtime.model import cuda_attention
+    from mlxc.runtime.serving.admission import Delta, SamplingParams
+    from mlxc.runtime.serving.engine import Engine
+    from mlxc.runtime.serving.scheduler import Scheduler
+
+    build(arch, tmp_path / arch)
+    monkeypatch.setattr(cuda_attention, "available", lambda: True)
+    monkeypatch.setattr(cuda_attention, "warm", lambda *args, **kwargs: None)
+    towers = []  # image batches the vision tower saw while warming up
+    real = Scheduler._warm_serving
+
+    def counting(self):
+        vlm = self.model.model  # the generated VisionLanguageModel
+        features = vlm.image_features
+
+        def image_features(*args, **kwargs):
+            towers.append(args[0].shape)
+            return features(*args, **kwargs)
+
+        object.__setattr__(vlm, "image_features", image_features)
+        try:
+            real(self)
+        finally:
+            del vars(vlm)["image_features"]
+
+    monkeypatch.setattr(Scheduler, "_warm_serving", counting)
+    image = Image.fromarray(np.random.default_rng(3).integers(0, 256, (40, 56, 3), np.uint8))
+    content = [{"type": "image"}, {"type": "text", "text": "What is this?"}]
+    answers = []
+    for warm in (True, False):
+        engine = Engine.from_path(tmp_path / arch, warm_up=warm, max_concurrency=4)
+        try:
+            stats = engine.scheduler.stats()
+            assert stats["running"] == 0 and not any(stats["requests"].values())
+            assert len(engine.scheduler.pool) == 0
+            prompt = engine.encode_chat_with_images([{"role": "user", "content": content}], [image])
+            tokens, done = [], threading.Event()
+
+            def emit(event, tokens=tokens, done=done):
+                if isinstance(event, Delta):
+                    tokens.append(event.token)
+                else:
+                    done.set()
+
+            params = SamplingParams(max_tokens=8, ignore_eos=True)
+            engine.scheduler.submit(prompt.ids, params, emit, model_inputs=prompt.vision)
+            assert done.wait(120)
+            answers.append(tokens)
+        finally:
+            engine.stop()
+        assert len(towers) == 1  # the first engine warmed up, the second did not
+    assert answers[0] == answers[1] and len(answers[0]) == 8

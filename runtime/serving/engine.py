@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from mlxc.runtime.checkpoint.processor import Prompt
 
 PROMPT_WORKERS = 2  # threads that turn request bodies into prompts
+# The warm-up's image, in pixels a side: small, so the tower runs quickly (MLX's CUDA backend
+# compiles a kernel at first use per kind and layout of kernel, not per image size).
+WARM_IMAGE_SIDE = 224
 
 
 class PromptError(ValueError):
@@ -65,6 +68,8 @@ class Engine:
         self.workers: ThreadPoolExecutor | None = None  # made by start(), on the server's side
         self.preparing = 0  # requests in the workers now (event loop only; /health shows it)
         self.relay: Any = None  # the server's EventRelay for its event loop (server._relay)
+        if processor is not None:  # the warm-up runs the vision tower too
+            scheduler_options.setdefault("warm_image", self._warm_image_prompt)
         self.scheduler = Scheduler(
             model, tokenizer, eos_token_ids=eos_token_ids, **scheduler_options
         )
@@ -166,6 +171,16 @@ class Engine:
                 return self.processor.encode(messages, images, template_kwargs=template_kwargs)
         except ValueError as e:  # the template (named), or placeholder/image count problems
             raise PromptError(str(e)) from e
+
+    def _warm_image_prompt(self) -> tuple[list[int], dict]:
+        """A one-image chat for the scheduler's warm-up (``Scheduler(warm_image=)``): prompt
+        ids and vision inputs, as a request with an image makes them."""
+        from PIL import Image
+
+        image = Image.new("RGB", (WARM_IMAGE_SIDE, WARM_IMAGE_SIDE), (128, 96, 64))
+        content = [{"type": "image"}, {"type": "text", "text": "What is in the picture?"}]
+        prompt = self.encode_chat_with_images([{"role": "user", "content": content}], [image])
+        return prompt.ids, prompt.vision
 
     @functools.cached_property
     def tool_format(self):

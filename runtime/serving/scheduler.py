@@ -170,6 +170,9 @@ _WARM_REQUESTS = (
     (3, SamplingParams(max_tokens=3, ignore_eos=True)),
 )
 _WARM_CONSTRAINED = 3
+# A VL server's request with an image (``warm_image``): its vision tower runs, and its row
+# decodes beside the last text request's.
+_WARM_IMAGE = len(_WARM_REQUESTS)
 _ENDED = -1
 # (requests, when they arrive: None at once, else (request, tokens it has streamed or _ENDED))
 _WARM_WAVES = (((0,), None), ((1, 2, 3, 4), (0, 2)), ((5, 6), (2, _ENDED)), ((7,), (5, _ENDED)))
@@ -504,6 +507,7 @@ class Scheduler:
         lockstep: Any = None,
         speculation: BatchSpeculation | None = None,
         warm_up: bool = True,
+        warm_image: Callable[[], tuple[list[int], dict[str, Any]]] | None = None,
     ) -> None:
         """``lockstep``: under ``mlx.launch``, the hook that makes every rank's ticks admit and
         drop the same requests (``runtime.serving.distributed.Lockstep``). ``speculation``:
@@ -511,7 +515,8 @@ class Scheduler:
         ``prefill_wait_steps``: the most decode steps a fresh prompt waits for others to
         prefill with (``_prompts_wait``); 0 prefills each tick's arrivals at once.
         ``warm_up``: on CUDA, serve throwaway requests before the real ones
-        (``_warm_serving``)."""
+        (``_warm_serving``). ``warm_image``: a VL model's image prompt for them (prompt ids and
+        vision inputs, as ``submit`` takes them), made when the warm-up runs."""
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
         if prefill_wait_steps < 0:
@@ -532,6 +537,7 @@ class Scheduler:
         self.prefill_chunk_size = prefill_chunk_size
         self.prefill_wait_steps = prefill_wait_steps
         self.warm_up = warm_up
+        self._warm_image = warm_image
         self.pool = CachePool(model, max_kv_size, kv_sink, kv_quant)
         # Snapshots of prompts at their chunk boundaries (runtime.serving.prefix_cache).
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
@@ -622,7 +628,7 @@ class Scheduler:
                         "warming up: %d throwaway requests (MLX compiles its CUDA kernels at "
                         "first use; about a minute on a machine that has not cached them; "
                         "--no-warmup skips this)",
-                        len(_WARM_REQUESTS),
+                        len(_WARM_REQUESTS) + (self._warm_image is not None),
                     )
                     start = time.perf_counter()
                     self._warm_serving()
@@ -644,7 +650,7 @@ class Scheduler:
         before the real ones: a lone row decoding, prompts prefilled together and joining it,
         rows ending (dead rows decoded through) and arrivals written over them, sampled rows,
         one asking for logprobs and one whose output is constrained (the masked steps of
-        structured output) beside greedy ones.
+        structured output) beside greedy ones; on a VL model, one with an image.
 
         MLX's CUDA backend compiles (NVRTC) a module the first time a kernel variant runs, a
         second or more each; met by real requests, every stream waits. On the H200 the first
@@ -654,22 +660,31 @@ class Scheduler:
 
         The requests have a queue of their own and skip the prefix cache; no counter or metric
         sees them (``_count``). Called on CUDA only."""
+        waves = list(_WARM_WAVES)
+        if self._warm_image is not None:
+            last = _WARM_WAVES[-1][0][0]
+            waves.append(((_WARM_IMAGE,), (last, 1)))
         queue, prefix = self._queue, self.prefix
-        self._queue, self.prefix = AdmissionQueue(len(_WARM_REQUESTS), 0), None
+        self._queue, self.prefix = AdmissionQueue(_WARM_IMAGE + 1, 0), None
         self._warming = True
         streamed: dict[int, int] = {}  # warm request -> tokens it has streamed, or _ENDED
 
         def submit(index: int) -> None:
-            length, params = _WARM_REQUESTS[index]
-            if index == _WARM_CONSTRAINED:
-                params = replace(params, constraint=AnyToken(len(self.tokenizer)))
-            prompt = [10 + (7 * index + 3 * i) % 50 for i in range(length)]
+            vision = None
+            if index == _WARM_IMAGE:
+                prompt, vision = self._warm_image()
+                params = SamplingParams(max_tokens=2, ignore_eos=True)
+            else:
+                length, params = _WARM_REQUESTS[index]
+                if index == _WARM_CONSTRAINED:
+                    params = replace(params, constraint=AnyToken(len(self.tokenizer)))
+                prompt = [10 + (7 * index + 3 * i) % 50 for i in range(length)]
             streamed[index] = 0
 
             def emit(event: Event) -> None:  # a failure is logged by _fail, after "warming up"
                 streamed[index] = streamed[index] + 1 if isinstance(event, Delta) else _ENDED
 
-            self._queue.submit(prompt, params, emit, None, lambda: False)
+            self._queue.submit(prompt, params, emit, vision, lambda: False)
 
         def arrives(when: tuple[int, int] | None) -> bool:
             if when is None:
@@ -678,7 +693,6 @@ class Scheduler:
             now = streamed.get(index, 0)
             return now == _ENDED or tokens != _ENDED and now >= tokens
 
-        waves = list(_WARM_WAVES)
         try:
             for _ in range(_WARM_MAX_TICKS):
                 while waves and arrives(waves[0][1]):
