@@ -6,6 +6,7 @@ prompt alone; caches that cannot take padding (recurrent state) prefill one by o
 from __future__ import annotations
 
 import functools
+import logging
 import queue
 
 import checkpoints as ckpt
@@ -242,3 +243,18 @@ def test_warmup_flag_reaches_the_scheduler(tmp_path, monkeypatch, flag, warm):
     scheduler.start()
     scheduler.stop()
     assert len(warmed) == warm and len(scheduler.pool) == 0
+
+
+def test_warm_serving_goes_on_when_the_image_prompt_fails(tmp_path, caplog):
+    """A VL server whose warm-up image cannot be made into a prompt warms up without it (the
+    first real image request will say what fails), rather than refusing to start."""
+
+    def broken():
+        raise ValueError("the template takes no image here")
+
+    checkpoint = load_checkpoint(ARCHS["llama"](tmp_path / "llama"))
+    scheduler = Scheduler(checkpoint.load_model(), checkpoint.tokenizer, warm_image=broken)
+    with caplog.at_level(logging.WARNING):
+        scheduler._warm_serving()
+    assert "warming up without an image: ValueError: the template takes no image" in caplog.text
+    assert len(scheduler.pool) == 0 and scheduler.stats()["running"] == 0

@@ -660,10 +660,14 @@ class Scheduler:
 
         The requests have a queue of their own and skip the prefix cache; no counter or metric
         sees them (``_count``). Called on CUDA only."""
-        waves = list(_WARM_WAVES)
+        waves, image = list(_WARM_WAVES), None
         if self._warm_image is not None:
-            last = _WARM_WAVES[-1][0][0]
-            waves.append(((_WARM_IMAGE,), (last, 1)))
+            try:
+                image = self._warm_image()
+            except Exception as e:  # noqa: BLE001 - real image requests will say what fails
+                log.warning("warming up without an image: %s: %s", type(e).__name__, e)
+            else:
+                waves.append(((_WARM_IMAGE,), (_WARM_WAVES[-1][0][0], 1)))
         queue, prefix = self._queue, self.prefix
         self._queue, self.prefix = AdmissionQueue(_WARM_IMAGE + 1, 0), None
         self._warming = True
@@ -672,7 +676,7 @@ class Scheduler:
         def submit(index: int) -> None:
             vision = None
             if index == _WARM_IMAGE:
-                prompt, vision = self._warm_image()
+                prompt, vision = image
                 params = SamplingParams(max_tokens=2, ignore_eos=True)
             else:
                 length, params = _WARM_REQUESTS[index]
