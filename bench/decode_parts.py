@@ -3,7 +3,8 @@
     python -m bench.decode_parts --device gpu --size medium --arch glm4_moe_lite --arch llama
 
 Both sides load the same ``bench.models`` checkpoint (bf16; on a CPU mlx-lm's model is cast to
-float32, mlxc's compute dtype there), prefill the same prompt, then decode greedily in one and
+float32, mlxc's compute dtype there; ``--quant q4``: 4-bit, as ``bench.run`` makes it, mlxc's
+by ``mlxc convert`` and mlx-lm's by its ``quantize_model``), prefill the same prompt, then decode greedily in one and
 the same pipelined loop (build a step, ``mx.async_eval`` it, build the next), four ways:
 
 * ``full``: the model as it is;
@@ -24,6 +25,8 @@ launches, so the parts add up to about the whole). Variants and sides interleave
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import statistics
 import sys
@@ -44,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--arch", action="append", help="bench.models architecture (repeatable)")
     p.add_argument("--device", choices=["cpu", "gpu"], default="gpu")
     p.add_argument("--size", choices=["small", "medium"], default="medium")
+    p.add_argument("--quant", choices=["bf16", "q4"], default="bf16")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
@@ -58,10 +62,13 @@ def main(argv: list[str] | None = None) -> None:
     from mlx import nn
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model as peer_load
+    from mlx_lm.utils import quantize_model
 
     import mlxc
     from bench import models
     from bench.harness import prompt
+    from bench.run import BITS, GROUP_SIZE
+    from mlxc.runtime.checkpoint.convert import convert
 
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
 
@@ -99,8 +106,15 @@ def main(argv: list[str] | None = None) -> None:
             path = Path(tmp) / arch
             print(f"[{arch}] writing the checkpoint", file=sys.stderr, flush=True)
             models.write_checkpoint(path, arch, args.size)
-            sides = {"mlxc": mlxc.load_model(path)}
-            peer, _ = peer_load(path)
+            ours = path
+            if args.quant == "q4":
+                ours = Path(tmp) / f"{arch}-q4"
+                convert(path, ours, quantize=True, bits=BITS, group_size=GROUP_SIZE)
+            sides = {"mlxc": mlxc.load_model(ours)}
+            peer, config = peer_load(path)
+            if args.quant == "q4":
+                with contextlib.redirect_stdout(io.StringIO()):
+                    peer, _ = quantize_model(peer, config, group_size=GROUP_SIZE, bits=BITS)
             if args.device == "cpu":
                 peer.set_dtype(mx.float32)  # the same compute dtype as mlxc on the CPU
             mx.eval(peer.parameters())
@@ -149,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
 def _markdown(results: dict, args, device: str, mlx_version: str, argv) -> str:
     command = " ".join(argv if argv is not None else sys.argv[1:])
     setting = (
-        f"`python -m bench.decode_parts {command}`: {args.size} checkpoints, {device}, MLX "
+        f"`python -m bench.decode_parts {command}`: {args.size} {args.quant} checkpoints, {device}, MLX "
         f"{mlx_version}; {args.prompt}-token prompt, {args.tokens} greedy steps pipelined, median "
         f"of {args.repeats}. ms per decode step; a part's time is its variant's step less the "
         "step with neither part (`bench/decode_parts.py` says how the parts are taken out)."
