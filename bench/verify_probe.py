@@ -9,6 +9,11 @@ projection of one layer and the LM head alone (``count`` independent copies per 
 kernel's launch is in its time, as in a forward), and attention over the prompt's keys through
 mlxc's ``attend`` (the mask a verification uses: ``"causal"``, or None for one query). A ratio
 far above the rest names the kernel to fix.
+
+On CUDA, where ``attend`` sends a verification's few queries to mlxc's kernel
+(``runtime.model.cuda_attention``), the whole forward and attention are also timed through
+``layers.composed_attention`` instead (matmul, softmax, matmul: what a prefill chunk takes there):
+``forward_composed`` and ``attention_composed``, whether that costs a verification less.
 """
 
 from __future__ import annotations
@@ -42,8 +47,16 @@ def probe(model, prompt_len: int, queries: list[int], count: int, repeats: int) 
     from mlx import nn
 
     from bench.speculative import timed
+    from mlxc.runtime.model import cuda_attention
     from mlxc.runtime.model.cache import cache_arrays, make_caches, rewind_caches
-    from mlxc.runtime.model.layers import attend
+    from mlxc.runtime.model.layers import attend, composed_attention
+
+    kernel_applies = cuda_attention.applies
+
+    def one_query_only(queries, values_dim, mask, quantized):
+        return queries.shape[-2] == 1 and kernel_applies(queries, values_dim, mask, quantized)
+
+    composed = cuda_attention.available()  # the kernel serves verifications only on CUDA
 
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, 1000, prompt_len).tolist()
@@ -71,6 +84,13 @@ def probe(model, prompt_len: int, queries: list[int], count: int, repeats: int) 
 
         forward()
         row["forward_s"], _ = timed(forward, repeats * 5)
+        if composed:
+            cuda_attention.applies = one_query_only  # several queries: composed_attention
+            try:
+                forward()
+                row["forward_composed_s"], _ = timed(forward, repeats * 5)
+            finally:
+                cuda_attention.applies = kernel_applies
         for name, module in projections.items():
             width = (
                 module.scales.shape[-1] * module.group_size
@@ -90,6 +110,14 @@ def probe(model, prompt_len: int, queries: list[int], count: int, repeats: int) 
             count,
             repeats,
         )
+        if composed:
+            row["attention_composed_s"] = _per_call(
+                lambda q=q, k=k, v=v, mask=mask: composed_attention(
+                    q, k, v, scale=attn.scale, mask=mask
+                ),
+                count,
+                repeats,
+            )
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     return rows
