@@ -25,8 +25,6 @@ launches, so the parts add up to about the whole). Variants and sides interleave
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import statistics
 import sys
@@ -61,14 +59,10 @@ def main(argv: list[str] | None = None) -> None:
     import mlx.core as mx
     from mlx import nn
     from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import load_model as peer_load
-    from mlx_lm.utils import quantize_model
 
     import mlxc
-    from bench import models
     from bench.harness import prompt
-    from bench.run import BITS, GROUP_SIZE
-    from mlxc.runtime.checkpoint.convert import convert
+    from bench.run import load_peer, prepare
 
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
 
@@ -103,18 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     for arch in archs:
         with tempfile.TemporaryDirectory(prefix="mlxc-parts-") as tmp:
-            path = Path(tmp) / arch
-            print(f"[{arch}] writing the checkpoint", file=sys.stderr, flush=True)
-            models.write_checkpoint(path, arch, args.size)
-            ours = path
-            if args.quant == "q4":
-                ours = Path(tmp) / f"{arch}-q4"
-                convert(path, ours, quantize=True, bits=BITS, group_size=GROUP_SIZE)
-            sides = {"mlxc": mlxc.load_model(ours)}
-            peer, config = peer_load(path)
-            if args.quant == "q4":
-                with contextlib.redirect_stdout(io.StringIO()):
-                    peer, _ = quantize_model(peer, config, group_size=GROUP_SIZE, bits=BITS)
+            dirs = prepare([arch], args.size, [args.quant], Path(tmp))[arch]
+            sides = {"mlxc": mlxc.load_model(dirs[args.quant])}
+            peer = load_peer(Path(dirs["bf16"]), args.quant)
             if args.device == "cpu":
                 peer.set_dtype(mx.float32)  # the same compute dtype as mlxc on the CPU
             mx.eval(peer.parameters())
@@ -163,10 +148,11 @@ def main(argv: list[str] | None = None) -> None:
 def _markdown(results: dict, args, device: str, mlx_version: str, argv) -> str:
     command = " ".join(argv if argv is not None else sys.argv[1:])
     setting = (
-        f"`python -m bench.decode_parts {command}`: {args.size} {args.quant} checkpoints, {device}, MLX "
-        f"{mlx_version}; {args.prompt}-token prompt, {args.tokens} greedy steps pipelined, median "
-        f"of {args.repeats}. ms per decode step; a part's time is its variant's step less the "
-        "step with neither part (`bench/decode_parts.py` says how the parts are taken out)."
+        f"`python -m bench.decode_parts {command}`: {args.size} {args.quant} checkpoints, "
+        f"{device}, MLX {mlx_version}; {args.prompt}-token prompt, {args.tokens} greedy steps "
+        f"pipelined, median of {args.repeats}. ms per decode step; a part's time is its "
+        "variant's step less the step with neither part (`bench/decode_parts.py` says how the "
+        "parts are taken out)."
     )
     lines = [
         "# Decode, part by part: mlxc against mlx-lm",

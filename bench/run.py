@@ -180,10 +180,26 @@ def kv_side(bits: int) -> str:
     return f"mlxc kv{bits}"
 
 
+def load_peer(bf16: Path, quant: str):
+    """mlx-lm's model of the bf16 checkpoint ``bf16``; for "q4" quantised by its own
+    ``quantize_model`` (as ``mlx_lm.convert -q`` does), not loaded from mlxc's conversion."""
+    from mlx_lm.utils import load_model as peer_load
+
+    peer, config = peer_load(bf16)
+    if quant == "q4":
+        import contextlib
+        import io
+
+        from mlx_lm.utils import quantize_model
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            peer, _ = quantize_model(peer, config, group_size=GROUP_SIZE, bits=BITS)
+    return peer
+
+
 def _load_sides(mode: str, device: str, arch_dirs: dict, quant: str, kv_quant=None) -> list:
     """The sides to compare in this pass, for one architecture and quantisation."""
     import mlx.core as mx
-    from mlx_lm.utils import load_model as peer_load
 
     import mlxc
     from bench.harness import Side
@@ -194,15 +210,7 @@ def _load_sides(mode: str, device: str, arch_dirs: dict, quant: str, kv_quant=No
     if kv_quant is not None:  # the same model on quantised KV caches (--kv-bits)
         sides.append(Side(kv_side(kv_quant.bits), "ours", ours, ours_dtype, kv_quant=kv_quant))
 
-    peer, config = peer_load(Path(arch_dirs["bf16"]))
-    if quant == "q4":
-        import contextlib
-        import io
-
-        from mlx_lm.utils import quantize_model
-
-        with contextlib.redirect_stdout(io.StringIO()):
-            peer, _ = quantize_model(peer, config, group_size=GROUP_SIZE, bits=BITS)
+    peer = load_peer(Path(arch_dirs["bf16"]), quant)
     mx.eval(peer.parameters())
     if mode == "openblas":
         # Same BLAS and the same float32 compute as mlxc: the kernel-level comparison.

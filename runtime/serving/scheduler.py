@@ -170,12 +170,13 @@ _WARM_REQUESTS = (
     (3, SamplingParams(max_tokens=3, ignore_eos=True)),
 )
 _WARM_CONSTRAINED = 3
-# A VL server's request with an image (``warm_image``): its vision tower runs, and its row
-# decodes beside the last text request's.
-_WARM_IMAGE = len(_WARM_REQUESTS)
 _ENDED = -1
 # (requests, when they arrive: None at once, else (request, tokens it has streamed or _ENDED))
 _WARM_WAVES = (((0,), None), ((1, 2, 3, 4), (0, 2)), ((5, 6), (2, _ENDED)), ((7,), (5, _ENDED)))
+# A VL server's request with an image (``warm_image``): its vision tower runs, and its row
+# decodes beside the last text request's (it arrives once that one has streamed a token).
+_WARM_IMAGE = len(_WARM_REQUESTS)
+_WARM_IMAGE_WAVE = ((_WARM_IMAGE,), (7, 1))
 _WARM_MAX_TICKS = 500  # a scheduler that cannot finish them in this many ticks is broken
 
 
@@ -667,7 +668,7 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - real image requests will say what fails
                 log.warning("warming up without an image: %s: %s", type(e).__name__, e)
             else:
-                waves.append(((_WARM_IMAGE,), (_WARM_WAVES[-1][0][0], 1)))
+                waves.append(_WARM_IMAGE_WAVE)
         queue, prefix = self._queue, self.prefix
         self._queue, self.prefix = AdmissionQueue(_WARM_IMAGE + 1, 0), None
         self._warming = True
