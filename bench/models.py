@@ -443,6 +443,313 @@ def _glm4_moe_lite(size: str) -> dict:
     }
 
 
+def _qwen2(size: str) -> dict:
+    # Qwen2.5-3B's widths at medium (hidden 2048, 16 x 128 heads, 2 kv heads, q/k/v biases,
+    # SwiGLU 11008, tied, vocabulary) with 16 of its 36 layers; small: hidden 1024, 8 layers,
+    # 16 x 64 heads. Every key of its config.json.
+    small = size == "small"
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+        "hidden_act": "silu",
+        "hidden_size": 1024 if small else 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 4096 if small else 11008,
+        "max_position_embeddings": 32768,
+        "max_window_layers": 8 if small else 16,
+        "model_type": "qwen2",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 8 if small else 16,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 32768,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.40.1",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 32000 if small else 151936,
+    }
+
+
+def _deepseek_v2(size: str) -> dict:
+    # DeepSeek-V2-Lite's attention (no q LoRA, latent 512, 128 + 64 qk dims, 128 v dims), router
+    # (softmax, greedy top 6 of 64, two shared experts) and vocabulary at medium, hidden 2048
+    # with 16 of its 27 layers (one dense) and experts 512 wide (of 1408), ~7 GB; small: hidden
+    # 1024, 8 layers, 16 experts of 256. Every key of its config.json.
+    small = size == "small"
+    return {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "auto_map": {
+            "AutoConfig": "configuration_deepseek.DeepseekV2Config",
+            "AutoModel": "modeling_deepseek.DeepseekV2Model",
+            "AutoModelForCausalLM": "modeling_deepseek.DeepseekV2ForCausalLM",
+        },
+        "aux_loss_alpha": 0.001,
+        "bos_token_id": 100000,
+        "eos_token_id": 100001,
+        "ep_size": 1,
+        "first_k_dense_replace": 1,
+        "hidden_act": "silu",
+        "hidden_size": 1024 if small else 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 3072 if small else 10944,
+        "kv_lora_rank": 256 if small else 512,
+        "max_position_embeddings": 163840,
+        "model_type": "deepseek_v2",
+        "moe_intermediate_size": 256 if small else 512,
+        "moe_layer_freq": 1,
+        "n_group": 1,
+        "n_routed_experts": 16 if small else 64,
+        "n_shared_experts": 2,
+        "norm_topk_prob": False,
+        "num_attention_heads": 16,
+        "num_experts_per_tok": 6,
+        "num_hidden_layers": 8 if small else 16,
+        "num_key_value_heads": 16,
+        "pretraining_tp": 1,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 64 if small else 128,
+        "qk_rope_head_dim": 32 if small else 64,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 40,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+        "rope_theta": 10000,
+        "routed_scaling_factor": 1.0,
+        "scoring_func": "softmax",
+        "seq_aux": True,
+        "tie_word_embeddings": False,
+        "topk_group": 1,
+        "topk_method": "greedy",
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.33.1",
+        "use_cache": True,
+        "v_head_dim": 64 if small else 128,
+        "vocab_size": 32000 if small else 102400,
+    }
+
+
+def _minicpm3(size: str) -> dict:
+    # MiniCPM3-4B's widths at medium (hidden 2560, 40 heads, q LoRA 768, latent 256, 64 + 32 qk
+    # dims, v dims hidden / heads, SwiGLU 6400, vocabulary, scale_emb / dim_model_base /
+    # scale_depth) with 16 of its 62 layers; small: hidden 1024, 16 heads, 8 layers. LongRoPE
+    # with 16 factors each (one per rotary pair), smooth made-up values, not the released ones:
+    # they set the rotary frequencies, not the work. Every key of its config.json.
+    small = size == "small"
+    pairs = 16  # qk_rope_head_dim / 2
+    return {
+        "architectures": ["MiniCPM3ForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_minicpm.MiniCPM3Config",
+            "AutoModel": "modeling_minicpm.MiniCPM3Model",
+            "AutoModelForCausalLM": "modeling_minicpm.MiniCPM3ForCausalLM",
+        },
+        "bos_token_id": 1,
+        "eos_token_id": [2, 73440],
+        "hidden_act": "silu",
+        "initializer_range": 0.1,
+        "hidden_size": 1024 if small else 2560,
+        "num_hidden_layers": 8 if small else 16,
+        "intermediate_size": 2560 if small else 6400,
+        "max_position_embeddings": 32768,
+        "model_type": "minicpm3",
+        "num_attention_heads": 16 if small else 40,
+        "num_key_value_heads": 16 if small else 40,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 2 * pairs,
+        "q_lora_rank": 384 if small else 768,
+        "kv_lora_rank": 256,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "type": "longrope",
+            "long_factor": [round(1.0 + 0.5 * i, 2) for i in range(pairs)],
+            "short_factor": [round(1.0 + 0.05 * i, 2) for i in range(pairs)],
+            "original_max_position_embeddings": 32768,
+        },
+        "rope_theta": 10000.0,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.41.0",
+        "use_cache": True,
+        "vocab_size": 32000 if small else 73448,
+        "scale_emb": 12,
+        "dim_model_base": 256,
+        "scale_depth": 1.4,
+    }
+
+
+def _gpt_oss(size: str) -> dict:
+    # gpt-oss-20b's attention (64 x 64 heads, 8 kv heads, biases, sinks, 128-token windows on
+    # every other layer, yarn), router (4 of 32 experts) and vocabulary at medium, hidden 2880
+    # with 16 of its 24 layers and experts a third as wide (960 of 2880), ~9 GB; small: hidden
+    # 1024, 16 heads, 8 layers, 16 experts of 256. bf16 experts, as the bf16 hub conversions
+    # and transformers 5 name them (the released MXFP4 blocks are a different file layout).
+    # Every key of its config.json but quantization_config.
+    small = size == "small"
+    layers = 8 if small else 16
+    return {
+        "architectures": ["GptOssForCausalLM"],
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "eos_token_id": 200002,
+        "experts_per_token": 4,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 1024 if small else 2880,
+        "initial_context_length": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 256 if small else 960,
+        "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
+        "max_position_embeddings": 131072,
+        "model_type": "gpt_oss",
+        "num_attention_heads": 16 if small else 64,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": layers,
+        "num_key_value_heads": 4 if small else 8,
+        "num_local_experts": 16 if small else 32,
+        "output_router_logits": False,
+        "pad_token_id": 31999 if small else 199999,  # within the vocabulary
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
+        "rope_theta": 150000,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": 128,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "transformers_version": "4.55.0.dev0",
+        "use_cache": True,
+        "vocab_size": 32000 if small else 201088,
+    }
+
+
+def _jamba(size: str) -> dict:
+    # Jamba-1.5-Mini's layer plan (attention every 8th layer from 4, 16 experts, top 2, on every
+    # other layer from 1; Mamba state 16, conv 4, expand 2) at hidden 2048 with 16 of its 32
+    # layers, 16 x 128 heads, 8 kv heads, SwiGLU 7168 (3.5x hidden, as released), ~7 GB; small:
+    # hidden 1024, 8 layers, 8 experts of 2048. Every key of its config.json.
+    small = size == "small"
+    hidden = 1024 if small else 2048
+    return {
+        "architectures": ["JambaForCausalLM"],
+        "attention_dropout": 0.0,
+        "attn_layer_offset": 4,
+        "attn_layer_period": 8,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "expert_layer_offset": 1,
+        "expert_layer_period": 2,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": 2048 if small else 7168,
+        "mamba_conv_bias": True,
+        "mamba_d_conv": 4,
+        "mamba_d_state": 16,
+        "mamba_dt_rank": hidden // 16,
+        "mamba_expand": 2,
+        "mamba_proj_bias": False,
+        "max_position_embeddings": 262144,
+        "model_type": "jamba",
+        "num_attention_heads": 16,
+        "num_experts": 8 if small else 16,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 8 if small else 16,
+        "num_key_value_heads": 4 if small else 8,
+        "num_logits_to_keep": 1,
+        "output_router_logits": False,
+        "pad_token_id": 0,
+        "rms_norm_eps": 1e-06,
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.40.2",
+        "use_cache": True,
+        "use_mamba_kernels": True,
+        "vocab_size": 32000 if small else 65536,
+    }
+
+
+def _granitemoehybrid(size: str) -> dict:
+    # granite-4.0-h-tiny's widths at medium (hidden 1536, 12 x 128 heads, 4 kv heads, no
+    # positional encoding, 6 of 64 experts 512 wide plus a 1024-wide shared MLP on every layer,
+    # Mamba2 48 x 64 heads, state 128, one group, vocabulary, tied) with the first 16 of its 40
+    # layers (two attention); small: hidden 1024, 8 layers (one attention), 16 experts of 256.
+    # Every key of its config.json.
+    small = size == "small"
+    layers = (
+        ["mamba"] * 5
+        + ["attention"]
+        + ["mamba"] * (2 if small else 9)
+        + ([] if small else ["attention"])
+    )
+    hidden = 1024 if small else 1536
+    return {
+        "architectures": ["GraniteMoeHybridForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attention_multiplier": 0.0078125,
+        "bos_token_id": 100257,
+        "eos_token_id": 100257,
+        "embedding_multiplier": 12,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "initializer_range": 0.1,
+        "intermediate_size": 256 if small else 512,
+        "layer_types": layers,
+        "logits_scaling": 6,
+        "mamba_chunk_size": 256,
+        "mamba_conv_bias": True,
+        "mamba_d_conv": 4,
+        "mamba_d_head": 64,
+        "mamba_d_state": 128,
+        "mamba_expand": 2,
+        "mamba_n_groups": 1,
+        "mamba_n_heads": 2 * hidden // 64,
+        "mamba_proj_bias": False,
+        "max_position_embeddings": 131072,
+        "model_type": "granitemoehybrid",
+        "normalization_function": "rmsnorm",
+        "num_attention_heads": 8 if small else 12,
+        "num_experts_per_tok": 6,
+        "num_hidden_layers": len(layers),
+        "num_key_value_heads": 4,
+        "num_local_experts": 16 if small else 64,
+        "output_router_logits": False,
+        "pad_token_id": 31999 if small else 100256,  # within the vocabulary
+        "position_embedding_type": "nope",
+        "residual_multiplier": 0.22,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "rope_theta": 10000,
+        "router_aux_loss_coef": 0.0,
+        "shared_intermediate_size": 512 if small else 1024,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.56.0",
+        "use_cache": True,
+        "vocab_size": 32000 if small else 100352,
+    }
+
+
 CONFIGS = {
     "llama": _llama,
     "qwen3": _qwen3,
@@ -453,6 +760,12 @@ CONFIGS = {
     "nemotron_h": _nemotron_h,
     "deepseek_v3": _deepseek_v3,
     "glm4_moe_lite": _glm4_moe_lite,
+    "qwen2": _qwen2,
+    "deepseek_v2": _deepseek_v2,
+    "minicpm3": _minicpm3,
+    "gpt_oss": _gpt_oss,
+    "jamba": _jamba,
+    "granitemoehybrid": _granitemoehybrid,
 }
 ARCHS = tuple(CONFIGS)
 
@@ -508,21 +821,36 @@ def shapes(cfg: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
             if not blk["ffn"]["no_op"]:
                 yield p + "post_attention_layernorm.weight", (h,)
                 yield from _swiglu(p + "mlp.", h, _nemotron_ffn(blk["ffn"]["ffn_mult"], h))
-        elif mt in ("mistral4", "deepseek_v3", "glm4_moe_lite"):
+        elif mt in ("mistral4", "deepseek_v3", "glm4_moe_lite", "deepseek_v2", "minicpm3"):
             yield from _mla_layer(p, cfg, i)
+        elif mt == "qwen2":
+            yield p + "input_layernorm.weight", (h,)
+            nh, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+            yield from _gqa(p, h, nh, kv, h // nh, qkv_bias=True)
+            yield p + "post_attention_layernorm.weight", (h,)
+            yield from _swiglu(p + "mlp.", h, cfg["intermediate_size"])
+        elif mt == "gpt_oss":
+            yield from _gpt_oss_layer(p, cfg)
+        elif mt == "jamba":
+            yield from _jamba_layer(p, cfg, i)
+        elif mt == "granitemoehybrid":
+            yield from _granite_layer(p, cfg, i)
         else:
             raise ValueError(mt)
-    yield "model.norm.weight", (h,)
+    yield ("model.final_layernorm.weight" if mt == "jamba" else "model.norm.weight"), (h,)
     # Gemma's configs leave tie_word_embeddings out: tied, and the hub files hold no lm_head.
     if not cfg.get("tie_word_embeddings", mt == "gemma3_text"):
         yield "lm_head.weight", (v, h)
 
 
-def _gqa(p: str, h: int, nh: int, kv: int, hd: int):
-    yield p + "self_attn.q_proj.weight", (nh * hd, h)
-    yield p + "self_attn.k_proj.weight", (kv * hd, h)
-    yield p + "self_attn.v_proj.weight", (kv * hd, h)
+def _gqa(p: str, h: int, nh: int, kv: int, hd: int, qkv_bias=False, o_bias=False):
+    for name, rows in (("q", nh * hd), ("k", kv * hd), ("v", kv * hd)):
+        yield f"{p}self_attn.{name}_proj.weight", (rows, h)
+        if qkv_bias:
+            yield f"{p}self_attn.{name}_proj.bias", (rows,)
     yield p + "self_attn.o_proj.weight", (h, nh * hd)
+    if o_bias:
+        yield p + "self_attn.o_proj.bias", (h,)
 
 
 def _swiglu(p: str, h: int, inter: int):
@@ -572,22 +900,27 @@ def _nemotron_h_shapes(cfg: dict):
 
 
 def _mla_layer(p: str, cfg: dict, i: int):
-    # MLA with q LoRA, then a dense SwiGLU or routed + shared experts: mistral4's experts fused
-    # out-major (hub and tf5), DeepSeek's and GLM's one tensor each with a sigmoid router's
-    # e_score_correction_bias, as on the hub.
+    # MLA with q LoRA (or DeepSeek-V2-Lite's full q_proj), then a dense SwiGLU (every layer of
+    # MiniCPM3) or routed + shared experts: mistral4's experts fused out-major (hub and tf5),
+    # DeepSeek's and GLM's one tensor each, with the sigmoid routers' e_score_correction_bias,
+    # as on the hub. MiniCPM3's v dims are hidden / heads (its config has no v_head_dim).
     h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
     qr, kvr = cfg["q_lora_rank"], cfg["kv_lora_rank"]
-    nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    nope, rope = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
+    vd = cfg.get("v_head_dim", h // nh)
     yield p + "input_layernorm.weight", (h,)
-    yield p + "self_attn.q_a_proj.weight", (qr, h)
-    yield p + "self_attn.q_a_layernorm.weight", (qr,)
-    yield p + "self_attn.q_b_proj.weight", (nh * (nope + rope), qr)
+    if qr is None:
+        yield p + "self_attn.q_proj.weight", (nh * (nope + rope), h)
+    else:
+        yield p + "self_attn.q_a_proj.weight", (qr, h)
+        yield p + "self_attn.q_a_layernorm.weight", (qr,)
+        yield p + "self_attn.q_b_proj.weight", (nh * (nope + rope), qr)
     yield p + "self_attn.kv_a_proj_with_mqa.weight", (kvr + rope, h)
     yield p + "self_attn.kv_a_layernorm.weight", (kvr,)
     yield p + "self_attn.kv_b_proj.weight", (nh * (nope + vd), kvr)
     yield p + "self_attn.o_proj.weight", (h, nh * vd)
     yield p + "post_attention_layernorm.weight", (h,)
-    if i < cfg["first_k_dense_replace"]:
+    if i < cfg.get("first_k_dense_replace", cfg["num_hidden_layers"]):
         yield from _swiglu(p + "mlp.", h, cfg["intermediate_size"])
         return
     e, mi = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
@@ -596,10 +929,96 @@ def _mla_layer(p: str, cfg: dict, i: int):
         yield p + "mlp.experts.gate_up_proj", (e, 2 * mi, h)  # fused, out-major (hub and tf5)
         yield p + "mlp.experts.down_proj", (e, h, mi)
     else:
-        yield p + "mlp.gate.e_score_correction_bias", (e,)
+        if cfg.get("scoring_func", "sigmoid") == "sigmoid":
+            yield p + "mlp.gate.e_score_correction_bias", (e,)
         for j in range(e):
             yield from _swiglu(f"{p}mlp.experts.{j}.", h, mi)
     yield from _swiglu(p + "mlp.shared_experts.", h, mi * cfg["n_shared_experts"])
+
+
+def _gpt_oss_layer(p: str, cfg: dict):
+    # Experts fused in-major, gate and up interleaved, with biases, as the bf16 hub
+    # conversions and transformers 5 hold them; per-head attention sinks.
+    h, nh, kv, hd = (
+        cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    )
+    e, inter = cfg["num_local_experts"], cfg["intermediate_size"]
+    yield p + "input_layernorm.weight", (h,)
+    yield from _gqa(p, h, nh, kv, hd, qkv_bias=True, o_bias=True)
+    yield p + "self_attn.sinks", (nh,)
+    yield p + "post_attention_layernorm.weight", (h,)
+    yield p + "mlp.router.weight", (e, h)
+    yield p + "mlp.router.bias", (e,)
+    yield p + "mlp.experts.gate_up_proj", (e, h, 2 * inter)
+    yield p + "mlp.experts.gate_up_proj_bias", (e, 2 * inter)
+    yield p + "mlp.experts.down_proj", (e, inter, h)
+    yield p + "mlp.experts.down_proj_bias", (e, h)
+
+
+def _jamba_layer(p: str, cfg: dict, i: int):
+    # Mamba (selective scan) or attention by period / offset; SwiGLU or experts (one tensor
+    # each) by period / offset.
+    h = cfg["hidden_size"]
+    yield p + "input_layernorm.weight", (h,)
+    if i % cfg["attn_layer_period"] == cfg["attn_layer_offset"]:
+        nh, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        yield from _gqa(p, h, nh, kv, h // nh)
+    else:
+        inner, n, r = cfg["mamba_expand"] * h, cfg["mamba_d_state"], cfg["mamba_dt_rank"]
+        m = p + "mamba."
+        yield m + "in_proj.weight", (2 * inner, h)
+        yield m + "conv1d.weight", (inner, 1, cfg["mamba_d_conv"])
+        yield m + "conv1d.bias", (inner,)
+        yield m + "x_proj.weight", (r + 2 * n, inner)
+        yield m + "dt_proj.weight", (inner, r)
+        yield m + "dt_proj.bias", (inner,)
+        yield m + "A_log", (inner, n)
+        yield m + "D", (inner,)
+        yield m + "dt_layernorm.weight", (r,)
+        yield m + "b_layernorm.weight", (n,)
+        yield m + "c_layernorm.weight", (n,)
+        yield m + "out_proj.weight", (h, inner)
+    yield p + "pre_ff_layernorm.weight", (h,)
+    inter = cfg["intermediate_size"]
+    if i % cfg["expert_layer_period"] == cfg["expert_layer_offset"]:
+        yield p + "feed_forward.router.weight", (cfg["num_experts"], h)
+        for j in range(cfg["num_experts"]):
+            yield from _swiglu(f"{p}feed_forward.experts.{j}.", h, inter)
+    else:
+        yield from _swiglu(p + "feed_forward.", h, inter)
+
+
+def _granite_layer(p: str, cfg: dict, i: int):
+    # Mamba2 or attention (no positional encoding) by layer_types; then routed experts fused
+    # (gate and up stacked, out-major) and a shared MLP, as on the hub.
+    h = cfg["hidden_size"]
+    yield p + "input_layernorm.weight", (h,)
+    if cfg["layer_types"][i] == "attention":
+        nh, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        yield from _gqa(p, h, nh, kv, h // nh)
+    else:
+        heads, n, groups = cfg["mamba_n_heads"], cfg["mamba_d_state"], cfg["mamba_n_groups"]
+        inner = heads * cfg["mamba_d_head"]
+        conv = inner + 2 * groups * n
+        m = p + "mamba."
+        yield m + "in_proj.weight", (inner + conv + heads, h)
+        yield m + "conv1d.weight", (conv, 1, cfg["mamba_d_conv"])
+        yield m + "conv1d.bias", (conv,)
+        yield m + "dt_bias", (heads,)
+        yield m + "A_log", (heads,)
+        yield m + "D", (heads,)
+        yield m + "norm.weight", (inner,)
+        yield m + "out_proj.weight", (h, inner)
+    yield p + "post_attention_layernorm.weight", (h,)
+    e, inter, shared = (
+        cfg[k] for k in ("num_local_experts", "intermediate_size", "shared_intermediate_size")
+    )
+    if e:
+        yield p + "block_sparse_moe.router.layer.weight", (e, h)
+        yield p + "block_sparse_moe.input_linear.weight", (e, 2 * inter, h)
+        yield p + "block_sparse_moe.output_linear.weight", (e, h, inter)
+    yield p + "shared_mlp.input_linear.weight", (2 * shared, h)
+    yield p + "shared_mlp.output_linear.weight", (h, shared)
 
 
 # --- writing ---------------------------------------------------------------------------------

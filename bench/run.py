@@ -180,12 +180,59 @@ def kv_side(bits: int) -> str:
     return f"mlxc kv{bits}"
 
 
+def peer_checkpoint(bf16: Path) -> Path:
+    """The checkpoint mlx-lm loads for ``bf16``: the same directory, except for gpt_oss.
+
+    mlx-lm reads gpt-oss experts as the hub's MXFP4 blocks or in its own split layout (what its
+    converter writes), not as the bf16 layout of transformers 5 and the hub's bf16 conversions
+    (``experts.gate_up_proj`` [E, H, 2I], gate and up interleaved), which mlxc reads. For
+    gpt_oss this writes the same weights in mlx-lm's layout once, beside ``bf16``.
+    """
+    import mlx.core as mx
+
+    config = json.loads((bf16 / "config.json").read_text())
+    if config["model_type"] != "gpt_oss":
+        return bf16
+    out = bf16.with_name(bf16.name + "-mlx-lm-layout")
+    if (out / "config.json").exists():
+        return out
+    tmp = out.with_name(out.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for shard in sorted(bf16.glob("*.safetensors")):
+        split = {}
+        for name, w in mx.load(str(shard)).items():
+            if name.endswith("experts.gate_up_proj"):  # [E, H, 2I] -> two [E, I, H]
+                split[name[: -len("gate_up_proj")] + "gate_proj.weight"] = w[..., ::2].swapaxes(
+                    1, 2
+                )
+                split[name[: -len("gate_up_proj")] + "up_proj.weight"] = w[..., 1::2].swapaxes(1, 2)
+            elif name.endswith("experts.gate_up_proj_bias"):
+                split[name[: -len("gate_up_proj_bias")] + "gate_proj.bias"] = w[..., ::2]
+                split[name[: -len("gate_up_proj_bias")] + "up_proj.bias"] = w[..., 1::2]
+            elif name.endswith("experts.down_proj"):  # [E, I, H] -> [E, H, I]
+                split[name + ".weight"] = w.swapaxes(1, 2)
+            elif name.endswith("experts.down_proj_bias"):
+                split[name[: -len("_bias")] + ".bias"] = w
+            else:
+                split[name] = w
+        split = {k: mx.contiguous(v) for k, v in split.items()}
+        mx.save_safetensors(str(tmp / shard.name), split, metadata={"format": "mlx"})
+        weight_map.update(dict.fromkeys(split, shard.name))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index) + "\n")
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tmp.rename(out)
+    return out
+
+
 def load_peer(bf16: Path, quant: str):
-    """mlx-lm's model of the bf16 checkpoint ``bf16``; for "q4" quantised by its own
-    ``quantize_model`` (as ``mlx_lm.convert -q`` does), not loaded from mlxc's conversion."""
+    """mlx-lm's model of the bf16 checkpoint ``bf16`` (in its layout: ``peer_checkpoint``);
+    for "q4" quantised by its own ``quantize_model`` (as ``mlx_lm.convert -q`` does), not
+    loaded from mlxc's conversion."""
     from mlx_lm.utils import load_model as peer_load
 
-    peer, config = peer_load(bf16)
+    peer, config = peer_load(peer_checkpoint(bf16))
     if quant == "q4":
         import contextlib
         import io
