@@ -2,6 +2,8 @@
 
     python -m bench.decode_parts --device gpu --size medium --arch glm4_moe_lite --arch llama
 
+(``--phase prefill``: the same parts of one prefill of the prompt instead of the decode steps.)
+
 Both sides load the same ``bench.models`` checkpoint (bf16; on a CPU mlx-lm's model is cast to
 float32, mlxc's compute dtype there; ``--quant q4``: 4-bit, as ``bench.run`` makes it, mlxc's
 by ``mlxc convert`` and mlx-lm's by its ``quantize_model``), prefill the same prompt, then decode greedily in one and
@@ -49,6 +51,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--phase",
+        choices=["decode", "prefill"],
+        default="decode",
+        help="time the decode steps (ms per step) or the prompt's prefill (ms per prefill)",
+    )
     p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     args = p.parse_args(argv)
     archs = args.arch or ["glm4_moe_lite"]
@@ -81,9 +89,13 @@ def main(argv: list[str] | None = None) -> None:
                     object.__setattr__(layer, name, zeros)
 
     def decode_ms(model, cache, ids) -> float:
-        """Prefill ``ids``, then ``--tokens`` greedy steps, pipelined: ms per step."""
+        """Prefill ``ids``, then ``--tokens`` greedy steps, pipelined: ms per step (with
+        ``--phase prefill``: ms for the prefill, the steps not taken)."""
+        start = time.perf_counter()
         y = mx.argmax(model(mx.array([ids]), cache=cache)[:, -1, :], axis=-1)
         mx.eval(y)
+        if args.phase == "prefill":
+            return 1e3 * (time.perf_counter() - start)
         warm = 4
         for i in range(warm + args.tokens):
             if i == warm:
@@ -147,15 +159,23 @@ def main(argv: list[str] | None = None) -> None:
 
 def _markdown(results: dict, args, device: str, mlx_version: str, argv) -> str:
     command = " ".join(argv if argv is not None else sys.argv[1:])
+    if args.phase == "prefill":
+        what = f"{args.prompt}-token prompt's prefill (one forward), median of {args.repeats}"
+        unit = "ms per prefill"
+    else:
+        what = (
+            f"{args.prompt}-token prompt, {args.tokens} greedy steps pipelined, median of "
+            f"{args.repeats}"
+        )
+        unit = "ms per decode step"
     setting = (
         f"`python -m bench.decode_parts {command}`: {args.size} {args.quant} checkpoints, "
-        f"{device}, MLX {mlx_version}; {args.prompt}-token prompt, {args.tokens} greedy steps "
-        f"pipelined, median of {args.repeats}. ms per decode step; a part's time is its "
-        "variant's step less the step with neither part (`bench/decode_parts.py` says how the "
-        "parts are taken out)."
+        f"{device}, MLX {mlx_version}; {what}. {unit}; a part's time is its variant's time "
+        "less the time with neither part (`bench/decode_parts.py` says how the parts are "
+        "taken out)."
     )
     lines = [
-        "# Decode, part by part: mlxc against mlx-lm",
+        f"# {args.phase.capitalize()}, part by part: mlxc against mlx-lm",
         "",
         setting,
         "",
@@ -164,7 +184,13 @@ def _markdown(results: dict, args, device: str, mlx_version: str, argv) -> str:
     ]
     for arch, r in results.items():
         step = r["step_ms"]
-        rows = [("whole step", step["full / mlxc"], step["full / mlx-lm"])]
+        rows = [
+            (
+                "whole " + ("prefill" if args.phase == "prefill" else "step"),
+                step["full / mlxc"],
+                step["full / mlx-lm"],
+            )
+        ]
         rows += [
             (part, r["parts_ms"]["mlxc"][part], r["parts_ms"]["mlx-lm"][part])
             for part in ("attention", "mlp", "rest")

@@ -240,17 +240,21 @@ class Experts(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """``x [N, H]``, ``indices [N, k]`` -> ``[N, k, H]`` (one output per chosen expert)."""
         N, k = indices.shape
+        H = x.shape[-1]
         indices = mx.stop_gradient(indices)
         do_sort = indices.size >= self.sort_threshold
+        # The one-row matrices are made by reshape, not by indexing with None: an inserted axis
+        # has a stride MLX's CPU gather_mm reads as a transposed operand (its check_transpose),
+        # and OpenBLAS's GEMM on a transposed one-row operand runs 3-5x slower.
         if do_sort:
             # One row per (token, expert) pair, grouped by expert; undone after down_proj.
             flat = indices.flatten()
             order = mx.argsort(flat)
             inverse = mx.argsort(order)
-            x = x[order // k][:, None, :]  # [N*k, 1, H]
+            x = x[order // k].reshape(N * k, 1, H)
             idx = flat[order]  # [N*k]
         else:
-            x = x[:, None, None, :]  # [N, 1, 1, H] broadcasts against indices [N, k]
+            x = x.reshape(N, 1, 1, H)  # broadcasts against indices [N, k]
             idx = indices
         if self.gate_up_proj is not None:
             gate, up = mx.split(self.gate_up_proj(x, idx, do_sort), 2, axis=-1)
@@ -576,12 +580,14 @@ def _as_out_in(
     name: str, w: mx.array, target: tuple[int, int, int], in_out: bool = False
 ) -> mx.array:
     """``w`` as ``target`` (E, out, in): transposed from (E, in, out) when ``in_out``; else kept
-    if already so and transposed otherwise, as transformers."""
+    if already so and transposed otherwise, as transformers. A transpose is copied out, not
+    left a view: a weight stored (E, in, out) sends MLX's CPU gather matmul down OpenBLAS's
+    slower GEMM orientation (gpt_oss's experts took 1.3x as long in a prefill)."""
     transposed = (target[0], target[2], target[1])
     if tuple(w.shape) == target and not in_out:
         return w
     if tuple(w.shape) == transposed:
-        return w.swapaxes(1, 2)
+        return mx.contiguous(w.swapaxes(1, 2))
     if in_out:
         raise ValueError(f"{name}: shape {tuple(w.shape)}, expected [E, in, out] {transposed}")
     raise ValueError(f"{name}: shape {tuple(w.shape)} fits neither {target} nor its transpose")
