@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mlx import nn
 
-from mlxc.runtime.model.moe import MoE, convert_expert_weights, route
+from mlxc.runtime.model.moe import Experts, MoE, convert_expert_weights, route
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -271,6 +271,37 @@ def test_sorted_and_unsorted_gather_agree():
     )
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_the_three_expert_paths_agree(quantized, bias):
+    """The gather matmuls unsorted (decode) and sorted by expert (a prefill on a GPU), and one
+    plain matmul per expert's run of rows (a prefill on the CPU: ``by_expert``), with gate and
+    up fused or not: the same numbers. Experts 3 and 7 are chosen by no token: runs skip them."""
+    from mlxc.runtime.model.moe import ExpertLinear
+
+    x = mx.random.normal((45, 64), key=mx.random.key(21))
+    indices = mx.random.randint(0, E - 2, (45, K), key=mx.random.key(22))
+    indices = (indices + (indices >= 3)).astype(mx.uint32)
+    for fused in (False, True):
+        mx.random.seed(20)
+        experts = Experts(64, 32, E, bias=bias)
+        experts.update(
+            nn.utils.tree_map(lambda p: mx.random.normal(p.shape) * 0.3, experts.parameters())
+        )
+        if fused:  # layers.fuse's layout: gate and up stacked on the output axis
+            gate, up = experts.gate_proj, experts.up_proj
+            experts.gate_up_proj = ExpertLinear(64, 64, E, bias)
+            experts.gate_up_proj.weight = mx.concatenate([gate.weight, up.weight], axis=1)
+            if bias:
+                experts.gate_up_proj.bias = mx.concatenate([gate.bias, up.bias], axis=1)
+        if quantized:
+            nn.quantize(experts, 32, 4, class_predicate=lambda _, m: hasattr(m, "to_quantized"))
+        want = np.array(experts.gathered(x, indices, False))
+        for got in (experts.gathered(x, indices, True), experts.by_expert(x, indices)):
+            assert got.shape == (45, K, 64)
+            np.testing.assert_allclose(np.array(got), want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("quantized", [False, True])
 def test_sorted_gather_leaves_row_indices_to_mlx(monkeypatch, quantized):
     """A gather matmul over rows sorted by expert passes no ``lhs_indices``: MLX takes its
@@ -290,6 +321,8 @@ def test_sorted_gather_leaves_row_indices_to_mlx(monkeypatch, quantized):
         return real(*args, **kw)
 
     monkeypatch.setattr(mx, name, spy)
+    # the sorted gather as a GPU takes it (the CPU multiplies each expert's run instead)
+    monkeypatch.setattr(Experts, "by_expert", lambda self, x, i: self.gathered(x, i, True))
     x = mx.random.normal((2, 40, 64), key=mx.random.key(4))
     for threshold in (0, 10**9):  # sorted, unsorted
         moe.experts.sort_threshold = threshold
