@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--archs",
         default="llama,qwen3,nemotron_nas,mistral4,gemma3_text,qwen3_moe,deepseek_v3,glm4_moe_lite,"
-        "nemotron_h",
+        "nemotron_h,qwen2,deepseek_v2,minicpm3,gpt_oss,jamba,granitemoehybrid",
     )
     p.add_argument("--quants", default="bf16,q4")
     p.add_argument("--repeats", type=int, default=None)
