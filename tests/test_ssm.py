@@ -243,8 +243,9 @@ def test_conv_weight_conversion():
 
 def test_selective_scan_in_chunks_equals_one_chunk_and_the_steps():
     """Mamba (v1)'s parallel scan: any chunking of the tokens gives the state and outputs one
-    chunk does, and both equal the one-token step applied token by token."""
-    from mlxc.runtime.model.ssm import _selective_step, selective_scan
+    chunk does (the GPU's default, ``SCAN_CHUNK``, is one chunk here; the CPU's is 1), and both
+    equal the one-token step applied token by token."""
+    from mlxc.runtime.model.ssm import SCAN_CHUNK, _selective_step, selective_scan
 
     rng = np.random.default_rng(3)
     b, L, I, n = 2, 23, 6, 4
@@ -255,8 +256,8 @@ def test_selective_scan_in_chunks_equals_one_chunk_and_the_steps():
     x, B, C, state = r(b, L, I), r(b, L, n), r(b, L, n), r(b, I, n)
     dt = mx.array(rng.uniform(0.01, 0.5, (b, L, I)).astype(np.float32))
     A = -mx.array(rng.uniform(0.5, 4.0, (I, n)).astype(np.float32))
-    y, last = selective_scan(x, dt, A, B, C, state)
-    for chunk in (1, 4, 7):
+    y, last = selective_scan(x, dt, A, B, C, state, chunk=SCAN_CHUNK)
+    for chunk in (None, 1, 4, 7):
         yc, lc = selective_scan(x, dt, A, B, C, state, chunk=chunk)
         _close(yc, y)
         _close(lc, last)
