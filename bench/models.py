@@ -592,7 +592,7 @@ def _minicpm3(size: str) -> dict:
 def _gpt_oss(size: str) -> dict:
     # gpt-oss-20b's attention (64 x 64 heads, 8 kv heads, biases, sinks, 128-token windows on
     # every other layer, yarn), router (4 of 32 experts) and vocabulary at medium, hidden 2880
-    # with 16 of its 24 layers and experts a third as wide (960 of 2880), ~9 GB; small: hidden
+    # with 16 of its 24 layers and experts a third as wide (960 of 2880), ~12 GB; small: hidden
     # 1024, 16 heads, 8 layers, 16 experts of 256. bf16 experts, as the bf16 hub conversions
     # and transformers 5 name them (the released MXFP4 blocks are a different file layout).
     # Every key of its config.json but quantization_config.
@@ -643,7 +643,7 @@ def _gpt_oss(size: str) -> dict:
 def _jamba(size: str) -> dict:
     # Jamba-1.5-Mini's layer plan (attention every 8th layer from 4, 16 experts, top 2, on every
     # other layer from 1; Mamba state 16, conv 4, expand 2) at hidden 2048 with 16 of its 32
-    # layers, 16 x 128 heads, 8 kv heads, SwiGLU 7168 (3.5x hidden, as released), ~7 GB; small:
+    # layers, 16 x 128 heads, 8 kv heads, SwiGLU 7168 (3.5x hidden, as released), ~13 GB; small:
     # hidden 1024, 8 layers, 8 experts of 2048. Every key of its config.json.
     small = size == "small"
     hidden = 1024 if small else 2048

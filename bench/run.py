@@ -202,18 +202,17 @@ def peer_checkpoint(bf16: Path) -> Path:
     for shard in sorted(bf16.glob("*.safetensors")):
         split = {}
         for name, w in mx.load(str(shard)).items():
+            experts = name.rpartition(".")[0] + "."  # "model.layers.N.mlp.experts."
             if name.endswith("experts.gate_up_proj"):  # [E, H, 2I] -> two [E, I, H]
-                split[name[: -len("gate_up_proj")] + "gate_proj.weight"] = w[..., ::2].swapaxes(
-                    1, 2
-                )
-                split[name[: -len("gate_up_proj")] + "up_proj.weight"] = w[..., 1::2].swapaxes(1, 2)
+                split[experts + "gate_proj.weight"] = w[..., ::2].swapaxes(1, 2)
+                split[experts + "up_proj.weight"] = w[..., 1::2].swapaxes(1, 2)
             elif name.endswith("experts.gate_up_proj_bias"):
-                split[name[: -len("gate_up_proj_bias")] + "gate_proj.bias"] = w[..., ::2]
-                split[name[: -len("gate_up_proj_bias")] + "up_proj.bias"] = w[..., 1::2]
+                split[experts + "gate_proj.bias"] = w[..., ::2]
+                split[experts + "up_proj.bias"] = w[..., 1::2]
             elif name.endswith("experts.down_proj"):  # [E, I, H] -> [E, H, I]
-                split[name + ".weight"] = w.swapaxes(1, 2)
+                split[experts + "down_proj.weight"] = w.swapaxes(1, 2)
             elif name.endswith("experts.down_proj_bias"):
-                split[name[: -len("_bias")] + ".bias"] = w
+                split[experts + "down_proj.bias"] = w
             else:
                 split[name] = w
         split = {k: mx.contiguous(v) for k, v in split.items()}

@@ -418,8 +418,9 @@ class MambaMixer(nn.Module):
         state_t = exp(dt_t A) state_{t-1} + dt_t x_t B_t      y_t = state_t C_t + D x_t
 
     then ``y * silu(z)`` and ``out_proj``. A prefill chunk runs the recurrence as a parallel
-    scan on a GPU, token by token on the CPU (``selective_scan``), a decode step as one step; both continue from the cache's state
-    (float32, ``[B, channels, state_size]``) and leave theirs in it.
+    scan on a GPU, token by token on the CPU (``selective_scan``), a decode step as one step;
+    both continue from the cache's state (float32, ``[B, channels, state_size]``) and leave
+    theirs in it.
     """
 
     def __init__(
