@@ -302,6 +302,28 @@ def test_the_three_expert_paths_agree(quantized, bias):
             np.testing.assert_allclose(np.array(got), want, atol=1e-4, rtol=1e-4)
 
 
+def test_the_cpu_multiplies_by_expert_from_enough_rows_per_expert(monkeypatch):
+    """On the CPU a block takes ``by_expert`` once the pairs reach ``BY_EXPERT_ROWS`` per expert
+    (a prefill), and the gathers below that (decode steps and small batches, where one matmul
+    per expert costs more than the rows it saves); the answer is the same either way."""
+    from mlxc.runtime.model.moe import BY_EXPERT_ROWS
+
+    assert mx.default_device() == mx.cpu  # the suite runs on the CPU
+    moe = _random_moe(6)
+    calls = []
+    real = Experts.by_expert
+    monkeypatch.setattr(
+        Experts, "by_expert", lambda self, x, i: calls.append(i.size) or real(self, x, i)
+    )
+    few = BY_EXPERT_ROWS * E // K - 1  # tokens: one pair short
+    x = mx.random.normal((1, few + 1, H), key=mx.random.key(9))
+    a = moe(x[:, :few])
+    assert calls == []
+    b = moe(x)
+    assert calls == [(few + 1) * K]
+    np.testing.assert_allclose(np.array(b[:, :few]), np.array(a), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("quantized", [False, True])
 def test_sorted_gather_leaves_row_indices_to_mlx(monkeypatch, quantized):
     """A gather matmul over rows sorted by expert passes no ``lhs_indices``: MLX takes its

@@ -7,7 +7,8 @@ and expert biases, clamped SwiGLU, MXFP4 experts). Experts run through
 ``mx.gather_mm`` (``mx.gather_qmm`` once quantised) over stacked weights; with many
 (token, expert) pairs the tokens are sorted by expert first so each expert's weights are read
 once in a contiguous run. On the CPU, where MLX's gather matmul multiplies row by row, a prefill
-multiplies each expert's run of rows in one plain matmul instead (``Experts.by_expert``).
+with enough rows per expert multiplies each expert's run in one plain matmul instead
+(``Experts.by_expert``).
 
 Internal parameter layout (what the model's ``sanitize`` must produce), under the MoE's path::
 
@@ -82,6 +83,10 @@ from mlx import nn
 from mlxc.runtime.model.layers import ACTIVATIONS, MLP, FusedSwiGLU, SwiGLU, glu
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
+# On the CPU, pairs per expert (on average) from which one matmul per expert's run of rows beats
+# the sorted gather matmul: its cost per expert is fixed, the gather's per row. Measured on the
+# bench's small MoE models, crossing over at 10-28 (mistral4, qwen3_moe, gpt_oss).
+BY_EXPERT_ROWS = 16
 
 
 # --- expert linears ------------------------------------------------------------------------
@@ -270,12 +275,16 @@ class Experts(nn.Module):
         # Sorting costs two argsorts and a gather; it pays once the pairs outnumber the experts
         # a few times over (prefill), not for one decode token. 64 is mlx-lm's choice too.
         self.sort_threshold = sort_threshold
+        self.num_experts = num_experts
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """``x [N, H]``, ``indices [N, k]`` -> ``[N, k, H]`` (one output per chosen expert)."""
         indices = mx.stop_gradient(indices)
         do_sort = indices.size >= self.sort_threshold
-        if do_sort and mx.default_device() == mx.cpu:
+        cpu_runs = (
+            mx.default_device() == mx.cpu and indices.size >= BY_EXPERT_ROWS * self.num_experts
+        )
+        if do_sort and cpu_runs:
             return self.by_expert(x, indices)
         return self.gathered(x, indices, do_sort)
 
@@ -310,9 +319,10 @@ class Experts(nn.Module):
 
     def by_expert(self, x: mx.array, indices: mx.array) -> mx.array:
         """``__call__`` with the (token, expert) pairs sorted by expert and each expert's run
-        of rows multiplied in one plain matmul: what a prefill takes on the CPU, where MLX's
-        gather matmul multiplies row by row (3-9x the time of the same FLOPs in one GEMM).
-        Reads the expert counts on the host, so it evaluates the router first."""
+        of rows multiplied in one plain matmul: what a prefill takes on the CPU (from
+        ``BY_EXPERT_ROWS`` pairs per expert), where MLX's gather matmul multiplies row by row
+        (3-9x the time of the same FLOPs in one GEMM). Reads the expert counts on the host, so
+        it evaluates the router first."""
         N, k = indices.shape
         flat = indices.flatten()
         order = mx.argsort(flat)
