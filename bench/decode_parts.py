@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
                 elif isinstance(layer.get(name), nn.Module):
                     object.__setattr__(layer, name, zeros)
 
-    def decode_ms(model, cache, ids) -> float:
+    def time_ms(model, cache, ids) -> float:
         """Prefill ``ids``, then ``--tokens`` greedy steps, pipelined: ms per step (with
         ``--phase prefill``: ms for the prefill, the steps not taken)."""
         start = time.perf_counter()
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
                 for side, model in sides.items():
                     keep(model, *kept)
                     try:
-                        ms = decode_ms(model, caches[side](model), ids)
+                        ms = time_ms(model, caches[side](model), ids)
                     finally:
                         keep(model, True, True)
                     if repeat:

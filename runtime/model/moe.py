@@ -295,27 +295,15 @@ class Experts(nn.Module):
         # The one-row matrices are made by reshape, not by indexing with None: an inserted axis
         # has a stride MLX's CPU gather_mm reads as a transposed operand (its check_transpose),
         # and OpenBLAS's GEMM on a transposed one-row operand runs 3-5x slower.
-        if do_sort:
-            # One row per (token, expert) pair, grouped by expert; undone after down_proj.
-            flat = indices.flatten()
-            order = mx.argsort(flat)
-            inverse = mx.argsort(order)
-            x = x[order // k].reshape(N * k, 1, H)
-            idx = flat[order]  # [N*k]
-        else:
+        if not do_sort:
             x = x.reshape(N, 1, 1, H)  # broadcasts against indices [N, k]
-            idx = indices
-        if self.gate_up_proj is not None:
-            gate, up = mx.split(self.gate_up_proj(x, idx, do_sort), 2, axis=-1)
-            h = self.glu(gate, up)
-        elif "gate_proj" in self:
-            h = self.glu(self.gate_proj(x, idx, do_sort), self.up_proj(x, idx, do_sort))
-        else:
-            h = self.act(self.up_proj(x, idx, do_sort))
-        y = self.down_proj(h, idx, do_sort)
-        if do_sort:
-            return y[inverse].reshape(N, k, -1)
-        return y.squeeze(-2)
+            y = self._experts(x, lambda linear, rows: linear(rows, indices, False))
+            return y.squeeze(-2)
+        flat, order, inverse = _by_expert_order(indices)
+        idx = flat[order]  # [N*k]
+        x = x[order // k].reshape(N * k, 1, H)
+        y = self._experts(x, lambda linear, rows: linear(rows, idx, True))
+        return y[inverse].reshape(N, k, -1)
 
     def by_expert(self, x: mx.array, indices: mx.array) -> mx.array:
         """``__call__`` with the (token, expert) pairs sorted by expert and each expert's run
@@ -324,21 +312,33 @@ class Experts(nn.Module):
         (3-9x the time of the same FLOPs in one GEMM). Reads the expert counts on the host, so
         it evaluates the router first."""
         N, k = indices.shape
-        flat = indices.flatten()
-        order = mx.argsort(flat)
-        inverse = mx.argsort(order)
+        flat, order, inverse = _by_expert_order(indices)
         counts = np.bincount(np.asarray(flat), minlength=1)
         stops = np.cumsum(counts)
         runs = [(e, int(b - n), int(b)) for e, (n, b) in enumerate(zip(counts, stops)) if n]
         x = x[order // k]  # [N*k, H], grouped by expert
+        y = self._experts(x, lambda linear, rows: linear.by_runs(rows, runs))
+        return y[inverse].reshape(N, k, -1)
+
+    def _experts(self, x: mx.array, product) -> mx.array:
+        """``down(glu(gate(x), up(x)))`` (ungated: ``down(act(up(x)))``), ``product(linear,
+        rows)`` making each expert linear's product, however the rows are laid out."""
         if self.gate_up_proj is not None:
-            gate, up = mx.split(self.gate_up_proj.by_runs(x, runs), 2, axis=-1)
+            gate, up = mx.split(product(self.gate_up_proj, x), 2, axis=-1)
             h = self.glu(gate, up)
         elif "gate_proj" in self:
-            h = self.glu(self.gate_proj.by_runs(x, runs), self.up_proj.by_runs(x, runs))
+            h = self.glu(product(self.gate_proj, x), product(self.up_proj, x))
         else:
-            h = self.act(self.up_proj.by_runs(x, runs))
-        return self.down_proj.by_runs(h, runs)[inverse].reshape(N, k, -1)
+            h = self.act(product(self.up_proj, x))
+        return product(self.down_proj, h)
+
+
+def _by_expert_order(indices: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """``indices [N, k]`` flattened, the order that groups its pairs by expert, and the order
+    that undoes it."""
+    flat = indices.flatten()
+    order = mx.argsort(flat)
+    return flat, order, mx.argsort(order)
 
 
 # --- routers -------------------------------------------------------------------------------
