@@ -8,8 +8,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxc.runtime.model.batch import BatchKVCache
-from mlxc.runtime.model.cache import KVCache, enforce_max_kv
+from mlxc.runtime.model.batch import BatchKVCache, BatchQuantizedKVCache
+from mlxc.runtime.model.cache import (
+    KVCache,
+    KVQuant,
+    QuantizedKVCache,
+    RewindError,
+    dense,
+    enforce_max_kv,
+)
 
 H, D = 2, 3
 
@@ -134,3 +141,98 @@ def test_place_needs_a_batch_at_least_as_wide(rng):
 def test_a_batch_takes_only_filled_single_rows():
     with pytest.raises(ValueError, match="single sequence"):
         BatchKVCache().extend([KVCache()])
+
+
+@pytest.mark.parametrize("quant", [None, KVQuant(8, 32)])
+@pytest.mark.parametrize("max_kv, keep", [(None, 0), (14, 2), (30, 4)])
+def test_rows_that_keep_different_drafts_hold_exactly_their_keys(
+    monkeypatch, rng, max_kv, keep, quant
+):
+    """Speculation in the batch: every few steps each row takes ``k + 1`` columns and keeps a
+    different number (``rewind_rows``), rows with tails take plain steps, join, leave, are
+    placed over and trimmed; each row holds exactly what a cache that took only its kept
+    tokens holds, and a forward of several queries masks each query's later columns."""
+    monkeypatch.setattr(KVCache, "step", 8)
+    monkeypatch.setattr(BatchKVCache, "step", 8)
+    width = 32 if quant else D  # a quantised head vector is whole groups
+    make = (lambda: QuantizedKVCache(quant)) if quant else KVCache
+
+    def one(parts):
+        cache = make()
+        for part in parts:
+            cache.update_and_fetch(mx.array(part), mx.array(2 * part))
+            enforce_max_kv([cache], max_kv, keep)
+        return cache
+
+    def rows_of(batch):
+        keys, values = (dense(b[..., : batch.live_len, :]) for b in (batch.keys, batch.values))
+        mask = batch.key_valid()
+        valid = np.ones(keys.shape[::2], bool) if mask is None else np.array(mask)[:, 0, 0, :]
+        return [
+            (np.array(keys[b])[:, valid[b]], np.array(values[b])[:, valid[b]])
+            for b in range(keys.shape[0])
+        ]
+
+    def part(n):
+        return rng.standard_normal((1, H, n, width)).astype(np.float32)
+
+    prompts = [[part(5) for _ in range(n)] for n in (4, 1, 6, 2)]
+    alone = [one(p) for p in prompts]
+    batch = BatchQuantizedKVCache(quant) if quant else BatchKVCache()
+    batch.extend([one(prompts[r]) for r in (0, 1, 2)])
+    members, tails, masked = [0, 1, 2], False, False
+    for step in range(36):
+        if step == 9:
+            batch.keep_rows([0, 2])  # a row with a tail may leave
+            members.remove(1)
+        if step == 15:
+            joining = BatchQuantizedKVCache(quant) if quant else BatchKVCache()
+            joining.extend([one(prompts[3])])
+            if batch.fits(joining):
+                batch.place([0], joining)
+                members[0] = 3
+        k = 3 if step % 3 == 0 else 0  # a verification, or a plain step
+        new = [part(k + 1) for _ in members]
+        valid = batch.key_valid(k + 1)
+        if valid is not None and k and valid.shape[2] == k + 1:
+            masked = True  # each query of each row: the row's keys, then its new ones to here
+            v, before = np.array(valid)[:, 0], np.array(batch._valid())
+            for b in range(len(members)):
+                own = np.flatnonzero(v[b, -1])[before[b].sum() :]
+                assert len(own) == k + 1
+                for i in range(k + 1):
+                    assert (np.flatnonzero(v[b, i])[before[b].sum() :] == own[: i + 1]).all()
+        batch.update_and_fetch(mx.array(np.concatenate(new)), mx.array(2 * np.concatenate(new)))
+        kept = rng.integers(1, k + 2, size=len(members))  # the input token and kept drafts
+        batch.rewind_rows(k + 1 - kept)
+        tails |= bool(batch.tail.any())
+        enforce_max_kv([batch], max_kv, keep)
+        for r, n, x in zip(members, kept, new):
+            alone[r].update_and_fetch(mx.array(x[:, :, :n]), mx.array(2 * x[:, :, :n]))
+            enforce_max_kv([alone[r]], max_kv, keep)
+        for b, (keys, values) in enumerate(rows_of(batch)):
+            r = members[b]
+            a = alone[r]
+            np.testing.assert_array_equal(keys, np.array(dense(a.keys[..., : a.live_len, :]))[0])
+            np.testing.assert_array_equal(values, 2 * keys)
+            assert int(batch.offset[b]) == a.offset
+            assert batch.row_live_len[b] == a.live_len
+        if max_kv is not None:
+            assert batch.live_len <= max_kv + 2 * BatchKVCache.step + 3
+    assert tails and masked
+
+
+def test_rows_rewind_only_what_they_wrote_since_the_last_change(rng):
+    batch = BatchKVCache()
+    batch.extend([filled(chunks(rng, n), None, 0) for n in (6, 4)])
+    new = mx.array(rng.standard_normal((2, H, 3, D)))
+    batch.update_and_fetch(new, new)
+    with pytest.raises(RewindError):
+        batch.rewind_rows(np.array([1, 4]))
+    with pytest.raises(ValueError, match="2 rows"):
+        batch.rewind_rows(np.array([1]))
+    batch.rewind_rows(np.array([0, 2]))
+    assert batch.tail.tolist() == [0, 2] and batch.offsets.tolist() == [9, 5]
+    with pytest.raises(RewindError):
+        batch.rewind_rows(np.array([0, 2]))  # row 1 has one of the three columns left
+    batch.rewind_rows(np.array([1, 1]))

@@ -13,9 +13,10 @@ of every row is written into the same column. Per row:
 
 Row ``b`` of the buffer, left to right: ``pad[b]`` empty columns (the row is shorter than the
 batch's longest), its ``sink[b]`` attention-sink tokens, ``gap[b]`` columns of tokens trimmed
-away, then its most recent tokens. A trim widens the gap instead of moving keys; once more than
-``step`` columns are dead in every row, the rows are compacted (one gather), so resident memory
-stays bounded by ``max_kv_size + 2 * step`` columns per row.
+away, its most recent tokens, then ``tail[b]`` columns that are not its own (drafts it rejected
+while other rows kept theirs, below). A trim widens the gap instead of moving keys; once more
+than ``step`` columns are dead in every row, the rows are compacted (one gather), so resident
+memory stays bounded by ``max_kv_size + 2 * step`` columns per row.
 
 Prefill stays per sequence (``KVCache``) or per batch of prompts (``start_rows``); a sequence
 joins the batch when its prompt is done and leaves it when it finishes. Adding rows at the end
@@ -24,8 +25,11 @@ writes new rows over rows whose sequences have left (the server's dead rows,
 ``runtime.serving.scheduler.CachePool``), a write of those rows only.
 
 A speculative verification (``mlxc serve --prompt-lookup``) writes ``k + 1`` columns to every
-row; ``rewind`` takes the rejected ones back from all rows at once (one column index), so the
-rows of one step keep as many drafts as the row that kept the fewest.
+row, and each row keeps as many as it accepted (``rewind_rows``): the columns all rows rejected
+go back (the width shrinks), and a row that rejected more gets them as its tail. The next
+tokens of a row with a tail are written over it (a scatter instead of one slice), so its tokens
+stay contiguous and its tail keeps its length until a compaction; while a row has a tail, a
+forward of several queries masks each query's later columns per row (``key_valid``).
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ class BatchKVCache:
         self.sink = np.zeros(0, np.int64)  # [B] sink tokens after the pad
         self.gap = np.zeros(0, np.int64)  # [B] trimmed columns after the sink
         self.trimmed = np.zeros(0, bool)  # [B] whether the row's sink is fixed by a trim
+        self.tail = np.zeros(0, np.int64)  # [B] columns after the row's last token
         self.appended = 0  # columns written since rows last joined, left or were trimmed
 
     # --- the LayerCache protocol, per row ------------------------------------------------------
@@ -84,12 +89,13 @@ class BatchKVCache:
     @property
     def row_live_len(self) -> np.ndarray:
         """``[B]`` tokens present per row (what ``max_kv_size`` bounds)."""
-        return self.width - self.pad - self.gap
+        return self.width - self.pad - self.gap - self.tail
 
     def update_and_fetch(
         self, keys: mx.array, values: mx.array | None = None
     ) -> tuple[mx.array, mx.array | None]:
-        """Append ``keys``/``values`` ``[B, H, L, D]`` to every row; return all the columns."""
+        """Append ``keys``/``values`` ``[B, H, L, D]`` to every row; return all the columns
+        (``L`` more: a row with a tail writes over it and keeps it after its new tokens)."""
         n_new = keys.shape[2]
         end = self.width + n_new
         if self.keys is None:  # rows set up by start_rows: the first chunk makes the buffers
@@ -101,9 +107,16 @@ class BatchKVCache:
                 self.keys = _with_capacity(self.keys, self.width, end)
                 if values is not None:
                     self.values = _with_capacity(self.values, self.width, end)
-            self.keys[..., self.width : end, :] = keys
-            if values is not None:
-                self.values[..., self.width : end, :] = values
+            if self.tail.any():  # each row's new columns start after its own last token
+                column = (self.width - self.tail)[:, None] + np.arange(n_new)[None, :]
+                column = mx.array(column, mx.int32)[:, None, :, None]
+                self.keys = _written(self.keys, column, keys)
+                if values is not None:
+                    self.values = _written(self.values, column, values)
+            else:
+                self.keys[..., self.width : end, :] = keys
+                if values is not None:
+                    self.values[..., self.width : end, :] = values
         self.width = end
         self.offsets = self.offsets + n_new
         self.appended += n_new
@@ -113,18 +126,31 @@ class BatchKVCache:
     def key_valid(self, n_new: int = 0) -> mx.array | None:
         """``[B, 1, 1, width + n_new]``: the columns each row attends to once ``n_new`` more are
         appended (its sink and recent tokens); None when every row attends to every column (no
-        mask: attention's fast path)."""
-        if not (self.pad.any() or self.gap.any()):
+        mask: attention's fast path). ``[B, 1, n_new, width + n_new]`` when a row has a tail
+        and ``n_new > 1``: the new queries of such a row are not the last columns, so each
+        query's columns are given (its own included, later ones not), not left to the causal
+        mask."""
+        if not (self.pad.any() or self.gap.any() or self.tail.any()):
             return None
-        return mx.array(self._valid(self.width + n_new))[:, None, None, :]
+        valid = self._valid(self.width + n_new)
+        if n_new <= 1 or not self.tail.any():
+            return mx.array(valid)[:, None, None, :]
+        last = (self.width - self.tail)[:, None] + np.arange(n_new)[None, :]  # [B, n_new]
+        before = np.arange(valid.shape[1])[None, None, :] <= last[:, :, None]
+        return mx.array(valid[:, None, :] & before)[:, None]
 
     def _valid(self, columns: int | None = None) -> np.ndarray:
         """``[B, columns]`` (default: the width): the columns each row attends to. Columns past
-        the width are new tokens: valid, except a prompt row's padding (``start_rows``)."""
+        the width are new tokens (written after each row's last, over its tail): valid, except
+        a prompt row's padding (``start_rows``)."""
         column = np.arange(self.width if columns is None else columns)[None, :]
         sink_end = (self.pad + self.sink)[:, None]
         dropped = (column >= sink_end) & (column < sink_end + self.gap[:, None])
-        return (column >= self.pad[:, None]) & ~dropped
+        valid = (column >= self.pad[:, None]) & ~dropped
+        if self.tail.any():
+            new = 0 if columns is None else columns - self.width
+            valid &= column < (self.width - self.tail + new)[:, None]
+        return valid
 
     def rewind(self, n: int) -> None:
         """Take the last ``n`` columns back from every row (the drafts a verification rejected):
@@ -139,6 +165,24 @@ class BatchKVCache:
         self.width -= n
         self.offsets = self.offsets - n
         self.appended -= n
+
+    def rewind_rows(self, n: np.ndarray) -> None:
+        """Take the last ``n[b]`` tokens back from row ``b`` (the drafts it rejected): the
+        columns every row gives back leave the width (``rewind``); a row that gives back more
+        keeps the rest as tail columns, written over by its next tokens."""
+        n = np.asarray(n, np.int64)
+        if len(n) != len(self.offsets):
+            raise ValueError(f"{len(n)} counts for {len(self.offsets)} rows")
+        common = int(n.min(initial=0))
+        if n.max(initial=0) > self.appended or common < 0:
+            raise RewindError(
+                f"cannot rewind {n.tolist()} columns: {self.appended} were written since the "
+                "rows last changed (a trim only follows acceptance)"
+            )
+        self.rewind(common)
+        self.tail = self.tail + n - common
+        self.offsets = self.offsets - (n - common)
+        self.appended -= int(n.max(initial=0)) - common
 
     def trim_front(self, n: np.ndarray, keep: int = 0) -> np.ndarray:
         """Drop each row's oldest ``n[b]`` tokens after its first ``keep``; KVCache's rule per
@@ -187,6 +231,7 @@ class BatchKVCache:
         self.sink = np.zeros(len(lengths), np.int64)
         self.gap = np.zeros(len(lengths), np.int64)
         self.trimmed = np.zeros(len(lengths), bool)
+        self.tail = np.zeros(len(lengths), np.int64)
 
     def extend(self, caches: list[KVCache]) -> None:
         """Add one row per cache (single-sequence caches, each ``[1, H, live_len, D]``)."""
@@ -213,6 +258,7 @@ class BatchKVCache:
         self.sink = np.concatenate([self.sink, [c.sink for c in caches]])
         self.gap = np.concatenate([self.gap, np.zeros(len(caches), np.int64)])
         self.trimmed = np.concatenate([self.trimmed, [c.offset > c.live_len for c in caches]])
+        self.tail = np.concatenate([self.tail, np.zeros(len(caches), np.int64)])
         self.appended = 0
 
     def append_batch(self, other: BatchKVCache) -> None:
@@ -232,7 +278,7 @@ class BatchKVCache:
         self.keys, self.values = joined(self.keys, other.keys), joined(self.values, other.values)
         self.pad = np.concatenate([self.pad + width - self.width, other.pad + width - other.width])
         self.width = width
-        for name in ("offsets", "sink", "gap", "trimmed"):
+        for name in ("offsets", "sink", "gap", "trimmed", "tail"):
             setattr(self, name, np.concatenate([getattr(self, name), getattr(other, name)]))
         self.appended = 0
 
@@ -256,14 +302,14 @@ class BatchKVCache:
             if self.values is not None:
                 self.values[b, :, start : self.width] = other.values[i, :, : other.width]
         self.pad[slots] = other.pad + start
-        for name in ("offsets", "sink", "gap", "trimmed"):
+        for name in ("offsets", "sink", "gap", "trimmed", "tail"):
             getattr(self, name)[slots] = getattr(other, name)
         self.appended = 0
 
     @property
     def waste(self) -> np.ndarray:
-        """``[B]`` columns of each row that hold none of its keys (padding and trimmed gap)."""
-        return self.pad + self.gap
+        """``[B]`` columns of each row that hold none of its keys (padding, trimmed gap, tail)."""
+        return self.pad + self.gap + self.tail
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only ``rows`` (in that order), then compact if every row wastes ``step``."""
@@ -274,7 +320,7 @@ class BatchKVCache:
         self.keys = self.keys[index]
         if self.values is not None:
             self.values = self.values[index]
-        for name in ("offsets", "pad", "sink", "gap", "trimmed"):
+        for name in ("offsets", "pad", "sink", "gap", "trimmed", "tail"):
             setattr(self, name, getattr(self, name)[rows])
         if self.waste.min() >= self.step:
             self._compact()
@@ -299,6 +345,7 @@ class BatchKVCache:
         self.width = width
         self.pad = width - lives
         self.gap = np.zeros_like(self.gap)
+        self.tail = np.zeros_like(self.tail)
         self.appended = 0
 
 
@@ -377,6 +424,14 @@ def _right_aligned(buffer: mx.array, used: int, width: int, capacity: int) -> mx
     return mx.concatenate(parts, axis=2)
 
 
+def _written(buffer: mx.array, column: mx.array, new: mx.array) -> mx.array:
+    """``buffer`` with ``new`` ``[B, H, L, D]`` written at columns ``column`` ``[B, 1, L, 1]``
+    (each row its own; a scatter, where one shared column index is a slice assignment)."""
+    return _per_part(
+        lambda b, n: mx.put_along_axis(b, mx.broadcast_to(column, n.shape), n, axis=2), buffer, new
+    )
+
+
 def _with_capacity(buffer: mx.array, used: int, needed: int) -> mx.array:
     return _right_aligned(buffer, used, used, _capacity(needed))
 
@@ -449,6 +504,12 @@ class BatchCache(SequenceCache):
         """Add ``other``'s rows after these (``BatchKVCache.append_batch``)."""
         for mine, theirs in zip(self, other):
             mine.append_batch(theirs)
+
+    def rewind_rows(self, n: np.ndarray) -> None:
+        """Take the last ``n[b]`` tokens back from row ``b`` in every layer
+        (``BatchKVCache.rewind_rows``; every layer must be rewindable)."""
+        for batch in self:
+            batch.rewind_rows(n)
 
     def keep_rows(self, rows: list[int]) -> None:
         for batch in self:

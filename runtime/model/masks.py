@@ -66,7 +66,8 @@ def causal(
 
     ``key_valid`` ``[B, 1, 1, n_keys]``: the columns each row may attend to (the rows of a
     decode batch or of a prompt batch, ``runtime.model.batch``); a query's own column is
-    always attended to. ``window``: a query at key column ``q`` also attends only to columns
+    always attended to. ``[B, 1, n_queries, n_keys]``: each query's columns, given whole (a
+    decode batch row whose queries are not its last columns, ``BatchKVCache.key_valid``). ``window``: a query at key column ``q`` also attends only to columns
     ``q - window + 1 .. q`` (sliding-window attention; a row's live keys are contiguous
     positions, so columns count positions). Returns None when no masking is needed (one query, no
     window, every key valid), ``"causal"`` where the string form is exact, else a boolean
@@ -83,6 +84,8 @@ def causal(
             # One new query, the last key: causality masks nothing.
             return key_valid
     mask = causal_array(n_queries, n_keys, window)
+    if key_valid is not None and key_valid.shape[-2] == n_queries > 1:
+        return mask & key_valid  # per query, its own column included
     if key_valid is not None:
         # Each query also sees its own column: a padding query of a prompt batch
         # (``BatchKVCache.start_rows``) has no valid key before it, and what a backend makes
