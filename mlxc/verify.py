@@ -352,8 +352,12 @@ def _check_prefix_resume(model, chunks, vision, straight: list[mx.array]) -> str
 
 BATCH_PROMPTS = (44, 9, 23, 12)  # prompt lengths of the batch's rows; the first has the image
 # Decode steps: row 2 joins after 2 of them, row 0 leaves after 4 (the batch copied), row 1
-# ends after 6 leaving its row dead, and row 3 is written over that row after 7.
+# ends after 6 leaving its row dead, and row 3 is written over that row after 7. Steps 5 and 8
+# (where every layer can rewind) are speculative verifications of VERIFY_TOKENS per row where
+# each row keeps its own count, so row 2 enters step 8 with a tail (BatchKVCache.rewind_rows).
 BATCH_STEPS = 10
+VERIFY_STEPS = (5, 8)
+VERIFY_TOKENS = 3
 
 
 def _batched_decode_error(model, rng, vocab, vision, image, quant=None) -> float:
@@ -363,12 +367,14 @@ def _batched_decode_error(model, rng, vocab, vision, image, quant=None) -> float
     copy decodes alone, the other joins the batch. Rows differ in length, so the batch has
     padding; the first is trimmed before it joins and every row is trimmed while decoding. A
     row leaves by a copy of the batch (``keep_rows``), another stays dead (decoded, unread) until
-    a new row takes its place (``BatchCache.place``), as in the server.
+    a new row takes its place (``BatchCache.place``), as in the server. One step verifies
+    several tokens per row and each row keeps a different count (``BatchCache.rewind_rows``),
+    as the server's speculation does; alone, a row takes the tokens it kept as one chunk.
     """
     keep = SINKS[-1]
     rows = []
     for r, n in enumerate(BATCH_PROMPTS):
-        tokens = rng.integers(0, vocab, size=n + BATCH_STEPS)
+        tokens = rng.integers(0, vocab, size=n + BATCH_STEPS + len(VERIFY_STEPS) * VERIFY_TOKENS)
         has_image = r == 0 and image is not None
         if image is not None:
             token, count = image
@@ -389,6 +395,8 @@ def _batched_decode_error(model, rng, vocab, vision, image, quant=None) -> float
     members: list[int | None] = [0, 1]  # None: a dead row
     batch.extend([rows[r][2] for r in members])
     err = 0.0
+    at = [0] * len(rows)  # each row's next token
+    rewinds = all(getattr(layer, "rewindable", False) for layer in batch)
     for step in range(BATCH_STEPS):
         if step == 2:
             members.append(2)
@@ -405,15 +413,25 @@ def _batched_decode_error(model, rng, vocab, vision, image, quant=None) -> float
             if not batch.place([slot], joining):
                 raise VerifyError("a joining row could not take a dead row's place")
             members[slot] = 3
-        ids = mx.array([[0 if r is None else int(rows[r][0][step])] for r in members])
+        width = VERIFY_TOKENS if step in VERIFY_STEPS and rewinds else 1
+        ids = mx.array(
+            [
+                [0] * width if r is None else rows[r][0][at[r] : at[r] + width].tolist()
+                for r in members
+            ]
+        )
+        kept = [width - b % width for b in range(len(members))]  # tokens each row keeps
         batched = model(ids, cache=batch)
+        if width > 1:
+            batch.rewind_rows(np.array([width - n for n in kept]))
         enforce_max_kv(batch, MAX_KV, keep)
         for b, r in enumerate(members):
             if r is None:
                 continue
-            alone = model(ids[b : b + 1], cache=rows[r][1])
+            alone = model(ids[b : b + 1, : kept[b]], cache=rows[r][1])
             enforce_max_kv(rows[r][1], MAX_KV, keep)
-            err = max(err, mx.abs(batched[b] - alone[0]).max().item())
+            err = max(err, mx.abs(batched[b, : kept[b]] - alone[0]).max().item())
+            at[r] += kept[b]
     return err
 
 

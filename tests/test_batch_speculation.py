@@ -17,16 +17,15 @@ from test_scheduler import Collector, prompt, wait_idle
 from test_speculative import kv, repeating_prompt, tiny
 
 from mlxc.runtime.checkpoint.tokenizer import load_tokenizer
-from mlxc.runtime.model.batch import BatchKVCache, BatchWindowedKVCache
+from mlxc.runtime.model.batch import BatchCache, BatchKVCache, BatchWindowedKVCache
 from mlxc.runtime.model.cache import KVCache, KVQuant, RewindError
 from mlxc.runtime.serving import metrics
 from mlxc.runtime.serving.generate import generate_tokens
 from mlxc.runtime.serving.scheduler import SamplingParams, Scheduler
 from mlxc.runtime.serving.speculative import (
     BatchSpeculation,
+    PromptLookup,
     SpeculationError,
-    cut_to_shortest,
-    greedy_accept,
 )
 
 # --- the batch cache's rewind -----------------------------------------------------------------
@@ -82,12 +81,13 @@ def test_batch_rewind_never_crosses_a_trim_or_a_join():
         BatchWindowedKVCache(4).rewind(1)
 
 
-def test_batch_acceptance_keeps_what_every_row_accepted():
-    targets = [[5, 6, 7, 8], [5, 9, 1, 2], [4, 4, 4, 4]]
-    drafts = [[5, 6, 7], [5, 6, 7], [4, 4, 4]]
-    # Alone the rows would emit 4, 2 and 4 tokens; together each emits 2, all its own argmax.
-    emitted = [greedy_accept(t, d) for t, d in zip(targets, drafts)]
-    assert cut_to_shortest(emitted) == [[5, 6], [5, 9], [4, 4]]
+def test_batch_rows_rewind_their_own_counts():
+    """Each row takes back its own rejected drafts (``tests/test_batch.py`` checks the keys)."""
+    batch = _joined([5, 3])
+    batch.update_and_fetch(*_column(4, 100))  # the input token and 3 drafts
+    batch.rewind_rows(np.array([1, 3]))  # row 0 kept 2 drafts, row 1 none
+    assert batch.offsets.tolist() == [8, 4] and batch.row_live_len.tolist() == [8, 4]
+    assert batch.tail.tolist() == [0, 2] and batch.live_len == 8
     with pytest.raises(SpeculationError):
         BatchSpeculation(max_rows=0)
 
@@ -110,7 +110,7 @@ def tokenizer(tmp_path_factory):
 def _serve(model, tokenizer, jobs, **options) -> tuple[list[list[int]], dict]:
     """Each job's tokens from one scheduler running them together, and its stats after. The
     jobs are queued before the scheduler starts, so its first tick admits them all: which
-    steps speculate (every row needs a draft) does not depend on when each arrived."""
+    steps speculate (half the rows need a draft) does not depend on when each arrived."""
     s = Scheduler(model, tokenizer, max_concurrency=len(jobs), **options)
     try:
         outs = [Collector() for _ in jobs]
@@ -181,6 +181,49 @@ def test_draft_model_batch_equals_plain_greedy(tokenizer, arch, draft_seed, cach
         assert spec["accepted"] == spec["proposed"]
     else:
         assert spec["accepted"] < spec["proposed"]
+
+
+def test_rows_keep_their_own_drafts_and_rows_without_drafts_verify(tokenizer, monkeypatch):
+    """Rows accept different counts and each keeps its own (prompt lookup finds n-grams in two
+    prompts and none in the third, which takes its one token from the verification); the
+    answers are still the plain ones."""
+    events = []  # ("drafts", count) per row drafted, ("kept", rewinds) per verification
+    rewind_rows, propose = BatchCache.rewind_rows, PromptLookup.propose
+    monkeypatch.setattr(
+        BatchCache,
+        "rewind_rows",
+        lambda self, n: events.append(("kept", list(n))) or rewind_rows(self, n),
+    )
+
+    def proposing(self, *args):
+        drafts = propose(self, *args)
+        events.append(("drafts", len(drafts[0])))
+        return drafts
+
+    monkeypatch.setattr(PromptLookup, "propose", proposing)
+    model = tiny("llama")
+    prompts = [repeating_prompt(model, 3), repeating_prompt(model, 4), list(range(3, 42))]
+    wants = [_plain(model, ids, 30) for ids in prompts]
+    jobs = [(ids, SamplingParams(max_tokens=30, ignore_eos=True)) for ids in prompts]
+    got, stats = _serve(model, tokenizer, jobs, speculation=BatchSpeculation(4, 3, 4))
+    assert got == wants
+    verified = [(i, n) for i, (kind, n) in enumerate(events) if kind == "kept"]
+    assert any(len(set(n)) > 1 for _, n in verified)  # rows kept different counts
+    drafted = [[n for _, n in events[i - 3 : i]] for i, _ in verified]
+    assert any(0 in counts and max(counts) > 0 for counts in drafted)  # one had no draft
+    # The model as its own draft keeps every draft, but a row near its max_tokens takes
+    # fewer: then the rows of the draft's batch rewind different counts too.
+    events.clear()
+    lengths = (30, 27, 25)
+    wants = [_plain(model, ids, n) for ids, n in zip(prompts, lengths)]
+    jobs = [
+        (ids, SamplingParams(max_tokens=n, ignore_eos=True)) for ids, n in zip(prompts, lengths)
+    ]
+    spec = BatchSpeculation(4, 3, 4, draft_model=model)
+    got, stats = _serve(model, tokenizer, jobs, speculation=spec)
+    assert got == wants
+    assert stats["speculation"]["accepted"] == stats["speculation"]["proposed"] > 0
+    assert any(len(set(n)) > 1 for kind, n in events if kind == "kept")
 
 
 def test_draft_rows_catch_up_after_plain_steps(tokenizer):

@@ -173,8 +173,10 @@ class BatchKVCache:
         n = np.asarray(n, np.int64)
         if len(n) != len(self.offsets):
             raise ValueError(f"{len(n)} counts for {len(self.offsets)} rows")
-        common = int(n.min(initial=0))
-        if n.max(initial=0) > self.appended or common < 0:
+        if not len(n):
+            return
+        common = int(n.min())
+        if n.max() > self.appended or common < 0:
             raise RewindError(
                 f"cannot rewind {n.tolist()} columns: {self.appended} were written since the "
                 "rows last changed (a trim only follows acceptance)"
@@ -182,7 +184,7 @@ class BatchKVCache:
         self.rewind(common)
         self.tail = self.tail + n - common
         self.offsets = self.offsets - (n - common)
-        self.appended -= int(n.max(initial=0)) - common
+        self.appended -= int(n.max()) - common
 
     def trim_front(self, n: np.ndarray, keep: int = 0) -> np.ndarray:
         """Drop each row's oldest ``n[b]`` tokens after its first ``keep``; KVCache's rule per

@@ -24,10 +24,11 @@ With ``speculation`` (``mlxc serve --prompt-lookup`` or ``--draft-model``), a ti
 decode batch is small and whose rows may speculate (``BatchSpeculation``) reads the step in
 flight first, drafts each row's next tokens (from n-grams of its own prompt and output, or
 from the draft model, one forward per draft token for all rows: ``speculative.BatchDrafter``)
-and verifies them in one forward of the batch; each row accepts by its own rule (greedy, or
-the accept/reject rule at its temperature), the rows keep as many drafts as the row that kept
-the fewest (``speculative.cut_to_shortest``) and rewind the rest (``BatchKVCache.rewind``),
-then trim. Greedy output is the plain greedy output; sampled output follows the same distribution.
+and verifies them in one forward of the batch, while at least half of its rows have a draft
+(a row without one takes its one token from that forward); each row accepts by its own rule
+(greedy, or the accept/reject rule at its temperature), keeps what it accepted and rewinds the
+rest (``BatchCache.rewind_rows``), then the rows are trimmed. Greedy output is the plain greedy
+output; sampled output follows the same distribution.
 
 A decode step reads every weight once whatever the batch size, which is what makes serving
 many streams cheaper than serving them one by one. Prefill runs per sequence in its own
@@ -80,7 +81,6 @@ from mlxc.runtime.model.cache import (
     check_kv_quant,
     enforce_max_kv,
     make_caches,
-    rewind_caches,
     trimmable,
 )
 from mlxc.runtime.serving import metrics
@@ -121,7 +121,6 @@ from mlxc.runtime.serving.speculative import (
     PromptLookup,
     SpecStats,
     accept_drafts,
-    cut_to_shortest,
     greedy_accept,
     probs,
 )
@@ -1026,24 +1025,30 @@ class Scheduler:
 
     def _speculate(self, rows: list[_Sequence]) -> bool:
         """Draft, verify and accept for every row of the decode batch, synchronously (the
-        next drafts depend on what this step accepts). False when a row has no draft (or no
-        room for one): nothing was run, the tick takes a plain step, unpipelined (the step in
-        flight was read to draft; a batch often short of drafts pays that each tick)."""
-        k = self.speculation.num_draft_tokens
-        for seq in rows:  # a step emits up to k + 1 tokens per row
-            k = min(k, seq.request.params.max_tokens - seq.output.generated - 1)
+        next drafts depend on what this step accepts). Each row keeps what it accepted
+        (``BatchCache.rewind_rows``); a row without drafts takes its one token from the same
+        forward. False when fewer than half the rows have a draft (or no room for one): nothing
+        was run, the tick takes a plain step, unpipelined (the step in flight was read to
+        draft; a batch often short of drafts pays that each tick)."""
+        # A step emits up to k + 1 tokens per row, within each row's max_tokens.
+        limits = [
+            min(self.speculation.num_draft_tokens, s.request.params.max_tokens - s.output.generated - 1)
+            for s in rows
+        ]
         batch = self.pool.batch
         if self.pool.trims:
             # Only while no one-token step would have trimmed: then each query of the
             # verification sees exactly what its one-token step would (no per-query trim mask).
             live = max((int(c.row_live_len.max()) for c in trimmable(self.model, batch)), default=0)
-            k = min(k, self.pool.max_kv_size - live)
-        if k < 1:
+            limits = [min(n, self.pool.max_kv_size - live) for n in limits]
+        k = max(limits)
+        if 2 * sum(n > 0 for n in limits) < len(rows):
             return False
         try:
             if self._lookup is not None:
                 drafted = [
-                    (self._lookup.propose(seq.history, k, 0.0, None)[0], None) for seq in rows
+                    (self._lookup.propose(seq.history, n, 0.0, None)[0] if n else [], None)
+                    for seq, n in zip(rows, limits)
                 ]
             else:  # the draft model decodes k tokens for all rows, one forward each
                 drafted = self._drafter.propose(
@@ -1057,11 +1062,14 @@ class Scheduler:
             for seq in rows:
                 self._fail(seq, e)
             return True
-        k = min(len(d) for d, _ in drafted)
-        if k == 0:
+        drafts = [d[: max(n, 0)] for (d, _), n in zip(drafted, limits)]
+        if 2 * sum(bool(d) for d in drafts) < len(rows):
+            if self._drafter is not None:
+                self._drafter.accepted([0] * len(rows))
             return False
-        drafts = [d[:k] for d, _ in drafted]
-        ids = mx.array([[seq.last_token, *d] for seq, d in zip(rows, drafts)], dtype=mx.int32)
+        width = 1 + max(len(d) for d in drafts)  # a row with fewer drafts repeats its last
+        ids = [[seq.last_token, *d] for seq, d in zip(rows, drafts)]
+        ids = mx.array([row + row[-1:] * (width - len(row)) for row in ids], dtype=mx.int32)
         try:
             logits = self.model(ids, cache=batch)
             self._count(metrics.VERIFY_FORWARDS)
@@ -1076,19 +1084,20 @@ class Scheduler:
             for seq in rows:
                 self._fail(seq, e)
             return True
-        emitted = cut_to_shortest(emitted)
-        n = len(emitted[0])  # tokens per row; the caches keep the input token and n - 1 drafts
-        rewind_caches(batch, k + 1 - n)
+        # Each row's caches keep its input token and the drafts it accepted.
+        kept = np.array([len(tokens) for tokens in emitted])
+        batch.rewind_rows(width - kept)
         self.pool.enforce(batch)
-        if self._drafter is not None:  # the draft's rows keep the same n - 1 drafts
-            self._drafter.accepted(n - 1)
+        if self._drafter is not None:  # the draft's rows keep the same drafts
+            self._drafter.accepted((kept - 1).tolist())
         stats = self.spec_stats
+        proposed, accepted = sum(len(d) for d in drafts), int((kept - 1).sum())
         stats.steps += 1
-        stats.proposed += k * len(rows)
-        stats.accepted += (n - 1) * len(rows)
+        stats.proposed += proposed
+        stats.accepted += accepted
         self._count(metrics.SPEC_STEPS)
-        self._count(metrics.SPEC_DRAFT_TOKENS, k * len(rows))
-        self._count(metrics.SPEC_ACCEPTED_TOKENS, (n - 1) * len(rows))
+        self._count(metrics.SPEC_DRAFT_TOKENS, proposed)
+        self._count(metrics.SPEC_ACCEPTED_TOKENS, accepted)
         for seq, tokens in zip(rows, emitted):
             for token in tokens:
                 if seq not in self._running:

@@ -17,11 +17,11 @@ run equals the trimmed plain run. Windowed layers keep K keys past their window
 rewind; such models are refused (``RewindError``).
 
 In the server (``BatchSpeculation``) the rows of the decode batch speculate together: one
-verification forward of ``k + 1`` tokens per row, each row's own acceptance (greedy, or the
-rule above at its temperature), then every row keeps as many drafts as the row that kept the
-fewest (``cut_to_shortest``), because the rows share one cache column index
-(``BatchKVCache.rewind``). Their drafts come from prompt lookup, or from ``BatchDrafter``: the
-draft model on a decode batch of its own, one forward per draft token for every row.
+verification forward of ``k + 1`` tokens per row (a row with fewer drafts is padded and takes
+back the padding), each row's own acceptance (greedy, or the rule above at its temperature),
+and each row keeps what it accepted (``BatchCache.rewind_rows``). Their drafts come from
+prompt lookup, or from ``BatchDrafter``: the draft model on a decode batch of its own, one
+forward per draft token for every row.
 """
 
 from __future__ import annotations
@@ -111,17 +111,6 @@ def greedy_accept(targets: list[int], drafts: list[int]) -> list[int]:
     while n < len(drafts) and drafts[n] == targets[n]:
         n += 1
     return [*drafts[:n], targets[n]]
-
-
-def cut_to_shortest(emitted: list[list[int]]) -> list[list[int]]:
-    """The rows of one batched verification, each row's emitted tokens (``greedy_accept`` or
-    ``accept_drafts``) cut to the fewest any row emits, so every row keeps the same number of
-    drafts. A cut row emits only drafts it accepted: greedy, each equals its argmax; sampled,
-    each position's token was drawn by the rule, and whether the row goes on to a position
-    depends on its earlier positions and on the other rows, never on that position's own draw,
-    so each emitted token still follows the target's distribution given the ones before."""
-    n = min(len(tokens) for tokens in emitted)
-    return [tokens[:n] for tokens in emitted]
 
 
 @dataclass(frozen=True)
@@ -330,12 +319,18 @@ class BatchDrafter:
             ids = mx.array(tokens, dtype=mx.int32)[:, None]
         return [(d, np.stack(q) if q else None) for d, q in zip(drafts, dists)]
 
-    def accepted(self, n_accepted: int) -> None:
-        """The verification kept ``n_accepted`` drafts in every row: take back the rest."""
-        kept = min(n_accepted, self.unverified)
-        rewind_caches(self.batch, self.unverified - kept)
-        for key in self.keys:
-            self.seen[key] += kept
+    def accepted(self, n_accepted: list[int]) -> None:
+        """The verification kept ``n_accepted[b]`` drafts of row ``b``: take back the rest. A
+        row that kept every draft lags its history by one token (its last draft was never fed
+        back); every other row then takes back one token more, fed again with the next
+        drafting, so that all rows lag equally and the first draft forward takes as many
+        tokens of each (``_sync``)."""
+        kept = np.minimum(np.asarray(n_accepted, np.int64), self.unverified)
+        lag = np.asarray(n_accepted) - kept
+        again = lag.max(initial=0) - lag
+        self.batch.rewind_rows(self.unverified - kept + again)
+        for key, n in zip(self.keys, kept - again):
+            self.seen[key] += int(n)
         self.unverified = 0
         self._trim(self.batch)
 
