@@ -1032,7 +1032,10 @@ class Scheduler:
         draft; a batch often short of drafts pays that each tick)."""
         # A step emits up to k + 1 tokens per row, within each row's max_tokens.
         limits = [
-            min(self.speculation.num_draft_tokens, s.request.params.max_tokens - s.output.generated - 1)
+            min(
+                self.speculation.num_draft_tokens,
+                s.request.params.max_tokens - s.output.generated - 1,
+            )
             for s in rows
         ]
         batch = self.pool.batch
