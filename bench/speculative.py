@@ -139,11 +139,25 @@ def served(model, tokenizer, prompts: list[list[int]], n: int, speculation) -> t
     return sum(map(len, answers)) / (end - first[0]), answers
 
 
-def served_rows(model, tokenizer, ids, block, n, rows, specs: dict) -> list[dict]:
+def free_prompt(ids: tuple[int, int], length: int, seed: int) -> list[int]:
+    """``length`` distinct token ids from ``range(*ids)`` (as many as it has): a prompt that
+    repeats no n-gram, so prompt lookup finds no draft in it."""
+    import numpy as np
+
+    return np.random.default_rng(seed).permutation(np.arange(*ids))[:length].tolist()
+
+
+def served_rows(model, tokenizer, ids, block, n, rows, specs: dict, mixed=False) -> list[dict]:
     """``rows`` concurrent requests through the Scheduler: aggregate tokens/s plain and with
     each of ``specs`` (``BatchSpeculation`` by drafter name), greedy answers compared. Each
-    request is its own copy task (another block), so the rows draft from their own prompts."""
-    prompts = [task(ids, block, seed=1 + i) for i in range(rows)]
+    request is its own copy task (another block), so the rows draft from their own prompts;
+    ``mixed``: every other request is a prompt without repeats instead (``free_prompt``)."""
+    prompts = [
+        free_prompt(ids, len(task(ids, block)), seed=1 + i)
+        if mixed and i % 2
+        else task(ids, block, seed=1 + i)
+        for i in range(rows)
+    ]
     served(model, tokenizer, prompts[:1], 4, None)  # warm-up: kernels, caches
     plain_tps, plain = served(model, tokenizer, prompts, n, None)
     out = []
@@ -152,6 +166,7 @@ def served_rows(model, tokenizer, ids, block, n, rows, specs: dict) -> list[dict
         out.append(
             {
                 "rows": rows,
+                "load": "half copy tasks, half free" if mixed else "copy tasks",
                 "drafter": name,
                 "k": spec.num_draft_tokens,
                 "identical": got == plain,
@@ -185,6 +200,7 @@ def report(result: dict) -> str:
             f"the model's own greedy output copies the block for its first "
             f"{result['copies_block_for']} tokens."
         ),
+        *(["", result["note"]] if result.get("note") else []),
         "",
         (
             "| drafter | K | greedy identical | tokens/s | speed-up | acceptance | tokens/step "
@@ -204,20 +220,22 @@ def report(result: dict) -> str:
             "",
             (
                 "In the server's scheduler (in-process, no HTTP): concurrent requests, each its "
-                "own copy task, decoded in one batch, plain and speculating in the batch "
-                "(`BatchSpeculation`); aggregate tokens/s from the first token to the last "
-                "answer's end:"
+                "own copy task (or, in the mixed load, every other one a prompt without "
+                "repeats, where prompt lookup finds no draft), decoded in one batch, plain and "
+                "speculating in the batch (`BatchSpeculation`); aggregate tokens/s from the "
+                "first token to the last answer's end:"
             ),
             "",
             (
-                "| requests | drafter | K | greedy identical | plain tokens/s "
+                "| requests | load | drafter | K | greedy identical | plain tokens/s "
                 "| speculating tokens/s | speed-up |"
             ),
-            "|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in result["server"]:
             lines.append(
-                f"| {r['rows']} | {r.get('drafter', 'prompt lookup')} | {r['k']} | "
+                f"| {r['rows']} | {r.get('load', 'copy tasks')} | "
+                f"{r.get('drafter', 'prompt lookup')} | {r['k']} | "
                 f"{'yes' if r['identical'] else 'NO'} | "
                 f"{r['plain_tps']:.1f} | {r['spec_tps']:.1f} | {r['speedup']:.2f}x |"
             )
@@ -244,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
         "--server-rows",
         help="also measure the scheduler at these numbers of concurrent requests (e.g. 1,4,16), "
         "speculating with the largest --num-draft-tokens",
+    )
+    p.add_argument(
+        "--server-mixed",
+        action="store_true",
+        help="also run each --server-rows level with every other request a prompt without "
+        "repeats (prompt lookup drafts for half the rows)",
     )
     p.add_argument("--out", help="write OUT.json and OUT.md")
     p.add_argument("--report", help="only write the Markdown of this JSON result beside it")
@@ -351,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             if copier_info:
                 specs["draft model"] = BatchSpeculation(k, max_rows=r, draft_model=draft)
             server += served_rows(model, tokenizer, ids, args.block, n, r, specs)
+            if args.server_mixed and r > 1:
+                server += served_rows(model, tokenizer, ids, args.block, n, r, specs, mixed=True)
     result = {
         "machine": machine(device),
         "device": device,

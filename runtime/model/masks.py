@@ -67,9 +67,10 @@ def causal(
     ``key_valid`` ``[B, 1, 1, n_keys]``: the columns each row may attend to (the rows of a
     decode batch or of a prompt batch, ``runtime.model.batch``); a query's own column is
     always attended to. ``[B, 1, n_queries, n_keys]``: each query's columns, given whole (a
-    decode batch row whose queries are not its last columns, ``BatchKVCache.key_valid``). ``window``: a query at key column ``q`` also attends only to columns
-    ``q - window + 1 .. q`` (sliding-window attention; a row's live keys are contiguous
-    positions, so columns count positions). Returns None when no masking is needed (one query, no
+    decode batch row whose queries are not its last columns, ``BatchKVCache.key_valid``).
+    ``window``: a query at key column ``q`` also attends only to columns ``q - window + 1 ..
+    q`` (sliding-window attention; a row's live keys are contiguous positions, so columns
+    count positions). Returns None when no masking is needed (one query, no
     window, every key valid), ``"causal"`` where the string form is exact, else a boolean
     array ``[..., n_queries, n_keys]`` (True = attend).
     """
