@@ -46,6 +46,7 @@ from mlxc.runtime.model.cache import (
     make_caches,
     prepare_rewind,
     rewind_caches,
+    trimmable,
 )
 from mlxc.runtime.serving.generate import prefill_spans
 from mlxc.runtime.serving.prefix_cache import cacheable
@@ -369,7 +370,9 @@ def _batched_decode_error(model, rng, vocab, vision, image, quant=None) -> float
     row leaves by a copy of the batch (``keep_rows``), another stays dead (decoded, unread) until
     a new row takes its place (``BatchCache.place``), as in the server. One step verifies
     several tokens per row and each row keeps a different count (``BatchCache.rewind_rows``),
-    as the server's speculation does; alone, a row takes the tokens it kept as one chunk.
+    as the server's speculation does (under ``decode_bound``, so each query sees what its
+    one-token step would have, trims between them included); alone, a row takes the tokens it
+    kept one step each.
     """
     keep = SINKS[-1]
     rows = []
@@ -421,16 +424,18 @@ def _batched_decode_error(model, rng, vocab, vision, image, quant=None) -> float
             ]
         )
         kept = [width - b % width for b in range(len(members))]  # tokens each row keeps
-        batched = model(ids, cache=batch)
+        with decode_bound(trimmable(model, batch), MAX_KV, keep):
+            batched = model(ids, cache=batch)
         if width > 1:
             batch.rewind_rows(np.array([width - n for n in kept]))
         enforce_max_kv(batch, MAX_KV, keep)
         for b, r in enumerate(members):
             if r is None:
                 continue
-            alone = model(ids[b : b + 1, : kept[b]], cache=rows[r][1])
-            enforce_max_kv(rows[r][1], MAX_KV, keep)
-            err = max(err, mx.abs(batched[b, : kept[b]] - alone[0]).max().item())
+            for i in range(kept[b]):  # alone, the kept tokens one step each, each trimmed
+                alone = model(ids[b : b + 1, i : i + 1], cache=rows[r][1])
+                enforce_max_kv(rows[r][1], MAX_KV, keep)
+                err = max(err, mx.abs(batched[b, i] - alone[0, 0]).max().item())
             at[r] += kept[b]
     return err
 

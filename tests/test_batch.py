@@ -236,3 +236,44 @@ def test_rows_rewind_only_what_they_wrote_since_the_last_change(rng):
     with pytest.raises(RewindError):
         batch.rewind_rows(np.array([0, 2]))  # row 1 has one of the three columns left
     batch.rewind_rows(np.array([1, 1]))
+
+
+@pytest.mark.parametrize("keep", [0, 3])
+def test_a_bounded_verification_sees_what_one_token_steps_would(monkeypatch, rng, keep):
+    """Under ``decode_bound`` (a speculative verification past ``--max-kv-size``) each query
+    of each row sees the keys its one-token step would have seen, trims between steps
+    included: the keys a lone ``KVCache`` under the same bound shows that query. Rows of
+    different lengths, trimmed and not, one with a tail."""
+    monkeypatch.setattr(KVCache, "step", 8)
+    monkeypatch.setattr(BatchKVCache, "step", 8)
+    max_kv, n_new = 12, 4
+    prompts = [chunks(rng, n) for n in (20, 9, 12)]
+    alone = [filled(p, max_kv, keep) for p in prompts]
+    batch = BatchKVCache()
+    batch.extend([filled(p, max_kv, keep) for p in prompts])
+    # A verification where row 1 kept one token fewer than the others: a tail.
+    new = rng.standard_normal((3, H, 2, D))
+    batch.update_and_fetch(mx.array(new), mx.array(2 * new))
+    batch.rewind_rows(np.array([0, 1, 0]))
+    enforce_max_kv([batch], max_kv, keep)
+    for b, cache in enumerate(alone):
+        kept = new[b : b + 1, :, : 2 - (b == 1)]
+        cache.update_and_fetch(mx.array(kept), mx.array(2 * kept))
+        enforce_max_kv([cache], max_kv, keep)
+    assert batch.tail.tolist() == [0, 1, 0]
+    new = rng.standard_normal((3, H, n_new, D))
+    batch.decode_bound = (max_kv, keep)
+    valid = np.array(batch.key_valid(n_new))[:, 0]  # [B, n_new, columns]
+    keys, _ = batch.update_and_fetch(mx.array(new), mx.array(2 * new))
+    for b, cache in enumerate(alone):
+        cache.decode_bound = (max_kv, keep)
+        mask = cache.key_valid(n_new)
+        mine, _ = cache.update_and_fetch(mx.array(new[b : b + 1]), mx.array(2 * new[b : b + 1]))
+        mask = np.ones((n_new, mine.shape[2]), bool) if mask is None else np.array(mask)[0, 0]
+        causal = (
+            np.arange(mine.shape[2])[None, :] <= np.arange(n_new)[:, None] + mine.shape[2] - n_new
+        )
+        for j in range(n_new):
+            want = np.array(mine[0])[:, mask[j] & causal[j]]
+            np.testing.assert_array_equal(np.array(keys[b])[:, valid[b, j]], want)
+    assert valid[0, -1].sum() < valid[0, 0].sum() + n_new - 1  # the bound dropped keys

@@ -132,6 +132,7 @@ CASES = [  # (model, cache options of the scheduler and of generate_tokens alone
     ("toy", {"prefill_chunk_size": 8, "max_kv_size": 48, "kv_sink": 4}),  # 60 tokens: trims
     ("llama", {"prefill_chunk_size": 8}),
     ("llama", {"prefill_chunk_size": 8, "max_kv_size": 64, "kv_sink": 2}),  # 79 tokens
+    ("llama", {"prefill_chunk_size": 8, "max_kv_size": 24, "kv_sink": 2}),  # at the bound
     ("qwen3", {"kv_quant": KVQuant(8, 32)}),
 ]
 

@@ -58,8 +58,11 @@ class BatchKVCache:
     step = KVCache.step
     trimmable = True
     holds_keys = True
-    rewindable = True  # every row at once (the server's speculation: runtime.serving.speculative)
+    rewindable = True  # the server's speculation (runtime.serving.speculative): rewind_rows
     window = None
+    # (max_kv_size, keep) while a speculative verification runs (speculative.decode_bound):
+    # each row's queries see what one-token steps, each followed by its trim, would have seen
+    decode_bound: tuple[int, int] | None = None
 
     def __init__(self) -> None:
         self._clear()
@@ -126,18 +129,34 @@ class BatchKVCache:
     def key_valid(self, n_new: int = 0) -> mx.array | None:
         """``[B, 1, 1, width + n_new]``: the columns each row attends to once ``n_new`` more are
         appended (its sink and recent tokens); None when every row attends to every column (no
-        mask: attention's fast path). ``[B, 1, n_new, width + n_new]`` when a row has a tail
-        and ``n_new > 1``: the new queries of such a row are not the last columns, so each
-        query's columns are given (its own included, later ones not), not left to the causal
-        mask."""
-        if not (self.pad.any() or self.gap.any() or self.tail.any()):
+        mask: attention's fast path).
+
+        ``[B, 1, n_new, width + n_new]``, each query's columns given whole (its own included,
+        later ones not), for a forward of several queries where a row has a tail (its queries
+        are not the last columns, so causality cannot be left to the mask's last columns) or,
+        under ``decode_bound``, where one-token steps would have trimmed: query ``j`` of row
+        ``b`` then misses the ``live + j - max_kv_size`` oldest tokens after the sinks, as
+        ``KVCache.key_valid`` does for one sequence."""
+        bounded = (
+            n_new > 1
+            and self.decode_bound is not None
+            and bool((self.row_live_len + n_new > self.decode_bound[0] + 1).any())
+        )
+        if not (self.pad.any() or self.gap.any() or self.tail.any() or bounded):
             return None
         valid = self._valid(self.width + n_new)
-        if n_new <= 1 or not self.tail.any():
+        if n_new <= 1 or not (self.tail.any() or bounded):
             return mx.array(valid)[:, None, None, :]
-        last = (self.width - self.tail)[:, None] + np.arange(n_new)[None, :]  # [B, n_new]
-        before = np.arange(valid.shape[1])[None, None, :] <= last[:, :, None]
-        return mx.array(valid[:, None, :] & before)[:, None]
+        column = np.arange(valid.shape[1])[None, None, :]
+        own = (self.width - self.tail)[:, None] + np.arange(n_new)[None, :]  # [B, n_new]
+        valid = valid[:, None, :] & (column <= own[:, :, None])
+        if bounded:
+            max_kv_size, keep = self.decode_bound
+            live = self.row_live_len[:, None] + np.arange(n_new)[None, :]
+            dropped = np.maximum(live - max_kv_size, 0)[:, :, None]
+            start = (self.pad + keep + self.gap)[:, None, None]  # the trims' next victim
+            valid &= (column < start) | (column >= start + dropped)
+        return mx.array(valid)[:, None]
 
     def _valid(self, columns: int | None = None) -> np.ndarray:
         """``[B, columns]`` (default: the width): the columns each row attends to. Columns past

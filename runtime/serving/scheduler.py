@@ -121,6 +121,7 @@ from mlxc.runtime.serving.speculative import (
     PromptLookup,
     SpecStats,
     accept_drafts,
+    decode_bound,
     greedy_accept,
     probs,
 )
@@ -1039,11 +1040,6 @@ class Scheduler:
             for s in rows
         ]
         batch = self.pool.batch
-        if self.pool.trims:
-            # Only while no one-token step would have trimmed: then each query of the
-            # verification sees exactly what its one-token step would (no per-query trim mask).
-            live = max((int(c.row_live_len.max()) for c in trimmable(self.model, batch)), default=0)
-            limits = [min(n, self.pool.max_kv_size - live) for n in limits]
         k = max(limits)
         if 2 * sum(n > 0 for n in limits) < len(rows):
             return False
@@ -1074,7 +1070,10 @@ class Scheduler:
         ids = [[seq.last_token, *d] for seq, d in zip(rows, drafts)]
         ids = mx.array([row + row[-1:] * (width - len(row)) for row in ids], dtype=mx.int32)
         try:
-            logits = self.model(ids, cache=batch)
+            # Under --max-kv-size each query sees what its one-token step, trimmed, would have.
+            bound = self.pool.max_kv_size if self.pool.trims else None
+            with decode_bound(trimmable(self.model, batch), bound, self.pool.kv_sink):
+                logits = self.model(ids, cache=batch)
             self._count(metrics.VERIFY_FORWARDS)
             targets = mx.argmax(logits, axis=-1).tolist()
             emitted = [
