@@ -27,8 +27,8 @@ writes new rows over rows whose sequences have left (the server's dead rows,
 A speculative verification (``mlxc serve --prompt-lookup``) writes ``k + 1`` columns to every
 row, and each row keeps as many as it accepted (``rewind_rows``): the columns all rows rejected
 go back (the width shrinks), and a row that rejected more gets them as its tail. The next
-tokens of a row with a tail are written over it (a scatter instead of one slice), so its tokens
-stay contiguous and its tail keeps its length until a compaction; while a row has a tail, a
+tokens of a row with a tail are written over it (a scatter of those rows after the slice
+assignment of all), so its tokens stay contiguous and its tail keeps its length until a compaction; while a row has a tail, a
 forward of several queries masks each query's later columns per row (``key_valid``).
 """
 
@@ -110,16 +110,17 @@ class BatchKVCache:
                 self.keys = _with_capacity(self.keys, self.width, end)
                 if values is not None:
                     self.values = _with_capacity(self.values, self.width, end)
-            if self.tail.any():  # each row's new columns start after its own last token
-                column = (self.width - self.tail)[:, None] + np.arange(n_new)[None, :]
-                column = mx.array(column, mx.int32)[:, None, :, None]
-                self.keys = _written(self.keys, column, keys)
+            self.keys[..., self.width : end, :] = keys
+            if values is not None:
+                self.values[..., self.width : end, :] = values
+            if self.tail.any():
+                # A row with a tail writes its new columns after its own last token instead
+                # (a scatter of those rows only: what the slice put there is in its tail).
+                rows = np.flatnonzero(self.tail)
+                column = (self.width - self.tail[rows])[:, None] + np.arange(n_new)[None, :]
+                _write_rows(self.keys, rows, column, keys)
                 if values is not None:
-                    self.values = _written(self.values, column, values)
-            else:
-                self.keys[..., self.width : end, :] = keys
-                if values is not None:
-                    self.values[..., self.width : end, :] = values
+                    _write_rows(self.values, rows, column, values)
         self.width = end
         self.offsets = self.offsets + n_new
         self.appended += n_new
@@ -445,12 +446,17 @@ def _right_aligned(buffer: mx.array, used: int, width: int, capacity: int) -> mx
     return mx.concatenate(parts, axis=2)
 
 
-def _written(buffer: mx.array, column: mx.array, new: mx.array) -> mx.array:
-    """``buffer`` with ``new`` ``[B, H, L, D]`` written at columns ``column`` ``[B, 1, L, 1]``
-    (each row its own; a scatter, where one shared column index is a slice assignment)."""
-    return _per_part(
-        lambda b, n: mx.put_along_axis(b, mx.broadcast_to(column, n.shape), n, axis=2), buffer, new
-    )
+def _write_rows(buffer: mx.array, rows: np.ndarray, columns: np.ndarray, new: mx.array) -> None:
+    """Write ``new[rows]`` (``[R, H, L, D]`` of ``new [B, H, L, D]``) into ``buffer`` at row
+    ``rows[i]``'s ``columns[i]`` (``[R, L]``): each row its own columns, a scatter."""
+    r = mx.array(rows, mx.int32)
+    index = (r[:, None], slice(None), mx.array(columns, mx.int32))
+
+    def write(part: mx.array, value: mx.array) -> mx.array:
+        part[index] = value[r].transpose(0, 2, 1, 3)  # advanced indices first: [R, L, H, D]
+        return part
+
+    _per_part(write, buffer, new)
 
 
 def _with_capacity(buffer: mx.array, used: int, needed: int) -> mx.array:
