@@ -79,6 +79,8 @@ def test_batch_rewind_never_crosses_a_trim_or_a_join():
         batch.rewind(1)
     with pytest.raises(RewindError, match="sliding-window"):
         BatchWindowedKVCache(4).rewind(1)
+    with pytest.raises(RewindError, match="sliding-window"):
+        BatchWindowedKVCache(4).rewind_rows(np.array([0, 1]))
 
 
 def test_batch_rows_rewind_their_own_counts():

@@ -28,8 +28,9 @@ A speculative verification (``mlxc serve --prompt-lookup``) writes ``k + 1`` col
 row, and each row keeps as many as it accepted (``rewind_rows``): the columns all rows rejected
 go back (the width shrinks), and a row that rejected more gets them as its tail. The next
 tokens of a row with a tail are written over it (a scatter of those rows after the slice
-assignment of all), so its tokens stay contiguous and its tail keeps its length until a compaction; while a row has a tail, a
-forward of several queries masks each query's later columns per row (``key_valid``).
+assignment of all), so its tokens stay contiguous and its tail keeps its length until a
+compaction; while a row has a tail, a forward of several queries masks each query's later
+columns per row (``key_valid``).
 """
 
 from __future__ import annotations
@@ -385,6 +386,9 @@ class BatchWindowedKVCache(BatchKVCache):
 
     def rewind(self, n: int) -> None:
         raise RewindError("a decode batch's sliding-window rows cannot rewind")
+
+    def rewind_rows(self, n: np.ndarray) -> None:
+        self.rewind(int(np.max(n, initial=0)))
 
     def update_and_fetch(
         self, keys: mx.array, values: mx.array | None = None
