@@ -728,9 +728,9 @@ def _drafter(draft_model, prompt_lookup, ngram_size, num_draft_tokens, checkpoin
     show_default=True,
     type=click.IntRange(min=1),
     help="With --prompt-lookup or --draft-model: the decode batch speculates while it holds "
-    "at most this many "
-    "rows, each greedy or sampled by temperature alone, without penalties, logit biases, "
-    "logprobs or grammars (the rows keep as many drafts as the row that accepts the fewest).",
+    "at most this many rows, each greedy or sampled by temperature alone, without penalties, "
+    "logit biases, logprobs or grammars, and half of them have drafts (each row keeps the "
+    "drafts it accepts).",
 )
 @_specs_option
 def serve(
