@@ -325,5 +325,10 @@ def test_verify_catches_a_verification_forward_that_ignores_trims(monkeypatch):
     module = load_source("llama", build.render([path]).files["llama.py"])
     config = lint.check_all([path])[0].spec.tiny_config
     monkeypatch.setattr(verify, "decode_bound", lambda *a: contextlib.nullcontext())
+    # Both checks see it: the batch schedule's verifications (which come first) and one
+    # sequence speculating across trims.
+    with pytest.raises(verify.VerifyError, match="batched decode differs"):
+        verify.verify_module("llama", module, config)
+    monkeypatch.setattr(verify, "_batched_decode_error", lambda *a, **k: 0.0)
     with pytest.raises(verify.VerifyError, match="speculation across trims"):
         verify.verify_module("llama", module, config)
