@@ -26,6 +26,7 @@ from mlxc.runtime.serving.speculative import (
     BatchSpeculation,
     PromptLookup,
     SpeculationError,
+    rows_keep,
 )
 
 # --- the batch cache's rewind -----------------------------------------------------------------
@@ -92,6 +93,15 @@ def test_batch_rows_rewind_their_own_counts():
     assert batch.tail.tolist() == [0, 2] and batch.live_len == 8
     with pytest.raises(SpeculationError):
         BatchSpeculation(max_rows=0)
+
+
+def test_rows_keep_their_own_counts_where_that_buys_a_token_per_row():
+    # Alone they emit 2, 4 and 1 tokens: 4 more than the fewest for 3 rows, so each keeps its own.
+    own = [[5, 6], [5, 9, 1, 2], [4]]
+    assert rows_keep(own) == own
+    # 3, 2 and 3: 2 more than the fewest for 3 rows; every row is cut to 2, each token still
+    # one its rule emitted (the tail a row would keep costs every later step).
+    assert rows_keep([[5, 6, 7], [5, 9], [4, 4, 4]]) == [[5, 6], [5, 9], [4, 4]]
 
 
 # --- the scheduler ------------------------------------------------------------------------------
@@ -169,8 +179,10 @@ def test_speculating_batch_equals_plain_greedy(toy_model, tokenizer, arch, cache
 def test_draft_model_batch_equals_plain_greedy(tokenizer, arch, draft_seed, cache):
     """`mlxc serve --draft-model`: the draft model drafts for all rows at once on its own batch,
     the batch verifies them in one forward, and the greedy answers are the plain ones (79
-    tokens under --max-kv-size 64: trims too). Seed 0: the draft is the model itself, so every draft is
-    kept; seed 1: another random model, whose drafts are mostly rejected."""
+    tokens under --max-kv-size 64: trims too). Seed 0: the draft is the model itself, so
+    nearly every draft is kept (a near-tie of a random model's logits can fall the other way
+    between the draft's batch and the verification, and a row that rejects may cut the others,
+    ``rows_keep``); seed 1: another random model, whose drafts are mostly rejected."""
     model, draft = tiny(arch), tiny(arch, draft_seed)
     prompts = [repeating_prompt(model, seed) for seed in (3, 4, 5)]  # 39 tokens
     wants = [_plain(model, ids, 40, **cache) for ids in prompts]
@@ -181,7 +193,7 @@ def test_draft_model_batch_equals_plain_greedy(tokenizer, arch, draft_seed, cach
     spec = stats["speculation"]
     assert spec["drafter"] == "draft-model" and spec["steps"] > 0
     if draft_seed == 0:
-        assert spec["accepted"] == spec["proposed"]
+        assert spec["accepted"] >= 0.9 * spec["proposed"]
     else:
         assert spec["accepted"] < spec["proposed"]
 
@@ -214,8 +226,8 @@ def test_rows_keep_their_own_drafts_and_rows_without_drafts_verify(tokenizer, mo
     assert any(len(set(n)) > 1 for _, n in verified)  # rows kept different counts
     drafted = [[n for _, n in events[i - 3 : i]] for i, _ in verified]
     assert any(0 in counts and max(counts) > 0 for counts in drafted)  # one had no draft
-    # The model as its own draft keeps every draft, but a row near its max_tokens takes
-    # fewer: then the rows of the draft's batch rewind different counts too.
+    # The model as its own draft keeps (nearly) every draft, but a row near its max_tokens
+    # takes fewer: then the rows of the draft's batch rewind different counts too.
     events.clear()
     lengths = (30, 27, 25)
     wants = [_plain(model, ids, n) for ids, n in zip(prompts, lengths)]
@@ -225,7 +237,7 @@ def test_rows_keep_their_own_drafts_and_rows_without_drafts_verify(tokenizer, mo
     spec = BatchSpeculation(4, 3, 4, draft_model=model)
     got, stats = _serve(model, tokenizer, jobs, speculation=spec)
     assert got == wants
-    assert stats["speculation"]["accepted"] == stats["speculation"]["proposed"] > 0
+    assert stats["speculation"]["accepted"] >= 0.9 * stats["speculation"]["proposed"] > 0
     assert any(len(set(n)) > 1 for kind, n in events if kind == "kept")
 
 

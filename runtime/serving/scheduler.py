@@ -26,8 +26,9 @@ flight first, drafts each row's next tokens (from n-grams of its own prompt and 
 from the draft model, one forward per draft token for all rows: ``speculative.BatchDrafter``)
 and verifies them in one forward of the batch, while at least half of its rows have a draft
 (a row without one takes its one token from that forward); each row accepts by its own rule
-(greedy, or the accept/reject rule at its temperature), keeps what it accepted and rewinds the
-rest (``BatchCache.rewind_rows``), then the rows are trimmed. Greedy output is the plain greedy
+(greedy, or the accept/reject rule at its temperature) and keeps what it accepted where that
+buys a token per row over cutting every row to the fewest (``speculative.rows_keep``), then
+rewinds the rest (``BatchCache.rewind_rows``), and the rows are trimmed. Greedy output is the plain greedy
 output; sampled output follows the same distribution.
 
 A decode step reads every weight once whatever the batch size, which is what makes serving
@@ -124,6 +125,7 @@ from mlxc.runtime.serving.speculative import (
     decode_bound,
     greedy_accept,
     probs,
+    rows_keep,
 )
 from mlxc.runtime.serving.structured import AnyToken, apply_masks
 
@@ -1026,8 +1028,8 @@ class Scheduler:
 
     def _speculate(self, rows: list[_Sequence]) -> bool:
         """Draft, verify and accept for every row of the decode batch, synchronously (the
-        next drafts depend on what this step accepts). Each row keeps what it accepted
-        (``BatchCache.rewind_rows``); a row without drafts takes its one token from the same
+        next drafts depend on what this step accepts). Each row keeps what it accepted, or all
+        are cut to the fewest (``rows_keep``; ``BatchCache.rewind_rows``); a row without drafts takes its one token from the same
         forward. False when fewer than half the rows have a draft (or no room for one): nothing
         was run, the tick takes a plain step, unpipelined (the step in flight was read to
         draft; a batch often short of drafts pays that each tick)."""
@@ -1086,7 +1088,8 @@ class Scheduler:
             for seq in rows:
                 self._fail(seq, e)
             return True
-        # Each row's caches keep its input token and the drafts it accepted.
+        # Each row's caches keep its input token and the drafts it keeps.
+        emitted = rows_keep(emitted)
         kept = np.array([len(tokens) for tokens in emitted])
         batch.rewind_rows(width - kept)
         self.pool.enforce(batch)
