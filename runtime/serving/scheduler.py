@@ -28,8 +28,8 @@ and verifies them in one forward of the batch, while at least half of its rows h
 (a row without one takes its one token from that forward); each row accepts by its own rule
 (greedy, or the accept/reject rule at its temperature) and keeps what it accepted where that
 buys a token per row over cutting every row to the fewest (``speculative.rows_keep``), then
-rewinds the rest (``BatchCache.rewind_rows``), and the rows are trimmed. Greedy output is the plain greedy
-output; sampled output follows the same distribution.
+rewinds the rest (``BatchCache.rewind_rows``), and the rows are trimmed. Greedy output is the
+plain greedy output; sampled output follows the same distribution.
 
 A decode step reads every weight once whatever the batch size, which is what makes serving
 many streams cheaper than serving them one by one. Prefill runs per sequence in its own
@@ -1029,10 +1029,11 @@ class Scheduler:
     def _speculate(self, rows: list[_Sequence]) -> bool:
         """Draft, verify and accept for every row of the decode batch, synchronously (the
         next drafts depend on what this step accepts). Each row keeps what it accepted, or all
-        are cut to the fewest (``rows_keep``; ``BatchCache.rewind_rows``); a row without drafts takes its one token from the same
-        forward. False when fewer than half the rows have a draft (or no room for one): nothing
-        was run, the tick takes a plain step, unpipelined (the step in flight was read to
-        draft; a batch often short of drafts pays that each tick)."""
+        are cut to the fewest (``rows_keep``; ``BatchCache.rewind_rows``); a row without
+        drafts takes its one token from the same forward. False when fewer than half the rows
+        have a draft (or no room for one): nothing was run, the tick takes a plain step,
+        unpipelined (the step in flight was read to draft; a batch often short of drafts pays
+        that each tick)."""
         # A step emits up to k + 1 tokens per row, within each row's max_tokens.
         limits = [
             min(

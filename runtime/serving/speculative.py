@@ -122,8 +122,8 @@ def rows_keep(emitted: list[list[int]]) -> list[list[int]]:
     A row that keeps fewer than the others leaves columns in the batch cache that are not its
     own (``BatchKVCache.rewind_rows``' tail), which cost every later step until a compaction:
     on a GPU a scatter per layer and a masked attention where rows of equal length had none
-    (measured on the H200: a batch of copy tasks speculated 10-40% slower keeping every row's
-    count). A cut row emits only tokens its rule accepted: greedy, each equals its argmax;
+    (on the H200 a batch of copy tasks speculated about a quarter slower keeping every row's
+    count, ``docs/performance.md``). A cut row emits only tokens its rule accepted: greedy, each equals its argmax;
     sampled, whether the row goes on to a position depends on its earlier positions and on
     the other rows, never on that position's own draw, so each emitted token still follows the
     target's distribution given the ones before."""
