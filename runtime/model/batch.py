@@ -454,10 +454,11 @@ def _write_rows(buffer: mx.array, rows: np.ndarray, columns: np.ndarray, new: mx
     """Write ``new[rows]`` (``[R, H, L, D]`` of ``new [B, H, L, D]``) into ``buffer`` at row
     ``rows[i]``'s ``columns[i]`` (``[R, L]``): each row its own columns, a scatter."""
     r = mx.array(rows, mx.int32)
-    index = (r[:, None], slice(None), mx.array(columns, mx.int32))
+    # Rows x heads x columns, all indexed: the update is value[r] as it is, [R, H, L, ...].
+    index = (r[:, None, None], mx.arange(new.shape[1])[None, :, None], mx.array(columns)[:, None])
 
     def write(part: mx.array, value: mx.array) -> mx.array:
-        part[index] = value[r].transpose(0, 2, 1, 3)  # advanced indices first: [R, L, H, D]
+        part[index] = value[r]
         return part
 
     _per_part(write, buffer, new)
