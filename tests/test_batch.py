@@ -189,7 +189,7 @@ def test_rows_that_keep_different_drafts_hold_exactly_their_keys(
             joining = BatchQuantizedKVCache(quant) if quant else BatchKVCache()
             joining.extend([one(prompts[3])])
             assert batch.fits(joining)
-            batch.place([0], joining)  # row 0 leaves; another takes its row (and its tail)
+            batch.place([0], joining)  # row 0 leaves; another takes its row, tail and all
             members[0] = 3
         k = 3 if step % 3 == 0 else 0  # a verification, or a plain step
         new = [part(k + 1) for _ in members]
