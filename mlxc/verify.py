@@ -399,7 +399,7 @@ def _batched_decode_error(model, rng, vocab, vision, image, quant=None) -> float
     batch.extend([rows[r][2] for r in members])
     err = 0.0
     at = [0] * len(rows)  # each row's next token
-    rewinds = all(getattr(layer, "rewindable", False) for layer in batch)
+    rewinds = batch.rewindable
     for step in range(BATCH_STEPS):
         if step == 2:
             members.append(2)

@@ -537,6 +537,11 @@ class BatchCache(SequenceCache):
         for mine, theirs in zip(self, other):
             mine.append_batch(theirs)
 
+    @property
+    def rewindable(self) -> bool:
+        """Whether every layer can take tokens back (``rewind_rows``: speculation)."""
+        return all(getattr(layer, "rewindable", False) for layer in self)
+
     def rewind_rows(self, n: np.ndarray) -> None:
         """Take the last ``n[b]`` tokens back from row ``b`` in every layer
         (``BatchKVCache.rewind_rows``; every layer must be rewindable)."""

@@ -1024,7 +1024,7 @@ class Scheduler:
 
         if not all(seq.may_speculate for seq in rows):
             return False
-        return all(getattr(layer, "rewindable", False) for layer in self.pool.batch)
+        return self.pool.batch.rewindable
 
     def _speculate(self, rows: list[_Sequence]) -> bool:
         """Draft, verify and accept for every row of the decode batch, synchronously (the

@@ -287,9 +287,7 @@ class BatchDrafter:
         prefill_chunk_size: int = 512,
     ) -> None:
         probe = make_caches(model, kv_quant)
-        if not BatchCache.accepts(probe) or not all(
-            getattr(layer, "rewindable", False) for layer in BatchCache.like(probe)
-        ):
+        if not BatchCache.accepts(probe) or not BatchCache.like(probe).rewindable:
             raise RewindError(
                 "the draft model's caches cannot rewind in a decode batch (sliding-window, "
                 "recurrent or model-owned layers)"
