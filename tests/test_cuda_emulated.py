@@ -1,0 +1,194 @@
+"""``runtime.model.cuda_attention``'s kernels run on the CPU, in CI, against MLX's attention.
+
+The kernels are CUDA source that only MLX's CUDA backend compiles, and CI has no GPU, so
+``test_cuda_attention.py`` skips there. Here the same source strings are compiled by the host's
+C++ compiler against ``cuda_emulator/emulator.h`` (each CUDA thread a std::thread, barriers for
+``__syncwarp``/``__syncthreads``, shuffles through memory) and run block by block, in float32
+(the emulator has no bf16: the loads of other dtypes differ only in their type). What this
+checks is the kernels' logic: the split of keys across lanes, warps and chunks, the online
+softmax and its merges, GQA rows, masks, sinks, strided and packed keys (MLX's own
+``mx.quantize`` layout). The oracle is MLX's ``scaled_dot_product_attention`` on the same
+float32 (or dequantised) inputs; float32 summation order differs, hence 1e-4.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxc.runtime.model import cuda_attention as ca
+
+HERE = Path(__file__).parent / "cuda_emulator"
+CXX = os.environ.get("CXX", "g++")
+TOL = 1e-4
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(CXX) is None, reason=f"no C++ compiler ({CXX}); .ci/run installs g++"
+)
+
+
+def _case_source(files: dict, kt: str, D: int, R: int, bits: int, group: int, chunks: int, grid):
+    """C++ running the attention kernel (and the merge with ``chunks`` > 1) on ``files``."""
+    types = dict(zip(ca._INPUTS, ["T", "KT", "KT", "S", "S", "S", "S", "bool", "T", "float"]))
+    params = ", ".join(
+        f"const {types[n]}* {n}, const mlx::core::cu::Shape {n}_shape, "
+        f"const mlx::core::cu::Strides {n}_strides"
+        for n in ca._INPUTS
+    )
+    lines = [
+        f'#include "{HERE / "emulator.h"}"',
+        ca._HEADER,
+        "template <typename T, typename KT, typename S, int D, int R, int BITS, int GS, int WARPS>",
+        f"void attention({params}, T* out, float* part_acc, float* part_max, float* part_sum) {{",
+        ca._SOURCE,
+        "}",
+        "template <typename T, int D>",
+        (
+            "void merge(const float* part_acc, const float* part_max, "
+            "const mlx::core::cu::Shape part_max_shape, const float* part_sum, const T* sinks, "
+            "const float* flags, T* out) {"
+        ),
+        ca._MERGE_SOURCE,
+        "}",
+        "int main() {",
+    ]
+    args = []
+    for n in ca._INPUTS:
+        path, offset, shape, strides, ctype = files[n]
+        pad = 8 - len(shape)
+        lines.append(
+            f'auto {n}_buf = load<{ctype}>("{path}"); '
+            f"mlx::core::cu::Shape {n}_shape{{{{{', '.join(map(str, [*shape, *[1] * pad]))}}}}}; "
+            f"mlx::core::cu::Strides {n}_strides{{{{{', '.join(map(str, [*strides, *[0] * pad]))}}}}};"
+        )
+        args.append(f"{n}_buf.data() + {offset}, {n}_shape, {n}_strides")
+    rows, blocks = grid
+    out_sizes = (
+        [rows * D, 1, 1, 1] if chunks == 1 else [1, rows * chunks * D, rows * chunks, rows * chunks]
+    )
+    lines += [
+        "std::vector<float> out({}), part_acc({}), part_max({}), part_sum({});".format(*out_sizes),
+        (
+            f"launch({{{chunks}, {blocks}, 1}}, {ca.WARPS * 32}, [&] {{ attention<float, {kt}, "
+            f"float, {D}, {R}, {bits}, {group}, {ca.WARPS}>({', '.join(args)}, out.data(), "
+            "part_acc.data(), part_max.data(), part_sum.data()); });"
+        ),
+    ]
+    if chunks > 1:
+        lines += [
+            f"mlx::core::cu::Shape part_max_shape{{{{{rows}, {chunks}}}}};",
+            f"out.assign({rows * D}, 0.f);",
+            (
+                f"launch({{1, {rows}, 1}}, {D}, [&] {{ merge<float, {D}>(part_acc.data(), "
+                "part_max.data(), part_max_shape, part_sum.data(), sinks_buf.data(), "
+                "flags_buf.data(), out.data()); });"
+            ),
+        ]
+    lines += ["std::ofstream(OUT, std::ios::binary).write((char*)out.data(), out.size() * 4);", "}"]
+    return "\n".join(lines)
+
+
+def _run(
+    tmp: Path, arrays: dict, kt: str, D: int, R: int, bits: int, group: int, chunks: int, grid
+):
+    """Compile and run one case; ``arrays``: name -> numpy array (views keep their strides)."""
+    files = {}
+    for n, a in arrays.items():
+        base = a if a.base is None else a.base
+        assert base.flags.c_contiguous and base.base is None
+        offset = (
+            a.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+        ) // a.itemsize
+        base.tofile(tmp / f"{n}.bin")
+        ctype = {"k": kt, "v": kt, "mask": "bool"}.get(n, "float")
+        strides = [s // a.itemsize for s in a.strides]
+        files[n] = (tmp / f"{n}.bin", offset, list(a.shape), strides, ctype)
+    src = tmp / "case.cpp"
+    src.write_text(_case_source(files, kt, D, R, bits, group, chunks, grid))
+    exe, out = tmp / "case", tmp / "out.bin"
+    build = [CXX, "-std=c++20", "-O1", "-w", "-pthread", f'-DOUT="{out}"', str(src), "-o", str(exe)]
+    done = subprocess.run(build, check=False, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    subprocess.run([str(exe)], check=True, timeout=120)
+    return np.fromfile(out, np.float32)
+
+
+CASES = [
+    # B, Hq, Hkv, L, T, D, bits, group, mask kind, sinks, chunks, strided head dim
+    (1, 8, 2, 1, 300, 64, 0, 1, "ragged", False, 3, False),  # a decode batch row, GQA 4
+    (2, 4, 4, 1, 70, 128, 0, 1, "ragged", False, 1, False),  # one block per row, no merge
+    (2, 8, 2, 3, 200, 64, 0, 1, "causal", False, 2, False),  # a verification, 12 rows a head
+    (2, 8, 2, 4, 90, 64, 0, 1, "ragged", False, 2, False),  # per-query rows of a tailed batch
+    (1, 8, 2, 1, 150, 64, 0, 1, "ragged", True, 2, True),  # sinks, element-wise loads
+    (2, 8, 2, 1, 150, 128, 0, 1, "none", True, 1, True),
+    (2, 8, 2, 1, 260, 64, 4, 64, "ragged", False, 2, False),  # 4-bit keys and values
+    (1, 8, 2, 2, 100, 64, 4, 32, "causal", False, 1, False),
+    (2, 4, 2, 1, 140, 128, 8, 64, "ragged", True, 2, False),  # 8-bit, sinks
+    (1, 4, 1, 1, 40, 128, 4, 64, "none", False, 1, False),
+]
+
+
+@pytest.mark.parametrize(
+    "B, Hq, Hkv, L, T, D, bits, group, kind, with_sinks, chunks, strided", CASES
+)
+def test_kernel_matches_mlx(
+    tmp_path, B, Hq, Hkv, L, T, D, bits, group, kind, with_sinks, chunks, strided
+):
+    rng = np.random.default_rng(T + D + L)
+    q = rng.standard_normal((B, Hq, L, D), np.float32)
+    cap = T + 5  # the keys are the first T columns of a wider buffer, as a cache's are
+    k_buf, v_buf = (rng.standard_normal((B, Hkv, cap, D), np.float32) for _ in range(2))
+    none = np.zeros(1, np.float32)
+    if bits:
+        parts = {}
+        for name, buf in (("k", k_buf), ("v", v_buf)):
+            w, s, b = mx.quantize(mx.array(buf), group_size=group, bits=bits)
+            parts[name] = [np.array(p)[:, :, :T] for p in (w, s, b)]
+            dequant = mx.dequantize(w, s, b, group_size=group, bits=bits)
+            parts[name + "_ref"] = np.array(dequant)[:, :, :T]
+        k, k_scales, k_biases = parts["k"]
+        v, v_scales, v_biases = parts["v"]
+        k_ref, v_ref = parts["k_ref"], parts["v_ref"]
+    else:
+        k_scales = k_biases = v_scales = v_biases = none
+        if strided:  # every other element of a twice-wider head dim: no vector loads
+            wide = [np.zeros((B, Hkv, cap, 2 * D), np.float32) for _ in range(2)]
+            wide[0][..., ::2], wide[1][..., ::2] = k_buf, v_buf
+            k, v = wide[0][:, :, :T, ::2], wide[1][:, :, :T, ::2]
+        else:
+            k, v = k_buf[:, :, :T], v_buf[:, :, :T]
+        k_ref, v_ref = k_buf[:, :, :T], v_buf[:, :, :T]
+
+    column, query = np.arange(T)[None, :], np.arange(L)[:, None]
+    causal = column <= T - L + query  # [L, T]: the queries are the last L columns
+    if kind == "ragged":
+        pad = rng.integers(0, T // 3, B)[:, None, None, None]
+        valid = (column[None, None] >= pad) & causal[None, None]  # [B, 1, L, T]
+        mask, mask_kind = valid, 2
+    else:
+        valid = np.broadcast_to(causal if kind == "causal" else True, (B, 1, L, T))
+        mask, mask_kind = np.ones((1, 1, 1, 1), bool), 1 if kind == "causal" else 0
+    sinks = (rng.standard_normal(Hq) * 2).astype(np.float32) if with_sinks else None
+    scale = D**-0.5
+
+    R = ca._rows(Hq // Hkv * L)
+    blocks = B * Hkv * -(-(Hq // Hkv * L) // R)
+    flags = np.array([scale, mask_kind, float(with_sinks), Hq, L], np.float32)
+    inputs = [q, k, v, k_scales, k_biases, v_scales, v_biases, mask, sinks, flags]
+    arrays = dict(zip(ca._INPUTS, [none if a is None else a for a in inputs], strict=True))
+    kt = "uint32_t" if bits else "float"
+    got = _run(tmp_path, arrays, kt, D, R, bits, group, chunks, (B * Hq * L, blocks))
+
+    want = mx.fast.scaled_dot_product_attention(
+        mx.array(q), mx.array(k_ref), mx.array(v_ref), scale=scale,
+        mask=mx.array(np.ascontiguousarray(valid)),
+        sinks=None if sinks is None else mx.array(sinks), stream=mx.cpu,
+    )  # fmt: skip
+    err = np.abs(got.reshape(B, Hq, L, D) - np.array(want)).max()
+    assert err < TOL, f"max error {err}"
