@@ -27,7 +27,9 @@ per block, packing; queries, lengths, strides, the mask kind and sinks are argum
 prefill, ``generate --kv-bits`` after loading.
 
 Checked against MLX's own attention on the H200 by ``tests/test_cuda_attention.py`` (it
-skips without CUDA: CI has none) and timed against it by ``bench/attention_kernels.py``.
+skips without CUDA: CI has none), in CI by ``tests/test_cuda_emulated.py`` (the same source
+compiled for the CPU against an emulator of CUDA's threads, barriers and shuffles), and timed
+against it by ``bench/attention_kernels.py``.
 """
 
 from __future__ import annotations
@@ -51,28 +53,29 @@ __device__ __forceinline__ float warp_max(float x) {
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
   return x;
 }
-// Element e of a row of D values: a float one, or MLX's affine packing (values low bits
-// first in uint32 words, one scale and bias per GS elements).
-template <typename P, typename S, int BITS, int GS>
-__device__ __forceinline__ float element(
-    const P* row, const S* scales, const S* biases, int e, long long es, long long gs_stride) {
+// VE elements of a row from element e0 (a multiple of VE), as floats. Float rows: one 16-byte
+// load where the head dim is contiguous and aligned (``vec``), else one element at a time.
+// Packed rows (MLX's affine layout: values low bits first in uint32 words, a scale and a bias
+// per GS elements): one word, VE = 32 / BITS elements of one group.
+template <typename P, typename S, int BITS, int GS, int VE>
+__device__ __forceinline__ void load_vec(const P* row, const S* scales, const S* biases,
+    int e0, long long es, long long gs_stride, bool vec, float* out) {
   if constexpr (BITS == 0) {
-    return static_cast<float>(row[e * es]);
+    if (vec) {
+      struct alignas(VE * sizeof(P)) Vec { P x[VE]; };
+      const Vec v = *reinterpret_cast<const Vec*>(row + e0);
+      for (int j = 0; j < VE; ++j) out[j] = static_cast<float>(v.x[j]);
+    } else {
+      for (int j = 0; j < VE; ++j) out[j] = static_cast<float>(row[(e0 + j) * es]);
+    }
   } else {
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(row);
-    uint32_t w = words[(e * BITS) / 32];
-    uint32_t q = (w >> ((e * BITS) % 32)) & ((1u << BITS) - 1u);
-    int g = e / GS;
-    return static_cast<float>(scales[g * gs_stride]) * static_cast<float>(q) +
-        static_cast<float>(biases[g * gs_stride]);
+    const uint32_t w = reinterpret_cast<const uint32_t*>(row)[e0 * BITS / 32];
+    const int g = e0 / GS;
+    const float sc = static_cast<float>(scales[g * gs_stride]);
+    const float bi = static_cast<float>(biases[g * gs_stride]);
+    for (int j = 0; j < VE; ++j)
+      out[j] = sc * static_cast<float>((w >> (j * BITS)) & ((1u << BITS) - 1u)) + bi;
   }
-}
-// N contiguous elements (N * sizeof(P) bytes, so aligned: rows start on whole head dims).
-template <typename P, int N>
-__device__ __forceinline__ void load_floats(const P* p, float* out) {
-  struct alignas(N * sizeof(P)) Vec { P x[N]; };
-  const Vec v = *reinterpret_cast<const Vec*>(p);
-  for (int j = 0; j < N; ++j) out[j] = static_cast<float>(v.x[j]);
 }
 // A 4-d index with broadcasting: a dimension of size 1 has stride 0.
 __device__ __forceinline__ long long at4(
@@ -88,14 +91,17 @@ __device__ __forceinline__ long long at4(
 # memory. WARPS warps take 32 keys at a time, a key per lane: each lane scores its key against
 # every row (no reduction across lanes per key), the warp takes one maximum per row for the 32
 # (online softmax, rescaled once per 32 keys, not per key), and writes the probabilities to
-# shared memory; then its lanes split the head dim and walk the 32 values. The warps' sums
-# merge in shared memory. With one chunk the block writes the output, else its partial sums.
+# shared memory; then the warp walks the 32 values KPL rows per load (each lane 16 bytes of a
+# row: independent loads in flight, not one dependent 4-byte load per row), its lanes adding
+# up their rows' shares once at the end. The warps' sums merge in shared memory. With one chunk the block writes the output, else its partial sums.
 # The queries per row, the mask kind, the sinks and the chunking are run-time values (``flags``:
 # scale, mask kind, sinks, heads, queries): every variant is a JIT compile of a second or more,
 # so only what shapes registers (dtypes, head dim, rows per tile, packing) is a template argument.
 _SOURCE = """
-  constexpr int DPL = D / 32;
-  constexpr int VK = 16 / sizeof(KT) < D ? 16 / sizeof(KT) : D;  // a key's elements per load
+  // A load takes VE elements of a row (16 bytes of floats, one word of packed values). For
+  // the values, LPR lanes cover a row's D elements and a warp loads KPL rows at once.
+  constexpr int VE = BITS == 0 ? 16 / sizeof(KT) : 32 / BITS;
+  constexpr int LPR = D / VE, KPL = 32 / LPR;
   constexpr float LOG2E = 1.4426950408889634f;
   const float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
   const int chunk = blockIdx.x, n_chunks = gridDim.x;
@@ -112,11 +118,11 @@ _SOURCE = """
   __shared__ float qs[R][D];
   __shared__ float ps[WARPS][R][32];
   int rh[R], rl[R];
-  float m[R], s[R], acc[R][DPL];
+  float m[R], s[R], acc[R][VE];
   for (int r = 0; r < R; ++r) {
     const int rr = min(tile * R + r, n_rows - 1);
     rh[r] = kvh * G + rr / L; rl[r] = rr % L;
-    for (int j = 0; j < DPL; ++j) acc[r][j] = 0.f;
+    for (int j = 0; j < VE; ++j) acc[r][j] = 0.f;
     m[r] = NEG_INF; s[r] = 0.f;
   }
   for (int i = threadIdx.x; i < R * D; i += blockDim.x) {
@@ -134,28 +140,22 @@ _SOURCE = """
   const auto* vsc = v_scales + b * v_scales_strides[0] + kvh * v_scales_strides[1];
   const auto* vbi = v_biases + b * v_biases_strides[0] + kvh * v_biases_strides[1];
   // Float rows with a contiguous head dim on 16-byte boundaries (every cache's): vector loads.
-  const bool contiguous = BITS == 0 && k_strides[3] == 1 && v_strides[3] == 1 &&
-      k_strides[2] % VK == 0 && v_strides[2] % VK == 0 &&
+  const bool vec = BITS == 0 && k_strides[3] == 1 && v_strides[3] == 1 &&
+      k_strides[2] % VE == 0 && v_strides[2] % VE == 0 &&
       (reinterpret_cast<uintptr_t>(krow) | reinterpret_cast<uintptr_t>(vrow)) % 16 == 0;
+  // This lane's share of the value rows: row u0 + sub of each KPL, elements [ve, ve + VE).
+  const int sub = lane / LPR, ve = (lane % LPR) * VE;
   for (int t0 = start + warp * 32; t0 < end; t0 += WARPS * 32) {
     const int t = t0 + lane;  // this lane's key
     float d[R];
     for (int r = 0; r < R; ++r) d[r] = 0.f;
     if (t < end) {
-      if (contiguous) {
-        for (int e0 = 0; e0 < D; e0 += VK) {
-          float kr[VK];
-          load_floats<KT, VK>(krow + t * k_strides[2] + e0, kr);
-          for (int r = 0; r < R; ++r)
-            for (int j = 0; j < VK; ++j) d[r] += qs[r][e0 + j] * kr[j];
-        }
-      } else {
-        for (int e = 0; e < D; ++e) {
-          const float kf = element<KT, S, BITS, GS>(krow + t * k_strides[2],
-              ksc + t * k_scales_strides[2], kbi + t * k_biases_strides[2], e, k_strides[3],
-              k_scales_strides[3]);
-          for (int r = 0; r < R; ++r) d[r] += qs[r][e] * kf;
-        }
+      for (int e0 = 0; e0 < D; e0 += VE) {
+        float kr[VE];
+        load_vec<KT, S, BITS, GS, VE>(krow + t * k_strides[2], ksc + t * k_scales_strides[2],
+            kbi + t * k_biases_strides[2], e0, k_strides[3], k_scales_strides[3], vec, kr);
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < VE; ++j) d[r] += qs[r][e0 + j] * kr[j];
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -168,36 +168,40 @@ _SOURCE = """
       const float p = mn == NEG_INF ? 0.f : exp2f(x - mn);
       const float f = mn == NEG_INF ? 1.f : exp2f(m[r] - mn);
       s[r] = s[r] * f + p;  // this lane's share; summed across the warp at the end
-      for (int j = 0; j < DPL; ++j) acc[r][j] *= f;
+      for (int j = 0; j < VE; ++j) acc[r][j] *= f;
       m[r] = mn;
       ps[warp][r][lane] = p;
     }
     __syncwarp();
+    // KPL value rows per warp load, independent of each other: the loads overlap.
     const int n_keys = min(32, end - t0);
-    for (int u = 0; u < n_keys; ++u) {
-      const int tu = t0 + u;
-      float vr[DPL];
-      if (contiguous) {
-        load_floats<KT, DPL>(vrow + tu * v_strides[2] + lane * DPL, vr);
-      } else {
-        for (int j = 0; j < DPL; ++j)
-          vr[j] = element<KT, S, BITS, GS>(vrow + tu * v_strides[2],
-              vsc + tu * v_scales_strides[2], vbi + tu * v_biases_strides[2], lane * DPL + j,
-              v_strides[3], v_scales_strides[3]);
-      }
-      for (int r = 0; r < R; ++r) {
-        const float p = ps[warp][r][u];
-        for (int j = 0; j < DPL; ++j) acc[r][j] += p * vr[j];
+#pragma unroll
+    for (int u0 = 0; u0 < 32; u0 += KPL) {
+      const int u = u0 + sub, tu = t0 + u;
+      if (u < n_keys) {
+        float vr[VE];
+        load_vec<KT, S, BITS, GS, VE>(vrow + tu * v_strides[2], vsc + tu * v_scales_strides[2],
+            vbi + tu * v_biases_strides[2], ve, v_strides[3], v_scales_strides[3], vec, vr);
+        for (int r = 0; r < R; ++r) {
+          const float p = ps[warp][r][u];
+          for (int j = 0; j < VE; ++j) acc[r][j] += p * vr[j];
+        }
       }
     }
     __syncwarp();
   }
-  for (int r = 0; r < R; ++r) s[r] = warp_sum(s[r]);
+  for (int r = 0; r < R; ++r) {
+    s[r] = warp_sum(s[r]);
+    // The KPL lanes that share elements [ve, ve + VE) add up their rows' sums.
+    for (int o = LPR; o < 32; o <<= 1)
+      for (int j = 0; j < VE; ++j) acc[r][j] += __shfl_xor_sync(0xffffffffu, acc[r][j], o);
+  }
 
   __shared__ float wm[WARPS][R], ws[WARPS][R], wacc[WARPS][R][D];
   for (int r = 0; r < R; ++r) {
     if (lane == 0) { wm[warp][r] = m[r]; ws[warp][r] = s[r]; }
-    for (int j = 0; j < DPL; ++j) wacc[warp][r][lane * DPL + j] = acc[r][j];
+    if (lane < LPR)
+      for (int j = 0; j < VE; ++j) wacc[warp][r][ve + j] = acc[r][j];
   }
   __syncthreads();
   for (int i = threadIdx.x; i < R * D; i += blockDim.x) {
@@ -325,10 +329,11 @@ def _rows(rows_per_kv_head: int) -> int:
 
 
 def _chunks(blocks: int, n_keys: int) -> int:
-    """Chunks of keys per block of rows: about 2,048 blocks in all (16 resident per SM of an
-    H200, 64 warps: enough to hide the loads' latency), no fewer keys per block than its warps
-    take in one round (WARPS x 32)."""
-    return max(1, min(math.ceil(2048 / blocks), math.ceil(n_keys / (WARPS * 32))))
+    """Chunks of keys per block of rows: about 512 blocks in all (about four per SM of an H200;
+    more chunks than that cost their partial sums and the merge more than they hide: 64 rows
+    of 512-1,024 keys ran 20-25% faster as one chunk than as four, one row fastest at 5-16),
+    no fewer keys per block than its warps take in one round (WARPS x 32)."""
+    return max(1, min(math.ceil(512 / blocks), math.ceil(n_keys / (WARPS * 32))))
 
 
 def attention(
