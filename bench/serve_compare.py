@@ -47,16 +47,26 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"server at {url} not ready after {timeout} s")
 
 
-def forwards(url: str) -> dict[str, float] | None:
-    """The server's ``mlxc_forwards_total`` by kind, from ``/metrics``; None from a server
-    without it (mlx_lm.server)."""
+# The counters read from a server's /metrics: name -> (prometheus sample, its one label).
+COUNTERS = {
+    "forwards": ("mlxc_forwards_total", "kind"),
+    "scheduler_s": ("mlxc_scheduler_seconds_total", "phase"),
+}
+
+
+def counters(url: str) -> dict[str, dict[str, float]] | None:
+    """The server's ``COUNTERS`` by label value, from ``/metrics``; None from a server without
+    them (mlx_lm.server)."""
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
             text = r.read().decode()
     except OSError:
         return None
-    found = re.findall(r'^mlxc_forwards_total\{kind="(\w+)"\} ([0-9.e+]+)$', text, re.MULTILINE)
-    return {kind: float(n) for kind, n in found} if found else None
+    out = {}
+    for key, (sample, label) in COUNTERS.items():
+        pattern = rf'^{sample}\{{{label}="(\w+)"\}} ([0-9.e+-]+)$'
+        out[key] = {value: float(n) for value, n in re.findall(pattern, text, re.MULTILINE)}
+    return out if out["forwards"] else None
 
 
 def thread_cpu(pid: int) -> dict[str, float] | None:
@@ -110,11 +120,12 @@ def measure(name: str, command: list[str], port: int, args, log_dir: Path, cwd: 
             # batch shape (kernels, cuBLAS plans) stays out of the level, as in the ceiling's.
             warm = argparse.Namespace(**{**vars(load_args), "requests": streams})
             serve_load.run_level(target, None, streams, warm, first_id=streams * 100_000 + 50_000)
-            before, cpu_before = forwards(url), thread_cpu(proc.pid)
+            before, cpu_before = counters(url), thread_cpu(proc.pid)
             level = serve_load.run_level(target, None, streams, load_args)
-            after, cpu_after = forwards(url), thread_cpu(proc.pid)
-            if before is not None and after is not None:  # what the level's forwards were
-                level["forwards"] = {k: after[k] - before.get(k, 0.0) for k in after}
+            after, cpu_after = counters(url), thread_cpu(proc.pid)
+            if before is not None and after is not None:  # the level's forwards, phases
+                for key, now in after.items():
+                    level[key] = {k: now[k] - before[key].get(k, 0.0) for k in now}
             if cpu_before is not None and cpu_after is not None:
                 level["thread_cpu_s"] = {
                     k: round(v - cpu_before.get(k, 0.0), 3) for k, v in cpu_after.items()
@@ -191,6 +202,15 @@ def markdown(report: dict) -> str:
             )
             + ".",
         ]
+    phased = [a for a in counted if a.get("scheduler_s") and a["forwards"].get("decode")]
+    if phased:
+        lines += [
+            "",
+            "mlxc's scheduler thread per decode forward, ms of wall time by phase "
+            "(`mlxc_scheduler_seconds_total`; `other`: the ticks less their phases): "
+            + "; ".join(f"{a['concurrency']} streams: {_per_forward(a)}" for a in phased)
+            + ".",
+        ]
     timed = [a for a in ours["levels"] if a.get("thread_cpu_s") and a["completion_tokens"]]
     if timed:
         lines += [
@@ -224,6 +244,14 @@ def _per_token(level: dict) -> str:
     parts = {k: cpu.get(k, 0.0) for k in named}
     parts["other"] = sum(v for k, v in cpu.items() if k not in named)
     return ", ".join(f"{k} {v / level['completion_tokens'] * 1e6:.0f}" for k, v in parts.items())
+
+
+def _per_forward(level: dict) -> str:
+    """``build 1.1, dispatch 1.9, ...``: a level's scheduler phases in ms per decode forward."""
+    spent, n = level["scheduler_s"], level["forwards"]["decode"]
+    parts = {k: v for k, v in spent.items() if k != "tick"}
+    parts["other"] = spent.get("tick", 0.0) - sum(parts.values())
+    return ", ".join(f"{k} {v / n * 1e3:.2f}" for k, v in parts.items())
 
 
 def _num(x) -> str:

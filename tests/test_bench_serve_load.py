@@ -46,6 +46,8 @@ _SERVER = textwrap.dedent(
                 b'# TYPE mlxc_forwards_total counter\\n'
                 b'mlxc_forwards_total{{kind="decode"}} 12.0\\n'
                 b'mlxc_forwards_total{{kind="prefill"}} 3.0\\n'
+                b'mlxc_scheduler_seconds_total{{phase="build"}} 0.25\\n'
+                b'mlxc_scheduler_seconds_total{{phase="tick"}} 1.5e-05\\n'
             )
             self.send_response(200 if self.path == "/metrics" else 404)
             self.send_header("Content-Length", str(len(body)))
@@ -123,11 +125,22 @@ def test_clients_scale_with_streams_and_cpus(monkeypatch):
     assert serve_load.clients(64) == 1
 
 
-def test_serve_compare_reads_the_forward_counts(stream_server):
+def test_serve_compare_reads_the_server_counters(stream_server):
     (host, port, _), _ = stream_server
     url = f"http://{host}:{port}"
-    assert serve_compare.forwards(url) == {"decode": 12.0, "prefill": 3.0}
-    assert serve_compare.forwards(url + "/nothing") is None  # a server without them: None
+    assert serve_compare.counters(url) == {
+        "forwards": {"decode": 12.0, "prefill": 3.0},
+        "scheduler_s": {"build": 0.25, "tick": 1.5e-05},
+    }
+    assert serve_compare.counters(url + "/nothing") is None  # a server without them: None
+
+
+def test_serve_compare_reports_phases_per_decode_forward():
+    level = {
+        "forwards": {"decode": 10.0},
+        "scheduler_s": {"build": 0.01, "read": 0.02, "tick": 0.05},
+    }
+    assert serve_compare._per_forward(level) == "build 1.00, read 2.00, other 2.00"
 
 
 def test_answer_lengths_spread_evenly_around_the_mean():

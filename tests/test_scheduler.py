@@ -247,6 +247,23 @@ def test_forwards_are_counted_by_kind(model, make_scheduler):
     assert count("decode") - before["decode"] in (4, 5)
 
 
+def test_scheduler_time_is_counted_by_phase(model, make_scheduler):
+    """``mlxc_scheduler_seconds_total{phase}``: each phase a served request passes through
+    takes time, no speculation ran, and the phases fit inside the ticks that hold them."""
+    before = metrics.scheduler_seconds()
+    s = make_scheduler(prefill_chunk_size=8)
+    outs = [Collector() for _ in range(3)]
+    for i, out in enumerate(outs):
+        s.submit(prompt(12 + i), SamplingParams(max_tokens=6, ignore_eos=True), out)
+    assert all(len(out.result()[0]) == 6 for out in outs)
+    wait_idle(s)
+    spent = {k: v - before[k] for k, v in metrics.scheduler_seconds().items()}
+    for phase in ("build", "dispatch", "read", "hand_out", "prefill", "tick"):
+        assert spent[phase] > 0, phase
+    assert spent["verify"] == 0
+    assert sum(v for k, v in spent.items() if k != "tick") <= spent["tick"]
+
+
 class Recorder:
     """Wraps a model; records (cache list id, number of input tokens) of every forward."""
 

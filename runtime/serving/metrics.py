@@ -23,6 +23,15 @@ Exposed names (counters get prometheus' ``_total`` suffix):
   kernel launches whatever its tokens, so prefill forwards per decode forward say how much of
   a loaded server's device time goes to arriving prompts (the scheduler's CUDA warm-up, its
   throwaway requests before serving, counts in none of these);
+- ``mlxc_scheduler_seconds_total{phase}``: wall time of the scheduler thread, by phase:
+  ``build`` (the batched decode step's graph), ``dispatch`` (its ``mx.async_eval``: MLX
+  encodes the step; on CUDA it also waits for the device about a step's time), ``read``
+  (waiting for a step's tokens), ``hand_out`` (giving each sequence its token: grammars,
+  detokenising, stop checks, events), ``prefill`` (prompt forwards, and the steps of a
+  sequence outside the batch, built and evaluated; prompt batches joined to the batch),
+  ``verify`` (speculative steps, whole) and ``tick`` (every tick whole: the phases plus
+  cancellations, joins and bookkeeping). Per decode forward, they say where a loaded server's
+  step goes beyond the forward itself (``bench.serve_compare`` reports them);
 - ``mlxc_queue_depth``, ``mlxc_running_sequences``, ``mlxc_kv_cache_bytes``: gauges;
 - ``mlxc_time_to_first_token_seconds``: from the request's arrival to its first token;
 - ``mlxc_inter_token_latency_seconds``: between a request's successive tokens;
@@ -97,6 +106,25 @@ def forward_counts() -> dict[str, float]:
     """``mlxc_forwards_total`` so far, by kind (benchmarks and tests read differences of it)."""
     value = REGISTRY.get_sample_value
     return {kind: value("mlxc_forwards_total", {"kind": kind}) or 0.0 for kind in FORWARD_KINDS}
+
+
+SCHEDULER_SECONDS = Counter(
+    "mlxc_scheduler_seconds",
+    "Wall time of the scheduler thread, by phase (build, dispatch, read, hand_out, prefill, "
+    "verify; tick: whole ticks).",
+    ["phase"],
+    registry=REGISTRY,
+)
+SCHEDULER_PHASES = ("build", "dispatch", "read", "hand_out", "prefill", "verify", "tick")
+
+
+def scheduler_seconds() -> dict[str, float]:
+    """``mlxc_scheduler_seconds_total`` so far, by phase (benchmarks read differences of it)."""
+    value = REGISTRY.get_sample_value
+    return {
+        phase: value("mlxc_scheduler_seconds_total", {"phase": phase}) or 0.0
+        for phase in SCHEDULER_PHASES
+    }
 
 
 QUEUE_DEPTH = Gauge("mlxc_queue_depth", "Requests waiting for a slot.", registry=REGISTRY)

@@ -572,6 +572,7 @@ class Scheduler:
         self._prefill_queue: deque[_Sequence] = deque()  # round-robin order of prefills
         self._ticks = 0  # ticks run: a fresh prompt's wait is counted in them (_prompts_wait)
         self._warming = False  # _warm_serving's requests are running (uncounted: _count)
+        self._phases = {p: metrics.SCHEDULER_SECONDS.labels(p) for p in metrics.SCHEDULER_PHASES}
         # The batched decode step queued but not read yet: (its rows, their sampled tokens).
         self._inflight: tuple[list[_Sequence], Sampled] | None = None
         self._thread: threading.Thread | None = None
@@ -906,6 +907,13 @@ class Scheduler:
         )
 
     def _tick(self) -> None:
+        start = time.perf_counter()
+        try:
+            self._tick_work()
+        finally:
+            self._spent("tick", start)
+
+    def _tick_work(self) -> None:
         self._ticks += 1
         for seq in [s for s in self._running if self._cancelled(s)]:
             self._release(seq)
@@ -940,17 +948,22 @@ class Scheduler:
                 previous = None
             self.pool.drop_dead()  # a verification's rows are the batch's rows
             rows = self._batch_rows()
+            start = time.perf_counter()
             if rows and self._speculate(rows):
                 rows = []  # the verification was this tick's batched step
+            self._spent("verify", start)
         if rows:
             try:
+                start = time.perf_counter()
                 sampled = self._decode_batch(rows, previous)
+                start = self._spent("build", start)
                 if isinstance(sampled, Sampled):
                     mx.async_eval(sampled.arrays())
                     self._inflight = (rows, sampled)
                 else:  # constrained rows: sampled below, once their masks are known
                     mx.async_eval(sampled)
                     deferred = (rows, sampled)
+                self._spent("dispatch", start)
             except Exception as e:  # noqa: BLE001 - ends the batched requests only
                 for seq in rows:
                     self._fail(seq, e)
@@ -972,6 +985,7 @@ class Scheduler:
         # (sequences, arrays to evaluate, their sampled tokens or None, their prompt batch)
         built: list[tuple[list[_Sequence], list[mx.array], Sampled | None, BatchCache | None]]
         built = []
+        start = time.perf_counter()
         if together:
             try:
                 built.append((together, *self._prefill_together(together)))
@@ -1007,9 +1021,13 @@ class Scheduler:
                 for seq in seqs:
                     seq.batched, seq.caches = True, []
             if token is not None:
+                self._spent("prefill", start)
                 self._read_tokens(seqs, token)
+                start = time.perf_counter()
             else:
                 self._store(seqs[0])
+        if built:
+            self._spent("prefill", start)
 
     def _batch_rows(self) -> list[_Sequence]:
         """The sequences of the decode batch's rows, in row order."""
@@ -1253,6 +1271,7 @@ class Scheduler:
 
     def _read_tokens(self, seqs: list[_Sequence], sampled: Sampled) -> None:
         """Hand each sequence its sampled token (one host read); skips ones already ended."""
+        start = time.perf_counter()
         try:
             values = sampled.tokens.tolist()
             logprobs = _logprobs(seqs, sampled, values, self._token_piece)
@@ -1261,6 +1280,8 @@ class Scheduler:
                 if seq in self._running:
                     self._fail(seq, e)
             return
+        finally:
+            start = self._spent("read", start)
         for seq, token, logprob in zip(seqs, values, logprobs):
             if seq not in self._running:
                 continue  # finished, cancelled or failed while this step was in flight
@@ -1268,6 +1289,7 @@ class Scheduler:
                 self._accept(seq, token, logprob)
             except Exception as e:  # noqa: BLE001 - ends this request only
                 self._fail(seq, e)
+        self._spent("hand_out", start)
 
     def _token_piece(self, token: int) -> tuple[str, list[int]]:
         """A token's text and bytes alone (logprobs), cached: the same few tokens recur."""
@@ -1275,6 +1297,14 @@ class Scheduler:
         if piece is None:
             piece = self._token_pieces[token] = token_piece(self.tokenizer, token)
         return piece
+
+    def _spent(self, phase: str, since: float) -> float:
+        """Add the time since ``since`` (a ``perf_counter`` reading) to ``phase`` of
+        ``mlxc_scheduler_seconds`` (not while warming up, as ``_count``); return now."""
+        now = time.perf_counter()
+        if not self._warming:
+            self._phases[phase].inc(now - since)
+        return now
 
     def _count(self, counter: Any, n: int = 1) -> None:
         """Add ``n`` to a Prometheus counter (``runtime.serving.metrics``), unless the
