@@ -205,8 +205,9 @@ class LatentAttention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def kv_b_halves(self) -> tuple[mx.array, mx.array]:
-        """kv_b_proj per head, split once: ``w_k [H, nope, kv_lora_rank]`` and the transposed
-        value half ``w_v_t [H, kv_lora_rank, v_head_dim]``, both contiguous.
+        """kv_b_proj per head, split once (``latent.split_kv_b``: ``w_k [H, nope,
+        kv_lora_rank]`` and the transposed value half ``w_v_t [H, kv_lora_rank, v_head_dim]``,
+        each in the layout this device's one-row products read fastest).
 
         Kept outside the parameter tree (``__dict__``) and keyed on the weight array itself, so
         a later ``load_weights`` or quantisation, which installs a new array, is never served
@@ -226,9 +227,13 @@ class LatentAttention(nn.Module):
                 )
             else:
                 weight = proj.weight
-            w_kv = weight.reshape(self.n_heads, -1, self.kv_lora_rank)
-            w_k, w_v = mx.split(w_kv, [self.qk_nope_head_dim], axis=1)
-            halves = (proj.weight, mx.contiguous(w_k), mx.contiguous(w_v.swapaxes(-1, -2)))
+            w_k, w_v_t = latent.split_kv_b(
+                weight,
+                n_heads=self.n_heads,
+                qk_nope_head_dim=self.qk_nope_head_dim,
+                kv_lora_rank=self.kv_lora_rank,
+            )
+            halves = (proj.weight, w_k, w_v_t)
             self.__dict__["_kv_b_halves"] = halves
         return halves[1], halves[2]
 

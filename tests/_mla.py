@@ -71,6 +71,17 @@ def check_chunked_prefill_and_decode(hf, path, seed=1) -> None:
     assert cache.offset == 36
 
 
+def check_decode_in_cuda_layout(hf, path, monkeypatch) -> None:
+    """Decode with kv_b_proj's halves as CUDA keeps them (transposed views of ``[H, out, in]``,
+    ``latent.split_kv_b``) equals transformers too."""
+    from mlxc.runtime.model import latent
+
+    asked = []
+    monkeypatch.setattr(latent, "_transposed_weights", lambda: asked.append(1) or True)
+    check_chunked_prefill_and_decode(hf, path)
+    assert asked  # decode took the split (once per layer)
+
+
 def check_latent_cache(path, kv_lora_rank: int, qk_rope_head_dim: int) -> None:
     """Each layer caches one shared head per token: the latent (``kv_lora_rank``) as its keys
     and the rope key (``qk_rope_head_dim``) as its values: the latent's bytes, not per-head

@@ -19,6 +19,7 @@ import pytest
 import torch
 from _mla import (
     check_chunked_prefill_and_decode,
+    check_decode_in_cuda_layout,
     check_full_forward,
     check_latent_cache,
     reference,
@@ -144,6 +145,10 @@ def test_logits_match_transformers(checkpoint):
 
 def test_chunked_prefill_and_decode_equal_full_forward(checkpoint):
     check_chunked_prefill_and_decode(*checkpoint)
+
+
+def test_decode_in_cuda_layout_equals_transformers(checkpoint, monkeypatch):
+    check_decode_in_cuda_layout(*checkpoint, monkeypatch)
 
 
 def test_latent_cache_holds_the_latent_not_per_head_kv(checkpoint):

@@ -7,7 +7,7 @@ mlx-lm stores kv_b_proj split per head: ``self_attn.embed_q.weight [H, kv_lora_r
 checkpoint. :func:`join_kv_b` rebuilds the model's ``kv_b_proj.weight [H * (nope + v),
 kv_lora_rank]``, dequantised: kv_b_proj stays float (the loader quantises only the layers whose
 ``.scales`` the weights hold), as decode reads it anyway (LatentAttention.kv_b_halves splits
-and dequantises it once).
+and dequantises it once). :func:`split_kv_b` is that split: the two halves decode multiplies by.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 
 import mlx.core as mx
+
+from mlxc.runtime.model import cuda_attention
 
 _SPLIT = re.compile(r"^(.*\.self_attn)\.embed_q\.weight$")
 
@@ -48,3 +50,30 @@ def _dense(weights: dict[str, mx.array], prefix: str, in_dims: int) -> mx.array:
     # As mlx-lm infers them: the packed width and the scales' count give bits and group size.
     bits, group_size = w.shape[-1] * 32 // in_dims, in_dims // scales.shape[-1]
     return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
+
+
+def split_kv_b(
+    weight: mx.array, *, n_heads: int, qk_nope_head_dim: int, kv_lora_rank: int
+) -> tuple[mx.array, mx.array]:
+    """``kv_b_proj.weight [H * (nope + v), kv_lora_rank]`` (float) as decode's two per-head
+    products take it: ``q_nope @ w_k`` with ``w_k [H, nope, kv_lora_rank]`` and ``out @ w_v_t``
+    with ``w_v_t [H, kv_lora_rank, v_head_dim]``, each one row per head.
+
+    On CUDA both are transposed views of contiguous ``[H, out, in]`` arrays: MLX 0.32 runs a
+    product of one row on its matrix-vector kernel only when the weight is such a view
+    (``can_use_gemv``, ``mlx/backend/cuda/gemms/gemv.cu``) and hands any other layout to
+    cuBLAS, slower for one row (mlx-lm's MLA stores its halves that way). Elsewhere both are
+    contiguous as split (the CPU's OpenBLAS takes either layout, and neither was faster across
+    the MLA models' shapes: 0.6-2x either way in float32)."""
+    w_kv = weight.reshape(n_heads, -1, kv_lora_rank)
+    w_k, w_v = mx.split(w_kv, [qk_nope_head_dim], axis=1)  # [H, nope, c], [H, v, c]
+    if _transposed_weights():
+        return mx.contiguous(w_k.swapaxes(-1, -2)).swapaxes(-1, -2), mx.contiguous(w_v).swapaxes(
+            -1, -2
+        )
+    return mx.contiguous(w_k), mx.contiguous(w_v.swapaxes(-1, -2))
+
+
+def _transposed_weights() -> bool:
+    """Whether decode's per-head weights are kept as transposed views (see split_kv_b)."""
+    return cuda_attention.available()
