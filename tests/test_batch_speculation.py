@@ -21,7 +21,7 @@ from mlxc.runtime.model.batch import BatchCache, BatchKVCache, BatchWindowedKVCa
 from mlxc.runtime.model.cache import KVCache, KVQuant, RewindError
 from mlxc.runtime.serving import metrics
 from mlxc.runtime.serving.generate import generate_tokens
-from mlxc.runtime.serving.scheduler import SamplingParams, Scheduler
+from mlxc.runtime.serving.scheduler import SamplingParams, Scheduler, _warm_tails
 from mlxc.runtime.serving.speculative import (
     BatchSpeculation,
     PromptLookup,
@@ -340,3 +340,20 @@ def test_recurrent_batches_take_plain_steps(tokenizer):
     jobs = [(ids, SamplingParams(max_tokens=12, ignore_eos=True)) for ids in prompts]
     got, stats = _serve(model, tokenizer, jobs, speculation=BatchSpeculation(4, 3, 4))
     assert got == wants and stats["speculation"]["steps"] == 0
+
+
+def test_warm_up_runs_a_verification_that_leaves_a_tail(toy_model, monkeypatch):
+    """``scheduler._warm_tails`` (CUDA's warm-up with speculation; run here on the CPU): two
+    throwaway rows verify, keep different counts, and the steps after write over the tail
+    (the scatter MLX compiles at first use) and mask around it."""
+    tails = []
+    real = BatchKVCache.update_and_fetch
+
+    def spy(self, keys, values=None):
+        tails.append(self.tail.copy())
+        return real(self, keys, values)
+
+    monkeypatch.setattr(BatchKVCache, "update_and_fetch", spy)
+    _warm_tails(toy_model, None, 4)
+    # Row 0 kept its input token of 5 columns: the steps after write over a tail of 4.
+    assert [t.tolist() for t in tails].count([4, 0]) >= 2

@@ -489,6 +489,30 @@ def _fresh(seq: _Sequence) -> bool:
     return seq.prompt_batchable and seq.prefilled == 0
 
 
+def _warm_tails(model: nn.Module, kv_quant: KVQuant | None, k: int) -> None:
+    """Run, on two throwaway rows of ``model``, what a verification of ``k`` drafts whose rows
+    keep different counts leaves to the steps after it (``BatchKVCache.rewind_rows``' tails:
+    the scatter of a tailed row's new tokens, per-query masks), so MLX compiles those kernels
+    before serving, not at the first such verification (``Scheduler._warm_serving``'s short
+    prompts find no drafts: its requests never speculate). CUDA's warm-up, with speculation."""
+    rows = []
+    for n in (6, 9):
+        caches = make_caches(model, kv_quant)
+        model(mx.array([list(range(10, 10 + n))], dtype=mx.int32), cache=caches)
+        mx.eval(cache_arrays(caches))
+        rows.append(caches)
+    batch = BatchCache.like(rows[0])
+    batch.extend(rows)
+    if not batch.rewindable:
+        return
+    for width, keep in ((k + 1, [1, k + 1]), (1, None), (k + 1, None)):
+        # A verification (the first row keeps its input token alone: a tail of k columns),
+        # a step writing over the tail, a verification around it.
+        mx.eval(model(mx.full((2, width), 11, mx.int32), cache=batch))
+        if keep is not None:
+            batch.rewind_rows(width - np.array(keep))
+
+
 class Scheduler:
     """Runs many generations on one model from one thread; see the module docstring."""
 
@@ -636,6 +660,11 @@ class Scheduler:
                     )
                     start = time.perf_counter()
                     self._warm_serving()
+                    if self.speculation is not None:
+                        k = self.speculation.num_draft_tokens
+                        _warm_tails(self.model, self.pool.kv_quant, k)
+                        if self._drafter is not None:  # its rows rewind per row too
+                            _warm_tails(self._drafter.model, self._drafter.kv_quant, k)
                     log.info("warm-up done in %.1f s", time.perf_counter() - start)
             except BaseException as e:  # noqa: BLE001 - start() re-raises it
                 errors.append(e)
