@@ -62,10 +62,12 @@ def _case_source(files: dict, kt: str, D: int, R: int, bits: int, group: int, ch
     for n in ca._INPUTS:
         path, offset, shape, strides, ctype = files[n]
         pad = 8 - len(shape)
+        dims = ", ".join(map(str, [*shape, *[1] * pad]))
+        steps = ", ".join(map(str, [*strides, *[0] * pad]))
         lines.append(
             f'auto {n}_buf = load<{ctype}>("{path}"); '
-            f"mlx::core::cu::Shape {n}_shape{{{{{', '.join(map(str, [*shape, *[1] * pad]))}}}}}; "
-            f"mlx::core::cu::Strides {n}_strides{{{{{', '.join(map(str, [*strides, *[0] * pad]))}}}}};"
+            f"mlx::core::cu::Shape {n}_shape{{{{{dims}}}}}; "
+            f"mlx::core::cu::Strides {n}_strides{{{{{steps}}}}};"
         )
         args.append(f"{n}_buf.data() + {offset}, {n}_shape, {n}_strides")
     rows, blocks = grid

@@ -93,7 +93,8 @@ __device__ __forceinline__ long long at4(
 # (online softmax, rescaled once per 32 keys, not per key), and writes the probabilities to
 # shared memory; then the warp walks the 32 values KPL rows per load (each lane 16 bytes of a
 # row: independent loads in flight, not one dependent 4-byte load per row), its lanes adding
-# up their rows' shares once at the end. The warps' sums merge in shared memory. With one chunk the block writes the output, else its partial sums.
+# up their rows' shares once at the end. The warps' sums merge in shared memory. With one
+# chunk the block writes the output, else its partial sums.
 # The queries per row, the mask kind, the sinks and the chunking are run-time values (``flags``:
 # scale, mask kind, sinks, heads, queries): every variant is a JIT compile of a second or more,
 # so only what shapes registers (dtypes, head dim, rows per tile, packing) is a template argument.

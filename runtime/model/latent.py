@@ -68,9 +68,8 @@ def split_kv_b(
     w_kv = weight.reshape(n_heads, -1, kv_lora_rank)
     w_k, w_v = mx.split(w_kv, [qk_nope_head_dim], axis=1)  # [H, nope, c], [H, v, c]
     if _transposed_weights():
-        return mx.contiguous(w_k.swapaxes(-1, -2)).swapaxes(-1, -2), mx.contiguous(w_v).swapaxes(
-            -1, -2
-        )
+        w_k_t = mx.contiguous(w_k.swapaxes(-1, -2))  # [H, c, nope]
+        return w_k_t.swapaxes(-1, -2), mx.contiguous(w_v).swapaxes(-1, -2)
     return mx.contiguous(w_k), mx.contiguous(w_v.swapaxes(-1, -2))
 
 

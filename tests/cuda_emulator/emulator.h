@@ -56,9 +56,16 @@ inline void launch(Dim3 grid, int threads, const std::function<void()>& body) {
       blockIdx = {bx, by, 0};
       std::barrier<> block(threads);
       block_barrier = &block;
-      for (int w = 0; w < (threads + 31) / 32; ++w) warp_barrier[w] = std::make_unique<std::barrier<>>(32);
+      for (int w = 0; w < (threads + 31) / 32; ++w) {
+        warp_barrier[w] = std::make_unique<std::barrier<>>(32);
+      }
       std::vector<std::thread> pool;
-      for (int t = 0; t < threads; ++t) pool.emplace_back([t, &body] { threadIdx = {t, 0, 0}; body(); });
+      for (int t = 0; t < threads; ++t) {
+        pool.emplace_back([t, &body] {
+          threadIdx = {t, 0, 0};
+          body();
+        });
+      }
       for (auto& t : pool) t.join();
     }
   }
