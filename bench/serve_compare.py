@@ -121,7 +121,9 @@ def measure(name: str, command: list[str], port: int, args, log_dir: Path, cwd: 
             warm = argparse.Namespace(**{**vars(load_args), "requests": streams})
             serve_load.run_level(target, None, streams, warm, first_id=streams * 100_000 + 50_000)
             before, cpu_before = counters(url), thread_cpu(proc.pid)
-            level = serve_load.run_level(target, None, streams, load_args)
+            measured = max(8, args.requests_per_stream * streams)
+            level_args = argparse.Namespace(**{**vars(load_args), "requests": measured})
+            level = serve_load.run_level(target, None, streams, level_args)
             after, cpu_after = counters(url), thread_cpu(proc.pid)
             if before is not None and after is not None:  # the level's forwards, phases
                 for key, now in after.items():
@@ -167,7 +169,8 @@ def markdown(report: dict) -> str:
             f"{report['max_tokens']} tokens per request"
             + (f" (+- {report['max_tokens_spread']})" if report.get("max_tokens_spread") else "")
             + f", ~{report['prompt_words']}-word prompts, "
-            "every prompt different. Aggregate = completion tokens / wall time of the level, "
+            f"every prompt different, {report.get('requests_per_stream', 2)} requests per stream "
+            "(at least 8) per level. Aggregate = completion tokens / wall time of the level, "
             "which follows an unmeasured wave of as many requests as streams. "
             "Ceiling = `bench.ceiling`: one batched decode forward per step at the level's batch "
             "size (mlx-lm's model, plain KV caches, async_eval), no HTTP, no scheduler. "
@@ -272,6 +275,13 @@ def main(argv: list[str] | None = None) -> int:
         help="answer lengths spread over max-tokens +- this (bench.serve_load)",
     )
     p.add_argument("--prompt-words", type=int, default=64)
+    p.add_argument(
+        "--requests-per-stream",
+        type=int,
+        default=2,
+        help="requests per level per stream (at least 8 in all): more amortise the level's start "
+        "and end, when its streams fill and drain, for a steadier rate",
+    )
     p.add_argument("--duration", type=float, default=120.0, help="seconds per level, at most")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--startup-timeout", type=float, default=300.0)
@@ -322,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "max_tokens_spread": args.max_tokens_spread,
         "prompt_words": args.prompt_words,
+        "requests_per_stream": args.requests_per_stream,
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
         "mlxc": ours,
         "mlx-lm": peer,
