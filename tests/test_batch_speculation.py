@@ -357,3 +357,26 @@ def test_warm_up_runs_a_verification_that_leaves_a_tail(toy_model, monkeypatch):
     _warm_tails(toy_model, None, 4)
     # Row 0 kept its input token of 5 columns: the steps after write over a tail of 4.
     assert [t.tolist() for t in tails].count([4, 0]) >= 2
+
+
+def test_speculation_warm_up_takes_both_models_and_only_logs_a_failure(
+    toy_model, tokenizer, monkeypatch, caplog
+):
+    """The warm-up runs ``_warm_tails`` for the target and the draft model; if it fails, the
+    server still starts (a warning), since only the requests of such a verification would."""
+    from mlxc.runtime.serving import scheduler as sched
+
+    draft = toy.random_model(seed=1)
+    spec = BatchSpeculation(num_draft_tokens=2, draft_model=draft)
+    s = Scheduler(toy_model, tokenizer, max_concurrency=2, speculation=spec)
+    warmed = []
+    monkeypatch.setattr(sched, "_warm_tails", lambda model, quant, k: warmed.append((model, k)))
+    s._warm_speculation()
+    assert warmed == [(toy_model, 2), (draft, 2)]
+
+    def fails(*_):
+        raise RuntimeError("no scatter here")
+
+    monkeypatch.setattr(sched, "_warm_tails", fails)
+    s._warm_speculation()  # does not raise
+    assert "warming up speculation failed: RuntimeError: no scatter here" in caplog.text

@@ -661,10 +661,7 @@ class Scheduler:
                     start = time.perf_counter()
                     self._warm_serving()
                     if self.speculation is not None:
-                        k = self.speculation.num_draft_tokens
-                        _warm_tails(self.model, self.pool.kv_quant, k)
-                        if self._drafter is not None:  # its rows rewind per row too
-                            _warm_tails(self._drafter.model, self._drafter.kv_quant, k)
+                        self._warm_speculation()
                     log.info("warm-up done in %.1f s", time.perf_counter() - start)
             except BaseException as e:  # noqa: BLE001 - start() re-raises it
                 errors.append(e)
@@ -746,6 +743,20 @@ class Scheduler:
             self._queue, self.prefix, self._warming = queue, prefix, False
             self.spec_stats = SpecStats()
             self.pool.peak_batched = self.pool.peak_bytes = 0
+
+    def _warm_speculation(self) -> None:
+        """``_warm_tails`` for the target and the draft model (its rows rewind per row too). A
+        failure is logged, not raised: real verifications would meet the same and fail only
+        the requests in them."""
+        k = self.speculation.num_draft_tokens
+        models = [(self.model, self.pool.kv_quant)]
+        if self._drafter is not None:
+            models.append((self._drafter.model, self._drafter.kv_quant))
+        try:
+            for model, kv_quant in models:
+                _warm_tails(model, kv_quant, k)
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log.warning("warming up speculation failed: %s: %s", type(e).__name__, e)
 
     def request_stop(self) -> None:
         """Begin shutting down without waiting (signal handlers): the loop ends after its
