@@ -123,10 +123,10 @@ def rows_keep(emitted: list[list[int]]) -> list[list[int]]:
     own (``BatchKVCache.rewind_rows``' tail), which cost every later step until a compaction:
     on a GPU a scatter per layer and a masked attention where rows of equal length had none
     (on the H200 a batch of copy tasks speculated about a quarter slower keeping every row's
-    count, ``docs/performance.md``). A cut row emits only tokens its rule accepted: greedy, each equals its argmax;
-    sampled, whether the row goes on to a position depends on its earlier positions and on
-    the other rows, never on that position's own draw, so each emitted token still follows the
-    target's distribution given the ones before."""
+    count, ``docs/performance.md``). A cut row emits only tokens its rule accepted: greedy,
+    each equals its argmax; sampled, whether the row goes on to a position depends on its
+    earlier positions and on the other rows, never on that position's own draw, so each
+    emitted token still follows the target's distribution given the ones before."""
     fewest = min(len(tokens) for tokens in emitted)
     if sum(len(tokens) - fewest for tokens in emitted) >= len(emitted):
         return emitted
