@@ -49,16 +49,21 @@ def run(scheduler: Scheduler, outs: list[queue.Queue]) -> list[list[int]]:
     """Start ``scheduler``; each queue's tokens once its request finishes; stop it."""
     scheduler.start()
     try:
-        results = []
-        for out in outs:
-            tokens = []
-            while not isinstance(event := out.get(timeout=120), Finished):
-                assert isinstance(event, Delta), event
-                tokens.append(event.token)
-            results.append(tokens)
-        return results
+        return collect(outs)
     finally:
         scheduler.stop()
+
+
+def collect(outs: list[queue.Queue]) -> list[list[int]]:
+    """Each queue's tokens once its request finishes."""
+    results = []
+    for out in outs:
+        tokens = []
+        while not isinstance(event := out.get(timeout=120), Finished):
+            assert isinstance(event, Delta), event
+            tokens.append(event.token)
+        results.append(tokens)
+    return results
 
 
 @pytest.mark.parametrize(
@@ -100,6 +105,86 @@ def test_prompts_prefilled_together_answer_as_alone(tmp_path, monkeypatch, arch,
         assert groups and max(groups) >= 2 and sum(groups) <= len(jobs)
     else:
         assert groups == []
+
+
+@pytest.mark.parametrize(
+    "arch, kv_bits",
+    [("llama", None), ("llama", 8), ("gemma3_text", None), ("deepseek_v3", None)],
+)
+def test_prompts_prefilled_together_fill_the_prefix_cache(tmp_path, monkeypatch, arch, kv_bits):
+    """With a prefix cache, a prompt batch's rows are snapshotted as their prompts prefilled
+    alone are: on a CPU a prompt is its first chunk, then its last token alone, and each row's
+    first chunk (its keys cut from the batch's buffers) goes into the trie. The 1-token prompt
+    has no first chunk and the 33-token one is trimmed inside its prefill (no longer a whole
+    prefix): neither is stored. The blocks equal those of the prompts prefilled one by one, the
+    same prompts again resume from them, and every answer equals ``generate_tokens``'s."""
+    make = ARCHS[arch] if kv_bits is None else functools.partial(ckpt.make_llama, head_dim=32)
+    checkpoint = load_checkpoint(make(tmp_path / arch))
+    model = checkpoint.load_model()
+    quant = None if kv_bits is None else KVQuant(kv_bits, 32)
+    jobs = prompts(model.args.vocab_size)
+    options = {"prefill_chunk_size": 64, "max_kv_size": MAX_KV, "kv_sink": SINK, "kv_quant": quant}
+    alone = [list(generate_tokens(model, ids, max_tokens=6, **options)) for ids in jobs]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    def serve() -> tuple[list[list[list[int]]], dict, list[int]]:
+        """Two waves of ``jobs`` (the second after the first has finished): their answers,
+        the trie's blocks by prompt length after the first, and the prompt batches' sizes."""
+        groups: list[int] = []
+        real = Scheduler._prefill_together
+
+        def recording(self, group):
+            groups.append(len(group))
+            return real(self, group)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(Scheduler, "_prefill_together", recording)
+            scheduler = Scheduler(
+                model,
+                checkpoint.tokenizer,
+                max_concurrency=4,
+                prefix_cache_bytes=1 << 30,
+                **options,
+            )
+            scheduler.start()
+            try:
+                waves, blocks = [], {}
+                for _ in range(2):
+                    outs = [queue.Queue() for _ in jobs]
+                    for ids, out in zip(jobs, outs):
+                        scheduler.submit(ids, params, out.put)
+                    waves.append(collect(outs))
+                    if not blocks:
+                        nodes = scheduler.prefix.root.children.values()
+                        blocks = {node.end + 1: node.blocks for node in nodes}
+                hits = scheduler.prefix.hits
+            finally:
+                scheduler.stop()
+        assert hits == len(blocks)  # the second wave's stored prompts resumed
+        return waves, blocks, groups
+
+    waves, blocks, groups = serve()
+    assert waves == [alone, alone]
+    assert sorted(blocks) == [9, 20]  # the prompts of 9 and 20 tokens, first chunks stored
+    # The 9- and 20-token prompts together (the 1-token one is a single chunk, the 33-token one
+    # past the 64-token budget); the second wave's resumed prompts are past their first chunk.
+    assert groups == [2], groups
+
+    monkeypatch.setattr(Scheduler, "_prefills_together", lambda self, seq: False)
+    waves, one_by_one, groups = serve()
+    assert waves == [alone, alone] and groups == []
+    assert sorted(one_by_one) == [9, 20]
+    for n, layers in blocks.items():
+        for ours, theirs in zip(layers, one_by_one[n], strict=True):
+            for a, b in zip(ours, theirs, strict=True):
+                assert a.shape == b.shape and a.dtype == b.dtype
+                if mx.issubdtype(a.dtype, mx.floating):
+                    # Float32 keys of one forward of 3 rows against one of 1: the same sums in
+                    # other groupings, a few ulps apart.
+                    assert mx.allclose(a, b, rtol=1e-5, atol=1e-5), (n, float(abs(a - b).max()))
+                else:  # packed 8-bit codes: keys a few ulps apart may round one code over
+                    codes = [x.view(mx.uint8).astype(mx.int32) for x in (a, b)]
+                    assert int(abs(codes[0] - codes[1]).max()) <= 1, n
 
 
 @pytest.mark.parametrize("wait_steps", [0, 3])

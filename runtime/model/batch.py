@@ -237,6 +237,16 @@ class BatchKVCache:
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.keys, self.values) if a is not None]
 
+    def row_prefix_block(self, b: int) -> list[mx.array] | None:
+        """What row ``b``'s own cache would give as ``prefix_block(0)``: copies of its tokens
+        (``[1, H, n, D]`` each); None once a trim has dropped any. For prompts prefilled
+        together (``start_rows``), whose rows the prefix cache snapshots as single prompts'."""
+        if self.keys is None or (self.window is None and self.gap[b]):
+            return None
+        # A full-KV row holds [pad | tokens]; a window row [pad | dropped (gap) | tokens].
+        start, end = int(self.pad[b] + self.gap[b]), self.width - int(self.tail[b])
+        return [mx.contiguous(a[b : b + 1, :, start:end, :]) for a in self.arrays()]
+
     def batch_layer(self) -> None:
         return None  # already a batch
 
@@ -531,6 +541,10 @@ class BatchCache(SequenceCache):
         and ``BatchKVCache.start_rows``)."""
         for batch in self:
             batch.start_rows(lengths)
+
+    def row_prefix_blocks(self, b: int) -> list[list[mx.array] | None]:
+        """Row ``b``'s ``prefix_block(0)`` of every layer (``BatchKVCache.row_prefix_block``)."""
+        return [layer.row_prefix_block(b) for layer in self]
 
     def append_batch(self, other: BatchCache) -> None:
         """Add ``other``'s rows after these (``BatchKVCache.append_batch``)."""

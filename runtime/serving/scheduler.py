@@ -893,9 +893,17 @@ class Scheduler:
         if hit.images_done:  # every image token is in the prefix: no vision inputs to run
             seq.first_inputs, seq.images_done = None, True
 
-    def _snapshot(self, seq: _Sequence, start: int, end: int) -> list[mx.array]:
+    def _snapshot(
+        self,
+        seq: _Sequence,
+        start: int,
+        end: int,
+        blocks_of: Callable[[], list[list[mx.array] | None]] | None = None,
+    ) -> list[mx.array]:
         """Copies of what ``seq``'s caches need to resume at ``end``, the chunk ``[start, end)``
-        just built (lazy: evaluated with it, added to the trie by ``_store``)."""
+        just built (lazy: evaluated with it, added to the trie by ``_store``). ``blocks_of``
+        gives each layer's copies; by default each of ``seq.caches``' ``prefix_block(start)``
+        (a prompt prefilled as a row of a batch has its batch's instead)."""
         node = seq.prefix_node
         if node is None:
             return []
@@ -909,7 +917,7 @@ class Scheduler:
         if self.prefix.child(node, key) is not None:  # another request stored it already
             seq.pending_node = (node, key, end, [], phase, state)
             return []
-        blocks = [c.prefix_block(start) for c in seq.caches]
+        blocks = blocks_of() if blocks_of else [c.prefix_block(start) for c in seq.caches]
         if any(b is None for b in blocks):  # a trimmed cache: its prefix is no longer whole
             seq.prefix_node = None
             return []
@@ -1056,6 +1064,8 @@ class Scheduler:
                         self._fail(seq, e)
             built = ok
         for seqs, _, token, batch in built:
+            for seq in seqs:
+                self._store(seq)  # the snapshots of chunks just evaluated, if any
             if batch is not None:  # evaluated: its rows join the decode batch
                 self.pool.join_batch([s.request.id for s in seqs], batch)
                 for seq in seqs:
@@ -1064,8 +1074,6 @@ class Scheduler:
                 self._spent("prefill", start)
                 self._read_tokens(seqs, token)
                 start = time.perf_counter()
-            else:
-                self._store(seqs[0])
         if built:
             self._spent("prefill", start)
 
@@ -1229,14 +1237,13 @@ class Scheduler:
         """Whether ``seq``'s prompt, just admitted, can be a row of a prompt batch: nothing
         prefilled yet (no prefix hit), no vision inputs, its caches kinds that take padding
         (``BatchCache.prefills_together``), and a prompt of one chunk, or of one chunk and its
-        last token alone (the CPU's split, ``prefill_chunks``) when no prefix cache would
-        snapshot that first chunk."""
+        last token alone (the CPU's split, ``prefill_chunks``; the prefix cache snapshots each
+        row's first chunk from the batch, ``_prefill_together``)."""
         chunks = seq.chunks
         return (
             seq.prefilled == 0
             and not seq.first_inputs
             and (len(chunks) == 1 or (len(chunks) == 2 and chunks[1][1] - chunks[1][0] == 1))
-            and (len(chunks) == 1 or self.prefix is None)
             and cache_policy(self.model) != "model-owned"
             and BatchCache.prefills_together(seq.caches)
         )
@@ -1247,7 +1254,8 @@ class Scheduler:
         """Build (lazily) the prefill of ``group``'s prompts as the rows of one new batch,
         left-padded to the longest (``BatchCache.start_rows``), and their first tokens; the
         batch joins the decode batch once evaluated (``_tick``). The chunks are each prompt's
-        own (``prefill_chunks``), so greedy output matches prefilling alone."""
+        own (``prefill_chunks``), so greedy output matches prefilling alone; so do the prefix
+        cache's snapshots of a first chunk before the last token (``_snapshot``)."""
         prompts = [seq.request.prompt_ids for seq in group]
         heads = [prompt[: seq.chunks[0][1]] for prompt, seq in zip(prompts, group)]
         width = max(len(head) for head in heads)
@@ -1257,6 +1265,11 @@ class Scheduler:
         last_token_alone = len(group[0].chunks) == 2
         logits = self.model(ids, cache=batch, last_only=not last_token_alone)
         self.pool.enforce(batch)
+        snapshots = []
+        if last_token_alone and self.prefix is not None:
+            for b, (seq, head) in enumerate(zip(group, heads)):
+                blocks_of = functools.partial(batch.row_prefix_blocks, b)
+                snapshots += self._snapshot(seq, 0, len(head), blocks_of)
         if last_token_alone:
             tails = mx.array([prompt[-1:] for prompt in prompts], dtype=mx.int32)
             logits = self.model(tails, cache=batch, last_only=True)
@@ -1265,7 +1278,7 @@ class Scheduler:
         for seq, prompt in zip(group, prompts):
             seq.prefilled = len(prompt)
         sampled = sample_rows(self._masked(group, logits[:, -1, :]), [s.sampler for s in group])
-        return sampled.arrays(), sampled, batch
+        return sampled.arrays() + snapshots, sampled, batch
 
     def _cancelled(self, seq: _Sequence) -> bool:
         if self.lockstep is not None:
