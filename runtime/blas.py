@@ -268,6 +268,12 @@ def status() -> BlasStatus:
     return _status if _status is not None else preload()
 
 
+def fast_cpu_matmul() -> bool:
+    """Whether MLX's CPU matmuls run on an optimised BLAS: one preloaded here, or macOS's
+    Accelerate (MLX's own build there)."""
+    return sys.platform == "darwin" or status().active
+
+
 def log_status(logger=None, *, force: bool = False) -> BlasStatus:
     """Log once which BLAS MLX's CPU backend uses (info), or how to install one (warning)."""
     import logging

@@ -25,6 +25,7 @@ from test_server import LONG, SHORT, Server, chat, mlxc_generate
 
 from mlxc import verify
 from mlxc.cli import main
+from mlxc.runtime import blas
 from mlxc.runtime.checkpoint.loading import load_checkpoint, load_model
 from mlxc.runtime.checkpoint.tokenizer import encode_prompt
 from mlxc.runtime.model import layers
@@ -34,8 +35,10 @@ from mlxc.runtime.model.batch import (
     BatchQuantizedWindowedKVCache,
 )
 from mlxc.runtime.model.cache import (
+    KV_BITS,
     KVCache,
     KVQuant,
+    QuantizedKV,
     QuantizedKVCache,
     QuantizedWindowedKVCache,
     WindowedKVCache,
@@ -129,6 +132,47 @@ def test_composed_attention_is_the_fused_kernel(rng, mask_kind, sinks, packed):
     floats = (k.dequantize(), v.dequantize()) if packed else (k, v)
     want = mx.fast.scaled_dot_product_attention(q, *floats, scale=0.125, mask=mask, sinks=sink)
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+
+
+GROUPS_AND_DIMS = [(32, 64), (64, 64), (32, 128), (64, 128), (128, 128)]
+# (bits, group, head dim, transpose): scores for every quantisation; values where the planes
+# take them (4 bits, a head one group: ``quantized_product`` leaves the others to MLX).
+PLANE_PRODUCTS = [
+    *((bits, group, dims, True) for bits in KV_BITS for group, dims in GROUPS_AND_DIMS),
+    (4, 64, 64, False),
+    (4, 128, 128, False),
+]
+
+
+@pytest.mark.usefixtures("on_cpu")
+@pytest.mark.parametrize("bits, group, dims, transpose", PLANE_PRODUCTS)
+def test_quantized_product_is_quantized_matmul(rng, monkeypatch, bits, group, dims, transpose):
+    """``layers.quantized_product`` on the CPU (the codes as float planes through BLAS, each
+    token's scales and biases applied to the products) equals MLX's ``quantized_matmul`` on the
+    same packed keys or values: scores of 1 and 12 query rows (a decode step, a verification)
+    against keys, weights over values; the cache's live keys are a slice of its buffer. The
+    planes are taken whatever BLAS this machine has (on the reference one they are not)."""
+    monkeypatch.setattr(blas, "fast_cpu_matmul", lambda: True)
+    planes = []
+    monkeypatch.setattr(
+        QuantizedKV,
+        "code_planes",
+        lambda self, real=QuantizedKV.code_planes: planes.append(1) or real(self),
+    )
+    quant = KVQuant(bits, group)
+    buffer = quant.quantize(mx.array(rng.standard_normal((3, 2, 48, dims)).astype(np.float32)))
+    packed = buffer[..., 5:45, :]  # not contiguous, as the cache hands them to attention
+    for rows in (1, 12):
+        shape = (3, 2, rows, dims) if transpose else (3, 2, rows, 40)
+        a = mx.array(rng.standard_normal(shape).astype(np.float32))
+        want = mx.quantized_matmul(
+            a, *packed.parts, transpose=transpose, group_size=group, bits=bits
+        )
+        got = layers.quantized_product(a, packed, transpose)
+        assert got.shape == want.shape
+        # Float32 sums of 40-128 products in another order: rounding of a few ulps of the sum.
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-4)
+    assert len(planes) == 2  # the planes, not quantized_matmul, gave both results
 
 
 @pytest.mark.parametrize("packed", [True, False])

@@ -10,6 +10,7 @@ import mlx.core as mx
 from mlx import nn
 from mlx.nn.layers.distributed import AllToShardedLinear, QuantizedAllToShardedLinear
 
+from mlxc.runtime import blas
 from mlxc.runtime.model import cuda_attention, masks
 from mlxc.runtime.model.cache import QuantizedKV
 
@@ -244,10 +245,7 @@ def composed_attention(
     n_kv = keys.shape[1]
     rep = n_heads // n_kv
     if isinstance(keys, QuantizedKV):
-        kw = {"group_size": keys.quant.group_size, "bits": keys.quant.bits}
-
-        def product(a: mx.array, b: QuantizedKV, transpose: bool) -> mx.array:
-            return mx.quantized_matmul(a, *b.parts, transpose=transpose, **kw)
+        product = quantized_product
     else:
 
         def product(a: mx.array, b: mx.array, transpose: bool) -> mx.array:
@@ -278,6 +276,42 @@ def composed_attention(
     probs = probs.reshape(B, n_kv, rep * L, -1).astype(queries.dtype)
     out = product(probs, values, False)  # [B, kv, rep * L, Dv]
     return out.reshape(B, n_heads, L, -1)
+
+
+def quantized_product(a: mx.array, b: QuantizedKV, transpose: bool) -> mx.array:
+    """``a @ b^T`` (``transpose``: scores against keys) or ``a @ b`` (weights over values), ``b``
+    read packed: ``mx.quantized_matmul``'s result. On a CPU with an optimised BLAS the codes go
+    through it as float planes (``QuantizedKV.code_planes``) and each token's scales and biases
+    are applied to the products: there MLX 0.32.4's ``quantized_matmul`` takes 2-10x as long
+    for the scores of a decode step or a verification, and 1.8-6x for the values of 4-bit
+    heads of one group (``bench/results/kv4-cpu-product.md``). Values of several groups, or
+    of 8 bits (whose float planes outgrow the caches in a decode batch), keep it, as does
+    MLX's reference BLAS, on which the planes would be the slower."""
+    q = b.quant
+    groups = b.shape[-1] // q.group_size
+    on_blas = mx.default_device() == mx.cpu and blas.fast_cpu_matmul()
+    if not on_blas or (not transpose and (groups > 1 or q.bits != 4)):
+        return mx.quantized_matmul(
+            a, *b.parts, transpose=transpose, group_size=q.group_size, bits=q.bits
+        )
+    planes, scales, biases = b.code_planes(), b.parts[1], b.parts[2]  # [.., T, groups] each
+    p = len(planes)
+    *lead, rows, width = a.shape
+    if not transpose:  # one group: out[r] = sum_t a[r, t] * (scale[t] * codes[t] + bias[t])
+        weighted = a * scales.swapaxes(-1, -2)
+        parts = [weighted @ plane for plane in planes]
+        out = parts[0] if p == 1 else mx.stack(parts, axis=-1).reshape(*lead, rows, -1)
+        return out + a @ biases
+    # score[r, t] = sum over groups g: scale[t, g] * (a[r, g] . codes[t, g]) + bias[t, g] *
+    # sum(a[r, g]); with several groups each row is spread over rows of one group each.
+    spread = a
+    if groups > 1:
+        in_group = mx.arange(width)[None, :] // q.group_size == mx.arange(groups)[:, None]
+        spread = (mx.expand_dims(a, -2) * in_group.astype(a.dtype)).reshape(*lead, -1, width)
+    dots = sum(spread[..., j::p] @ plane.swapaxes(-1, -2) for j, plane in enumerate(planes))
+    dots = dots.reshape(*lead, rows, groups, -1) * mx.expand_dims(scales.swapaxes(-1, -2), -3)
+    sums = a.reshape(*lead, rows, groups, q.group_size).sum(-1)  # [.., rows, groups]
+    return dots.sum(-2) + sums @ biases.swapaxes(-1, -2)
 
 
 def softcap(x: mx.array, cap: float | None) -> mx.array:
