@@ -102,7 +102,8 @@ def _assert_close(actual, expected, what):
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape", [(1, 13), (2, 9)], ids=["b1_l13", "b2_l9"])
+# 150 tokens: on the CPU, attention over three blocks of queries (layers.CAUSAL_BLOCK).
+@pytest.mark.parametrize("shape", [(1, 13), (2, 9), (1, 150)], ids=["b1_l13", "b2_l9", "b1_l150"])
 def test_full_forward_matches_reference(ckpt, rng, shape):
     import mlx.core as mx
 
