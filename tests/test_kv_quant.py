@@ -157,7 +157,7 @@ def test_quantized_product_is_quantized_matmul(rng, monkeypatch, bits, group, di
     monkeypatch.setattr(
         QuantizedKV,
         "code_planes",
-        lambda self, real=QuantizedKV.code_planes: planes.append(1) or real(self),
+        lambda self, dtype, real=QuantizedKV.code_planes: planes.append(1) or real(self, dtype),
     )
     quant = KVQuant(bits, group)
     buffer = quant.quantize(mx.array(rng.standard_normal((3, 2, 48, dims)).astype(np.float32)))
@@ -173,6 +173,27 @@ def test_quantized_product_is_quantized_matmul(rng, monkeypatch, bits, group, di
         # Float32 sums of 40-128 products in another order: rounding of a few ulps of the sum.
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-4)
     assert len(planes) == 2  # the planes, not quantized_matmul, gave both results
+
+
+@pytest.mark.usefixtures("on_cpu")
+@pytest.mark.parametrize("transpose", [True, False])
+def test_quantized_product_keeps_a_half_dtype(rng, monkeypatch, transpose):
+    """bf16 queries or weights against bf16-quantised keys or values: a bf16 result, as MLX's
+    ``quantized_matmul`` gives (the planes are made in the query's dtype, in which every code
+    is exact), within bf16's rounding of it."""
+    monkeypatch.setattr(blas, "fast_cpu_matmul", lambda: True)
+    quant = KVQuant(4, 64)
+    keys = rng.standard_normal((1, 2, 40, 64)).astype(np.float32)
+    packed = quant.quantize(mx.array(keys).astype(mx.bfloat16))
+    shape = (1, 2, 4, 64) if transpose else (1, 2, 4, 40)
+    a = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)
+    want = mx.quantized_matmul(a, *packed.parts, transpose=transpose, group_size=64, bits=4)
+    got = layers.quantized_product(a, packed, transpose)
+    assert got.dtype == want.dtype == mx.bfloat16
+    # bf16 keeps 8 bits of mantissa: sums of 40-64 products, each rounded, agree to ~2%.
+    scale = float(mx.abs(want.astype(mx.float32)).max())
+    diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32))
+    assert float(diff.max()) <= 0.02 * scale
 
 
 @pytest.mark.parametrize("packed", [True, False])

@@ -401,15 +401,15 @@ class QuantizedKV:
         q = self.quant
         return mx.dequantize(*self.parts, group_size=q.group_size, bits=q.bits)
 
-    def code_planes(self) -> list[mx.array]:
-        """The codes (``0 .. 2**bits - 1``, before scale and bias) as float32 arrays
-        ``[B, H, T, D / p]``: plane ``j`` of the ``p`` holds head dims ``j, j + p, ...``.
-        ``mx.quantize`` packs codes low bits first into little-endian words, so each byte is a
-        code (8 bits: ``p = 1``) or two, its low nibble the even dim (4 bits: ``p = 2``)."""
+    def code_planes(self, dtype: mx.Dtype) -> list[mx.array]:
+        """The codes (``0 .. 2**bits - 1``, before scale and bias; exact in any float dtype) as
+        ``dtype`` arrays ``[B, H, T, D / p]``: plane ``j`` of the ``p`` holds head dims ``j, j +
+        p, ...``. ``mx.quantize`` packs codes low bits first into little-endian words, so each
+        byte is a code (8 bits: ``p = 1``) or two, its low nibble the even dim (4 bits)."""
         data = self.parts[0].view(mx.uint8)
         if self.quant.bits == 8:
-            return [data.astype(mx.float32)]
-        return [(data & 15).astype(mx.float32), (data >> 4).astype(mx.float32)]
+            return [data.astype(dtype)]
+        return [(data & 15).astype(dtype), (data >> 4).astype(dtype)]
 
 
 def dense(kv: mx.array | QuantizedKV | None) -> mx.array | None:

@@ -328,7 +328,7 @@ def quantized_product(a: mx.array, b: QuantizedKV, transpose: bool) -> mx.array:
         return mx.quantized_matmul(
             a, *b.parts, transpose=transpose, group_size=q.group_size, bits=q.bits
         )
-    planes, scales, biases = b.code_planes(), b.parts[1], b.parts[2]  # [.., T, groups] each
+    planes, scales, biases = b.code_planes(a.dtype), b.parts[1], b.parts[2]  # [.., T, groups] each
     p = len(planes)
     *lead, rows, width = a.shape
     if not transpose:  # one group: out[r] = sum_t a[r, t] * (scale[t] * codes[t] + bias[t])
