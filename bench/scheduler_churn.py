@@ -64,8 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     warm.wait()
     before = metrics.forward_counts()
     start = time.perf_counter()
+    ids = min(30000, model.args.vocab_size - 10)  # prompt ids 10 .. 10 + ids - 1
     for i in range(args.requests):
-        prompt = [(i * 7 + j * 3) % 30000 + 10 for j in range(20 + (i * 13) % 40)]
+        prompt = [(i * 7 + j * 3) % ids + 10 for j in range(20 + (i * 13) % 40)]
         params = SamplingParams(max_tokens=16 + (i * 37) % 97, ignore_eos=True)
         scheduler.submit(prompt, params, emit)
     done.wait()

@@ -19,6 +19,7 @@ from mlxc.runtime.checkpoint.tokenizer import StreamingDetokenizer, load_tokeniz
 from mlxc.runtime.model.batch import BatchCache, BatchKVCache
 from mlxc.runtime.model.cache import KVCache, cache_policy
 from mlxc.runtime.serving import metrics
+from mlxc.runtime.serving.admission import AdmissionQueue, Request
 from mlxc.runtime.serving.generate import generate_tokens, prefill_chunks
 from mlxc.runtime.serving.sample import make_sampler
 from mlxc.runtime.serving.scheduler import (
@@ -30,6 +31,7 @@ from mlxc.runtime.serving.scheduler import (
     Scheduler,
     StopMatcher,
 )
+from mlxc.runtime.serving.speculative import BatchSpeculation
 
 POISON = 7  # a prompt holding this id makes FaultyModel raise inside its forward
 
@@ -419,6 +421,31 @@ def test_queue_full_and_cancelled_waiters_give_their_place_back(make_scheduler):
     assert stats["requests"]["rejected"] == 1 and stats["requests"]["cancelled"] == 1
 
 
+def test_a_tick_asks_the_waiting_requests_only_after_a_cancel(monkeypatch):
+    """Admission looks for cancelled waiting requests only when one was cancelled since it
+    last looked: a long queue (an overloaded server) costs a tick nothing per waiting request."""
+    asked = []
+    real = Request.cancelled
+    monkeypatch.setattr(
+        Request, "cancelled", property(lambda r: asked.append(r.id) or real.fget(r))
+    )
+    q = AdmissionQueue(max_concurrency=1, max_queue=100)
+    waiting = [
+        q.submit(prompt(5), SamplingParams(max_tokens=1), Collector(), None, lambda: False)
+        for _ in range(50)
+    ]
+    assert [r.id for r in q.admit(busy=True)] == [waiting[0].id]
+    for _ in range(3):
+        assert q.admit(busy=True) == []  # no free slot
+    assert asked == []
+    waiting[7].cancel()
+    q.admit(busy=True)
+    assert len(asked) == 49  # each waiting request once, the cancelled one dropped
+    q.admit(busy=True)
+    assert len(asked) == 49
+    assert q.read_stats()[1] == 48 and q.read_stats()[3]["cancelled"] == 1
+
+
 def test_max_queue_zero_still_admits_into_free_slots(make_scheduler):
     s = make_scheduler(max_concurrency=2, max_queue=0)
     outs = [Collector(), Collector()]
@@ -427,10 +454,24 @@ def test_max_queue_zero_still_admits_into_free_slots(make_scheduler):
     assert all(len(out.result()[0]) == 2 for out in outs)
 
 
-def test_submit_validates(make_scheduler):
+def test_submit_validates(make_scheduler, model):
     s = make_scheduler(start=False)
     with pytest.raises(ValueError, match="empty"):
         s.submit([], SamplingParams(max_tokens=1), Collector())
+    # An id past the embedding would be read out of bounds by MLX's gather (a crash), not
+    # refused: the scheduler refuses it, as generate_tokens does.
+    vocab = model.args.vocab_size
+    for bad in (vocab, -1):
+        with pytest.raises(ValueError, match=f"token id {bad} is out of range"):
+            s.submit([5, bad, 6], SamplingParams(max_tokens=1), Collector())
+        with pytest.raises(ValueError, match=f"token id {bad} is out of range"):
+            next(generate_tokens(model, [5, bad, 6], max_tokens=1))
+    s.submit([vocab - 1], SamplingParams(max_tokens=1), Collector())
+    # With a draft model of a smaller embedding, its rows bound the ids too.
+    draft = toy.random_model({**toy.CONFIG, "vocab_size": vocab - 10}, seed=1)
+    spec = make_scheduler(start=False, speculation=BatchSpeculation(4, 3, 4, draft_model=draft))
+    with pytest.raises(ValueError, match=f"token id {vocab - 5} is out of range"):
+        spec.submit([5, vocab - 5], SamplingParams(max_tokens=1), Collector())
     with pytest.raises(ValueError, match="max_tokens"):
         s.submit([1], SamplingParams(max_tokens=0), Collector())
     with pytest.raises(ValueError, match="kv_sink"):

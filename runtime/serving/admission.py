@@ -157,6 +157,9 @@ class AdmissionQueue:
         self._waiting: deque[Request] = deque()  # guarded by _cond
         self._stopping = False  # guarded by _cond
         self._slots_taken = 0  # guarded by _cond: admitted requests not yet released
+        # guarded by _cond: a request was cancelled since the waiting ones were last looked at
+        # (so a tick does not ask every waiting request, O(waiting) under a long queue)
+        self._any_cancelled = False
         self._ids = itertools.count(1)
         self._counts = dict.fromkeys(("completed", "failed", "cancelled", "rejected"), 0)
         self._snapshot = {"pool_sequences": 0, "pool_batched": 0, "pool_bytes": 0}
@@ -189,7 +192,12 @@ class AdmissionQueue:
                     f"{self.max_queue}); retry later"
                 )
             request = Request(
-                f"req-{next(self._ids)}", list(prompt_ids), params, emit, self.wake, model_inputs
+                f"req-{next(self._ids)}",
+                list(prompt_ids),
+                params,
+                emit,
+                self._cancelled_one,
+                model_inputs,
             )
             self._waiting.append(request)
             self._cond.notify_all()
@@ -205,6 +213,12 @@ class AdmissionQueue:
         with self._cond:
             self._cond.notify_all()
 
+    def _cancelled_one(self) -> None:
+        """``Request.cancel``'s wake-up: the next purge looks at the waiting requests."""
+        with self._cond:
+            self._any_cancelled = True
+            self._cond.notify_all()
+
     def read_stats(self) -> tuple[dict[str, int], int, int, dict[str, int]]:
         """(the last published snapshot, requests waiting and not cancelled, requests admitted
         and not released, the counters). The last three are exact at this instant: a request
@@ -216,10 +230,12 @@ class AdmissionQueue:
 
     def _purge_cancelled(self) -> None:
         # Caller holds _cond. A cancelled waiting request gives its queue place back at once.
-        if any(r.cancelled for r in self._waiting):
-            kept = [r for r in self._waiting if not r.cancelled]
-            self._counts["cancelled"] += len(self._waiting) - len(kept)
-            self._waiting = deque(kept)
+        if not self._any_cancelled:
+            return
+        self._any_cancelled = False
+        kept = [r for r in self._waiting if not r.cancelled]
+        self._counts["cancelled"] += len(self._waiting) - len(kept)
+        self._waiting = deque(kept)
 
     # --- scheduler thread -----------------------------------------------------------------------
 

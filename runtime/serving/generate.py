@@ -71,6 +71,26 @@ def completion_budget(
 DEFAULT_KV_SINK = 4
 
 
+def vocab_size(model: nn.Module) -> int | None:
+    """The rows of ``model``'s token embedding (its config's ``vocab_size``); None when the
+    model does not say."""
+    return getattr(getattr(model, "args", None), "vocab_size", None)
+
+
+def check_prompt(prompt_ids: Sequence[int], *models: nn.Module) -> None:
+    """Refuse an empty prompt, or a token id outside every model's embedding: MLX's gather
+    does not check bounds, so such an id would read outside the table (a crash of the whole
+    process, or garbage). The server checks ids against the checkpoint's vocabulary already;
+    this holds for every caller (the scheduler, ``generate_tokens``, a draft model)."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: generation needs at least one token")
+    sizes = [n for n in map(vocab_size, models) if n is not None]
+    low, high = min(prompt_ids), max(prompt_ids)
+    if low < 0 or (sizes and high >= min(sizes)):
+        bad = low if low < 0 else high
+        raise ValueError(f"token id {bad} is out of range (vocab size {min(sizes, default='?')})")
+
+
 def as_model_inputs(inputs: Mapping[str, Any] | None) -> dict[str, Any]:
     """Model keyword inputs with numpy arrays made MLX arrays, other values as they are.
 
@@ -184,8 +204,7 @@ def generate_tokens(
     makes them, or MLX arrays); passed with the first prefill chunk only, later chunks use the
     features the model keeps on the cache.
     """
-    if not prompt_ids:
-        raise ValueError("the prompt is empty: generation needs at least one token")
+    check_prompt(prompt_ids, model)
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
     if prefill_chunk_size < 1:

@@ -100,6 +100,7 @@ from mlxc.runtime.serving.admission import (
 from mlxc.runtime.serving.generate import (
     DEFAULT_KV_SINK,
     as_model_inputs,
+    check_prompt,
     prefill_chunks,
     prefill_spans,
 )
@@ -785,9 +786,13 @@ class Scheduler:
         ``model_inputs`` go to the forward of the first prefill chunk (vision inputs; numpy
         arrays are converted on the scheduler thread).
 
-        Raises QueueFull when ``max_queue`` requests already wait, SchedulerStopped after
-        ``stop``. ``emit`` must not block; an exception from it cancels the request.
+        Raises ValueError for an empty prompt or a token id outside the model's (and the draft
+        model's) vocabulary (``check_prompt``), QueueFull when ``max_queue`` requests already
+        wait, SchedulerStopped after ``stop``. ``emit`` must not block; an exception from it
+        cancels the request.
         """
+        models = [self.model] + ([self.speculation.draft_model] if self._drafter else [])
+        check_prompt(prompt_ids, *models)
         return self._queue.submit(prompt_ids, params, emit, model_inputs, self._ended)
 
     def stats(self) -> dict[str, Any]:

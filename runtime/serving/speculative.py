@@ -48,7 +48,7 @@ from mlxc.runtime.model.cache import (
     rewind_caches,
 )
 from mlxc.runtime.model.cache import trimmable as caches_to_trim
-from mlxc.runtime.serving.generate import DEFAULT_KV_SINK, prefill_prompt
+from mlxc.runtime.serving.generate import DEFAULT_KV_SINK, check_prompt, prefill_prompt
 
 
 class SpeculationError(ValueError):
@@ -467,8 +467,7 @@ def speculative_tokens(
     Raises ``RewindError`` (a ``ValueError``) at the call, before any forward, for a model
     whose caches cannot rewind.
     """
-    if not prompt_ids:
-        raise ValueError("the prompt is empty: generation needs at least one token")
+    check_prompt(prompt_ids, model, *([drafter.model] if isinstance(drafter, DraftModel) else []))
     if num_draft_tokens < 1:
         raise SpeculationError(f"--num-draft-tokens must be >= 1, got {num_draft_tokens}")
     check_kv_limits(max_kv_size, kv_sink)
