@@ -135,8 +135,16 @@ def test_prompts_prefilled_together_fill_the_prefix_cache(tmp_path, monkeypatch,
     params = SamplingParams(max_tokens=6, ignore_eos=True)
 
     def serve() -> tuple[list[list[list[int]]], dict, list[int]]:
-        """Two waves of ``jobs`` (the second after the first has finished): their answers,
+        """Two waves of ``jobs`` (the first submitted before the scheduler starts, so its
+        first tick admits them all; the second after the first has finished): their answers,
         the trie's blocks by prompt length after the first, and the prompt batches' sizes."""
+
+        def submit() -> list[queue.Queue]:
+            outs = [queue.Queue() for _ in jobs]
+            for ids, out in zip(jobs, outs):
+                scheduler.submit(ids, params, out.put)
+            return outs
+
         with monkeypatch.context() as patch:
             groups = recording_groups(patch)
             scheduler = Scheduler(
@@ -146,17 +154,13 @@ def test_prompts_prefilled_together_fill_the_prefix_cache(tmp_path, monkeypatch,
                 prefix_cache_bytes=1 << 30,
                 **options,
             )
+            first = submit()
             scheduler.start()
             try:
-                waves, blocks = [], {}
-                for _ in range(2):
-                    outs = [queue.Queue() for _ in jobs]
-                    for ids, out in zip(jobs, outs):
-                        scheduler.submit(ids, params, out.put)
-                    waves.append(collect(outs))
-                    if not blocks:
-                        nodes = scheduler.prefix.root.children.values()
-                        blocks = {node.end + 1: node.blocks for node in nodes}
+                waves = [collect(first)]
+                nodes = scheduler.prefix.root.children.values()
+                blocks = {node.end + 1: node.blocks for node in nodes}
+                waves.append(collect(submit()))
                 hits = scheduler.prefix.hits
             finally:
                 scheduler.stop()
