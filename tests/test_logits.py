@@ -117,6 +117,29 @@ def test_full_forward_matches_reference(ckpt, rng, shape):
     _assert_close(_np(out), expected, f"full forward {shape}")
 
 
+def test_full_forward_with_the_cpu_silu_matches_reference(ckpt, rng, monkeypatch):
+    """On the CPU with every SwiGLU gate through ``layers.silu_by_polynomial`` (a prefill's
+    large gates take it; here its threshold is 0), the forward still matches the reference."""
+    import mlx.core as mx
+
+    from mlxc.runtime.model import layers
+
+    monkeypatch.setattr(layers, "CPU_SILU_ELEMENTS", 0)
+    taken = []
+    real = layers.silu_by_polynomial
+    monkeypatch.setattr(layers, "silu_by_polynomial", lambda x: taken.append(1) or real(x))
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        ids = _ids(rng, 2, 9)
+        model = _mlxc().load_model(ckpt)
+        out = _np(model(mx.array(ids), cache=model.make_cache()))
+    finally:
+        mx.set_default_device(device)
+    assert taken  # every case here has SwiGLU MLPs
+    _assert_close(out, ck.reference_logits(ckpt, ids), "full forward, CPU silu")
+
+
 def test_chunked_prefill_and_decode_match_full_forward(ckpt, rng):
     """Chunks 5, 5, 3 into one cache, then 3 single-token decode steps (16 tokens, batch 2),
     against one full forward of the same model and against the reference."""

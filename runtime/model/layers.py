@@ -32,8 +32,44 @@ ACTIVATIONS = {
 @functools.lru_cache
 def glu(act):
     """``act(gate) * up`` as one compiled kernel: a decode step runs it once per gated MLP,
-    and separate kernels for the activation and the product cost a launch each."""
-    return mx.compile(lambda gate, up: act(gate) * up, shapeless=True)
+    and separate kernels for the activation and the product cost a launch each. On the CPU a
+    prefill's float32 silu gate goes through ``silu_by_polynomial`` instead."""
+    compiled = mx.compile(lambda gate, up: act(gate) * up, shapeless=True)
+    if act is not nn.silu:
+        return compiled
+
+    def silu_glu(gate: mx.array, up: mx.array) -> mx.array:
+        big = gate.size >= CPU_SILU_ELEMENTS and gate.dtype == mx.float32
+        if big and mx.default_device() == mx.cpu:
+            return silu_by_polynomial(gate) * up
+        return compiled(gate, up)
+
+    return silu_glu
+
+
+# MLX 0.32.4's CPU ``exp`` (so ``sigmoid`` and ``silu``, compiled or not) costs ~16 ns an
+# element: a 1,024-token prefill's SwiGLU activation took longer than its down projection's
+# matmul (67 against 45 ms a layer of the small llama). Made of MLX's fast element-wise ops
+# (~1 ms each on 4M elements) it takes 0.6x the time and is as exact (max relative error
+# 1.7e-7 against float64). From this many elements on: a decode step's few thousand stay in
+# the compiled kernel, where the ~25 ops' fixed costs would outweigh it.
+CPU_SILU_ELEMENTS = 1 << 16
+
+
+def silu_by_polynomial(x: mx.array) -> mx.array:
+    """``x * sigmoid(x) = x / (1 + exp(-x))`` with ``exp(t) = 2**n * p(r)``: Cody and Waite's
+    reduction (``n`` the integer nearest ``t / ln 2``, ``ln 2`` in two parts so ``r`` keeps its
+    bits, ``|r| <= ln 2 / 2``), the Cephes ``expf`` polynomial for ``p``, and ``2**n`` made from
+    its float32 exponent bits. ``t`` is clipped to float32's exponent range; past it (``x <
+    -88``: ``|x| * exp(x)`` under 1e-36) the result is 0."""
+    t = mx.clip(-x, -87.0, 88.0)
+    n = mx.floor(t * 1.4426950408889634 + 0.5)
+    r = t - n * 0.693359375 + n * 2.12194440e-4
+    p = 1.9875691500e-4
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 0.5):
+        p = p * r + c
+    two_n = ((n.astype(mx.int32) + 127) << 23).view(mx.float32)
+    return mx.where(x < -88.0, 0.0, x / (1.0 + (p * r * r + r + 1.0) * two_n))
 
 
 # --- projections fused at load ---------------------------------------------------------------
