@@ -25,3 +25,15 @@ def seed() -> int:
 def rng(seed) -> np.random.Generator:
     """A fresh, deterministic numpy Generator per test (independent of test order)."""
     return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def on_cpu():
+    """MLX's default device is the CPU for the test (paths the CPU takes, or float32 without a
+    GPU's TF32 rounding), and what it was again after."""
+    import mlx.core as mx
+
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(device)

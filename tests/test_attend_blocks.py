@@ -13,14 +13,6 @@ import pytest
 from mlxc.runtime.model import layers
 
 
-@pytest.fixture
-def on_cpu():
-    device = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(device)
-
-
 @pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("n_queries, n_keys", [(65, 65), (150, 150), (150, 211), (128, 300)])
 @pytest.mark.parametrize("value_dim, sinks", [(32, False), (24, False), (32, True)])

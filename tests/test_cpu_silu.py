@@ -14,14 +14,6 @@ from mlx import nn
 from mlxc.runtime.model import layers
 
 
-@pytest.fixture
-def on_cpu():
-    device = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(device)
-
-
 @pytest.mark.usefixtures("on_cpu")
 def test_silu_by_polynomial_is_as_exact_as_float32():
     values = np.linspace(-120, 120, 1_000_001)

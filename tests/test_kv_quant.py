@@ -93,16 +93,10 @@ def _qkv(rng, L: int, T: int, quant: KVQuant):
     return q, quant.quantize(k), quant.quantize(v)
 
 
-@pytest.fixture
-def on_cpu():
-    """The ops' equivalence at float32's precision is checked on the CPU: on CUDA, float32
-    matmuls may round through TF32, and packed keys are never read packed there (MLX's CUDA
-    ``quantized_matmul`` gave wrong scores; ``layers.packed_attention``): on the H200 these
-    cases missed 1e-5 (``bench/results/cuda-attention-tests-gpu-h200-s11.log``)."""
-    device = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(device)
+# The ops' equivalence at float32's precision is checked on the CPU (``on_cpu``): on CUDA,
+# float32 matmuls may round through TF32, and packed keys are never read packed there (MLX's
+# CUDA ``quantized_matmul`` gave wrong scores; ``layers.packed_attention``): on the H200 these
+# cases missed 1e-5 (``bench/results/cuda-attention-tests-gpu-h200-s11.log``).
 
 
 @pytest.mark.usefixtures("on_cpu")

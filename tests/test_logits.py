@@ -117,6 +117,7 @@ def test_full_forward_matches_reference(ckpt, rng, shape):
     _assert_close(_np(out), expected, f"full forward {shape}")
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_full_forward_with_the_cpu_silu_matches_reference(ckpt, rng, monkeypatch):
     """On the CPU with every SwiGLU gate through ``layers.silu_by_polynomial`` (a prefill's
     large gates take it; here its threshold is 0), the forward still matches the reference."""
@@ -128,14 +129,9 @@ def test_full_forward_with_the_cpu_silu_matches_reference(ckpt, rng, monkeypatch
     taken = []
     real = layers.silu_by_polynomial
     monkeypatch.setattr(layers, "silu_by_polynomial", lambda x: taken.append(1) or real(x))
-    device = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    try:
-        ids = _ids(rng, 2, 9)
-        model = _mlxc().load_model(ckpt)
-        out = _np(model(mx.array(ids), cache=model.make_cache()))
-    finally:
-        mx.set_default_device(device)
+    ids = _ids(rng, 2, 9)
+    model = _mlxc().load_model(ckpt)
+    out = _np(model(mx.array(ids), cache=model.make_cache()))
     assert taken  # every case here has SwiGLU MLPs
     _assert_close(out, ck.reference_logits(ckpt, ids), "full forward, CPU silu")
 
