@@ -1,8 +1,8 @@
-"""On the CPU a prefill's SwiGLU activation is computed from MLX's element-wise ops
+"""On the CPU a short prefill's SwiGLU activation is computed from MLX's element-wise ops
 (``layers.silu_by_polynomial``: MLX's CPU ``exp`` costs ~16 ns an element) instead of the
-compiled ``silu(gate) * up``: as exact as the float32 function, against float64, over float32's
-whole range, and taken only for large float32 gates on the CPU. A model whose every gate takes
-it is checked against transformers in ``test_logits``."""
+compiled ``silu(gate) * up``: as exact as the float32 function, against float64, over
+float32's whole range, and taken only for float32 gates of its sizes on the CPU. A model whose
+every gate takes it is checked against transformers in ``test_logits``."""
 
 from __future__ import annotations
 
@@ -31,16 +31,20 @@ def test_silu_by_polynomial_is_as_exact_as_float32():
 
 
 @pytest.mark.usefixtures("on_cpu")
-def test_glu_takes_the_polynomial_for_a_large_cpu_gate_only(rng, monkeypatch):
+def test_glu_takes_the_polynomial_for_a_short_prefill_gate_on_the_cpu_only(rng, monkeypatch):
+    """Gates of ``CPU_SILU_ELEMENTS`` float32 elements take the polynomial; a decode step's
+    (fewer), a long chunk's (more) and a bf16 gate take the compiled kernel; the same values."""
     calls = []
     real = layers.silu_by_polynomial
     monkeypatch.setattr(layers, "silu_by_polynomial", lambda x: calls.append(x.size) or real(x))
     glu = layers.glu(nn.silu)
-    n = layers.CPU_SILU_ELEMENTS
+    low, high = layers.CPU_SILU_ELEMENTS
     for rows, dtype, taken in [
         (1, mx.float32, False),
-        (n, mx.float32, True),
-        (n, mx.bfloat16, False),
+        (low // 4, mx.float32, True),
+        (high // 4, mx.float32, True),
+        (high // 4 + 1, mx.float32, False),
+        (low // 4, mx.bfloat16, False),
     ]:
         gate, up = (
             mx.array(rng.standard_normal((rows, 4)).astype(np.float32)).astype(dtype)

@@ -33,14 +33,14 @@ ACTIVATIONS = {
 def glu(act):
     """``act(gate) * up`` as one compiled kernel: a decode step runs it once per gated MLP,
     and separate kernels for the activation and the product cost a launch each. On the CPU a
-    prefill's float32 silu gate goes through ``silu_by_polynomial`` instead."""
+    short prefill's float32 silu gate goes through ``silu_by_polynomial`` instead."""
     compiled = mx.compile(lambda gate, up: act(gate) * up, shapeless=True)
     if act is not nn.silu:
         return compiled
 
     def silu_glu(gate: mx.array, up: mx.array) -> mx.array:
-        big = gate.size >= CPU_SILU_ELEMENTS and gate.dtype == mx.float32
-        if big and mx.default_device() == mx.cpu:
+        sized = CPU_SILU_ELEMENTS[0] <= gate.size <= CPU_SILU_ELEMENTS[1]
+        if sized and gate.dtype == mx.float32 and mx.default_device() == mx.cpu:
             return silu_by_polynomial(gate) * up
         return compiled(gate, up)
 
@@ -49,11 +49,13 @@ def glu(act):
 
 # MLX 0.32.4's CPU ``exp`` (so ``sigmoid`` and ``silu``, compiled or not) costs ~16 ns an
 # element: a 1,024-token prefill's SwiGLU activation took longer than its down projection's
-# matmul (67 against 45 ms a layer of the small llama). Made of MLX's fast element-wise ops
-# (~1 ms each on 4M elements) it takes 0.6x the time and is as exact (max relative error
-# 1.7e-7 against float64). From this many elements on: a decode step's few thousand stay in
-# the compiled kernel, where the ~25 ops' fixed costs would outweigh it.
-CPU_SILU_ELEMENTS = 1 << 16
+# matmul (67 against 45 ms a layer of the small llama). Made of MLX's fast element-wise ops it
+# takes 0.55-0.65x the time alone and is as exact (max relative error 1.7e-7 against
+# float64). Within a model it pays only while its ~25 temporaries stay small: a 256-token
+# prefill of the small llama (1M-element gates) ran 1.14x faster, a 1,024-token one (4M) 0.94x
+# (``docs/performance.md``). So gates of this many elements take it: a decode step's few
+# thousand stay in the compiled kernel (the ops' fixed costs), and so do larger ones.
+CPU_SILU_ELEMENTS = (1 << 16, 1 << 20)
 
 
 def silu_by_polynomial(x: mx.array) -> mx.array:
