@@ -119,7 +119,8 @@ SCHEDULER_PHASES = ("build", "dispatch", "read", "hand_out", "prefill", "verify"
 
 
 def scheduler_seconds() -> dict[str, float]:
-    """``mlxc_scheduler_seconds_total`` so far, by phase (benchmarks read differences of it)."""
+    """``mlxc_scheduler_seconds_total`` so far, by phase (tests read differences of it; a
+    served benchmark reads ``/metrics``)."""
     value = REGISTRY.get_sample_value
     return {
         phase: value("mlxc_scheduler_seconds_total", {"phase": phase}) or 0.0

@@ -1271,11 +1271,11 @@ class Scheduler:
         logits = self.model(ids, cache=batch, last_only=not last_token_alone)
         self.pool.enforce(batch)
         snapshots = []
-        if last_token_alone and self.prefix is not None:
-            for b, (seq, head) in enumerate(zip(group, heads)):
-                blocks_of = functools.partial(batch.row_prefix_blocks, b)
-                snapshots += self._snapshot(seq, 0, len(head), blocks_of)
         if last_token_alone:
+            if self.prefix is not None:  # each row's first chunk, as its prompt alone stores it
+                for b, (seq, head) in enumerate(zip(group, heads)):
+                    blocks_of = functools.partial(batch.row_prefix_blocks, b)
+                    snapshots += self._snapshot(seq, 0, len(head), blocks_of)
             tails = mx.array([prompt[-1:] for prompt in prompts], dtype=mx.int32)
             logits = self.model(tails, cache=batch, last_only=True)
             self.pool.enforce(batch)
