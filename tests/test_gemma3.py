@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from mlx import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 import checkpoints as ckpt
@@ -123,6 +124,30 @@ def test_logits_match_transformers(checkpoint):
     want = reference(hf, ids)
     assert np.std(want) > 0.5  # real spread: the tolerance means something
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+
+
+def test_logits_with_the_cpu_gelu_match_transformers(checkpoint, on_cpu, monkeypatch):
+    """On the CPU a prefill's GeGLU gate goes through ``layers.gelu_approx_by_polynomial`` in
+    blocks of rows; here every gate does (in blocks of 2 rows of 96), still transformers'."""
+    from mlxc.runtime.model import layers
+
+    monkeypatch.setattr(layers, "CPU_ACT_ELEMENTS", 0)
+    monkeypatch.setattr(layers, "CPU_ACT_BLOCK", 2 * TINY["intermediate_size"])
+    taken = []
+    real = layers.gelu_approx_by_polynomial
+    monkeypatch.setitem(
+        layers.CPU_ACTIVATIONS, nn.gelu_approx, lambda x: taken.append(x.shape) or real(x)
+    )
+    layers.glu.cache_clear()  # glu(act) takes its CPU function when first built
+    hf, path = checkpoint
+    ids = np.random.default_rng(0).integers(0, 128, size=(2, 23))
+    try:
+        model = mlxc.load_model(path)
+        got = np.array(model(mx.array(ids)))
+    finally:
+        layers.glu.cache_clear()  # the next glu(gelu_approx) takes the real function again
+    assert taken and all(shape == (2, TINY["intermediate_size"]) for shape in taken[:-1])
+    np.testing.assert_allclose(got, reference(hf, ids), atol=ATOL, rtol=0)
 
 
 # Chunks shorter and longer than the window, boundaries inside it, then decode past it.

@@ -119,18 +119,20 @@ def test_full_forward_matches_reference(ckpt, rng, shape):
 
 @pytest.mark.usefixtures("on_cpu")
 def test_full_forward_with_the_cpu_silu_matches_reference(ckpt, rng, monkeypatch):
-    """On the CPU with every SwiGLU gate through ``layers.silu_by_polynomial`` (a short
-    prefill's gates take it; here every size does), the forward still matches the reference."""
+    """On the CPU with every SwiGLU gate through ``layers.silu_by_polynomial`` in blocks of
+    rows (a prefill's gates take it; here every size does, in small blocks), the forward
+    still matches the reference."""
     import mlx.core as mx
 
     from mlxc.runtime.model import layers
 
-    monkeypatch.setattr(layers, "CPU_SILU_ELEMENTS", (0, 1 << 62))
+    monkeypatch.setattr(layers, "CPU_ACT_ELEMENTS", 0)
     taken = []
-    real = layers.silu_by_polynomial
-    monkeypatch.setattr(layers, "silu_by_polynomial", lambda x: taken.append(1) or real(x))
+    real = layers.in_row_blocks
+    monkeypatch.setattr(layers, "in_row_blocks", lambda fn, *xs: taken.append(1) or real(fn, *xs))
     ids = _ids(rng, 2, 9)
     model = _mlxc().load_model(ckpt)
+    monkeypatch.setattr(layers, "CPU_ACT_BLOCK", 256)  # the tiny gates' 18 rows in blocks
     out = _np(model(mx.array(ids), cache=model.make_cache()))
     assert taken  # every case here has SwiGLU MLPs
     _assert_close(out, ck.reference_logits(ckpt, ids), "full forward, CPU silu")

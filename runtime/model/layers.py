@@ -33,45 +33,75 @@ ACTIVATIONS = {
 def glu(act):
     """``act(gate) * up`` as one compiled kernel: a decode step runs it once per gated MLP,
     and separate kernels for the activation and the product cost a launch each. On the CPU a
-    short prefill's float32 silu gate goes through ``silu_by_polynomial`` instead."""
+    prefill's float32 silu or tanh-GELU gate is computed from fast element-wise ops instead
+    (``CPU_ACTIVATIONS``)."""
     compiled = mx.compile(lambda gate, up: act(gate) * up, shapeless=True)
-    if act is not nn.silu:
+    by_polynomial = CPU_ACTIVATIONS.get(act)
+    if by_polynomial is None:
         return compiled
 
-    def silu_glu(gate: mx.array, up: mx.array) -> mx.array:
-        sized = CPU_SILU_ELEMENTS[0] <= gate.size <= CPU_SILU_ELEMENTS[1]
-        if sized and gate.dtype == mx.float32 and mx.default_device() == mx.cpu:
-            return silu_by_polynomial(gate) * up
-        return compiled(gate, up)
+    def cpu_glu(gate: mx.array, up: mx.array) -> mx.array:
+        cpu = mx.default_device() == mx.cpu and gate.dtype == mx.float32
+        if not (cpu and gate.size >= CPU_ACT_ELEMENTS):
+            return compiled(gate, up)
+        return in_row_blocks(lambda g, u: by_polynomial(g) * u, gate, up)
 
-    return silu_glu
-
-
-# MLX 0.32.4's CPU ``exp`` (so ``sigmoid`` and ``silu``, compiled or not) costs ~16 ns an
-# element: a 1,024-token prefill's SwiGLU activation took longer than its down projection's
-# matmul (67 against 45 ms a layer of the small llama). Made of MLX's fast element-wise ops it
-# takes 0.55-0.65x the time alone and is as exact (max relative error 1.7e-7 against
-# float64). Within a model it pays only while its ~25 temporaries stay small: a 256-token
-# prefill of the small llama (1M-element gates) ran 1.14x faster, a 1,024-token one (4M) 0.94x
-# (``docs/performance.md``). So gates of this many elements take it: a decode step's few
-# thousand stay in the compiled kernel (the ops' fixed costs), and so do larger ones.
-CPU_SILU_ELEMENTS = (1 << 16, 1 << 20)
+    return cpu_glu
 
 
-def silu_by_polynomial(x: mx.array) -> mx.array:
-    """``x * sigmoid(x) = x / (1 + exp(-x))`` with ``exp(t) = 2**n * p(r)``: Cody and Waite's
-    reduction (``n`` the integer nearest ``t / ln 2``, ``ln 2`` in two parts so ``r`` keeps its
-    bits, ``|r| <= ln 2 / 2``), the Cephes ``expf`` polynomial for ``p``, and ``2**n`` made from
-    its float32 exponent bits. ``t`` is clipped to float32's exponent range; past it (``x <
-    -88``: ``|x| * exp(x)`` under 1e-36) the result is 0."""
-    t = mx.clip(-x, -87.0, 88.0)
-    n = mx.floor(t * 1.4426950408889634 + 0.5)
-    r = t - n * 0.693359375 + n * 2.12194440e-4
+# MLX 0.32.4's CPU ``exp`` and ``tanh`` (so ``silu`` and the tanh GELU, compiled or not) cost
+# ~12-25 ns an element: a 1,024-token prefill's SwiGLU activation took longer than its down
+# projection's matmul (67 against 45 ms a layer of the small llama). Made of MLX's fast
+# element-wise ops they take a third to a half of that, as exactly, while the ~25 temporaries
+# stay in the caches: so a prefill's gate (a decode step's few thousand elements stay in the
+# compiled kernel, whose one launch costs less than the ops' fixed costs) goes through in
+# blocks of rows of at most ``CPU_ACT_BLOCK`` elements (``docs/performance.md``).
+CPU_ACT_ELEMENTS = 1 << 16
+CPU_ACT_BLOCK = 1 << 18
+
+
+def in_row_blocks(fn, *xs: mx.array) -> mx.array:
+    """``fn(*xs)`` of same-shaped arrays, computed on blocks of rows (all axes but the last
+    flattened) of at most ``CPU_ACT_BLOCK`` elements and concatenated."""
+    shape, width = xs[0].shape, xs[0].shape[-1]
+    rows = max(1, CPU_ACT_BLOCK // width)
+    if xs[0].size <= rows * width:
+        return fn(*xs)
+    flat = [x.reshape(-1, width) for x in xs]
+    n = flat[0].shape[0]
+    blocks = [fn(*(x[i : i + rows] for x in flat)) for i in range(0, n, rows)]
+    return mx.concatenate(blocks).reshape(shape)
+
+
+def _over_one_plus_exp(x: mx.array, t: mx.array) -> mx.array:
+    """``x / (1 + exp(t))`` with ``exp(t) = 2**n * p(r)``: Cody and Waite's reduction (``n``
+    the integer nearest ``t / ln 2``, ``ln 2`` in two parts so ``r`` keeps its bits, ``|r| <=
+    ln 2 / 2``), the Cephes ``expf`` polynomial for ``p``, and ``2**n`` made from its float32
+    exponent bits. ``t`` is clipped to float32's exponent range; past it (``t > 88``: the
+    quotient under ``|x| * 1e-38``) the result is 0."""
+    n_t = mx.clip(t, -87.0, 88.0)
+    n = mx.floor(n_t * 1.4426950408889634 + 0.5)
+    r = n_t - n * 0.693359375 + n * 2.12194440e-4
     p = 1.9875691500e-4
     for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 0.5):
         p = p * r + c
     two_n = ((n.astype(mx.int32) + 127) << 23).view(mx.float32)
-    return mx.where(x < -88.0, 0.0, x / (1.0 + (p * r * r + r + 1.0) * two_n))
+    return mx.where(t > 88.0, 0.0, x / (1.0 + (p * r * r + r + 1.0) * two_n))
+
+
+def silu_by_polynomial(x: mx.array) -> mx.array:
+    """``x * sigmoid(x) = x / (1 + exp(-x))``."""
+    return _over_one_plus_exp(x, -x)
+
+
+def gelu_approx_by_polynomial(x: mx.array) -> mx.array:
+    """The tanh GELU, ``x / 2 * (1 + tanh(y))`` with ``y = sqrt(2 / pi) * (x + 0.044715 *
+    x**3)``, as ``x / (1 + exp(-2 * y))`` (the same function: ``(1 + tanh(y)) / 2 =
+    sigmoid(2 * y)``), which also keeps its far negative tail that ``1 + tanh`` rounds to 0."""
+    return _over_one_plus_exp(x, x * (-1.5957691216057308 - 0.07135481627159046 * x * x))
+
+
+CPU_ACTIVATIONS = {nn.silu: silu_by_polynomial, nn.gelu_approx: gelu_approx_by_polynomial}
 
 
 # --- projections fused at load ---------------------------------------------------------------
