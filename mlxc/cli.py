@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -123,6 +124,9 @@ def verify(paths: tuple[str, ...], specs: str | None) -> None:
     Give spec PATHS, or --specs DIR: DIR's specs only, first checked against the built-in
     ones as `mlxc generate --specs` uses them.
     """
+    # The checks compare float32 runs to 1e-4; on a GPU MLX rounds float32 matmuls through
+    # TF32 (~1e-3) unless told otherwise before its first one, here.
+    os.environ.setdefault("MLX_ENABLE_TF32", "0")
     from mlxc.verify import VerifyError
     from mlxc.verify import verify as verify_specs
 
