@@ -1,8 +1,10 @@
 """A long chunk under the causal mask on the CPU attends in blocks of queries
 (``layers.CAUSAL_BLOCK``), each against the keys up to its last query: the same output as MLX's
 attention over the whole chunk, for a first chunk and one after earlier tokens, GQA, a value
-head dim other than the keys' (MLA), and learned sinks (gpt-oss). A model prefilling 150 tokens
-in one chunk (three blocks) is checked against transformers in ``test_logits``."""
+head dim other than the keys' (MLA), and learned sinks (gpt-oss). Under a sliding window
+(``masks.Window``, what ``masks.causal`` gives on the CPU) each block also starts at its first
+query's window. A model prefilling 150 tokens in one chunk (three blocks) is checked against
+transformers in ``test_logits``, Gemma 3 past its window in ``test_gemma3``."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxc.runtime.model import layers
+from mlxc.runtime.model import layers, masks
 
 
 @pytest.mark.usefixtures("on_cpu")
@@ -59,3 +61,62 @@ def test_short_chunks_and_other_masks_take_one_pass(rng, monkeypatch):
         q, k, k, scale=0.25, mask=window & (mx.arange(100)[None, :] <= mx.arange(100)[:, None])
     )
     assert calls == [64, 100]
+
+
+@pytest.mark.usefixtures("on_cpu")
+@pytest.mark.parametrize(
+    "n_queries, n_keys, window",
+    [(150, 150, 32), (150, 150, 100), (128, 300, 20), (200, 260, 64), (65, 400, 1)],
+)
+@pytest.mark.parametrize("sinks", [False, True])
+def test_window_blocks_equal_one_pass(rng, monkeypatch, n_queries, n_keys, window, sinks):
+    """Each block attends only from its first query's window to its last query; the output is
+    MLX's over the whole chunk with the window's boolean mask."""
+    seen = []
+    real = mx.fast.scaled_dot_product_attention
+
+    def counted(q, k, *args, **kwargs):
+        seen.append((q.shape[-2], k.shape[-2]))
+        return real(q, k, *args, **kwargs)
+
+    def normal(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+    q, k, v = normal(1, 4, n_queries, 32), normal(1, 2, n_keys, 32), normal(1, 2, n_keys, 32)
+    sink = normal(4) if sinks else None
+    mask = masks.causal(n_queries, n_keys, window=window)
+    assert isinstance(mask, masks.Window)
+    want = real(q, k, v, scale=0.2, mask=masks.causal_array(n_queries, n_keys, window), sinks=sink)
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", counted)
+    got = layers.attend(q, k, v, scale=0.2, mask=mask, sinks=sink)
+    block = layers.CAUSAL_BLOCK
+    assert [n for n, _ in seen] == [min(block, n_queries - a) for a in range(0, n_queries, block)]
+    # A block of b queries sees at most its own b keys and the window - 1 before its first.
+    assert all(keys <= n + window - 1 for n, keys in seen)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.usefixtures("on_cpu")
+def test_a_window_mask_is_built_where_it_is_not_blocked(rng):
+    """A chunk of one block's worth of queries reads the window's boolean array (built once),
+    and so does Gemma 3's image overlay; a decode step's mask and every mask under ``mlxc
+    verify``'s audit are built by ``masks.causal`` itself."""
+    from mlxc.runtime.model import image_attention
+
+    mask = masks.causal(40, 100, window=16)
+    assert isinstance(mask, masks.Window)
+    q = mx.array(rng.standard_normal((1, 2, 40, 16)).astype(np.float32))
+    k = mx.array(rng.standard_normal((1, 2, 100, 16)).astype(np.float32))
+    got = layers.attend(q, k, k, scale=0.25, mask=mask)
+    want = mx.fast.scaled_dot_product_attention(
+        q, k, k, scale=0.25, mask=masks.causal_array(40, 100, 16)
+    )
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-6, atol=1e-6)
+    assert mask.array() is mask.array()
+    is_image = mx.array([[0] * 10 + [1] * 20 + [0] * 10])
+    overlaid = image_attention.with_images(mask, is_image, 100, 16)
+    expected = masks.causal_array(40, 100, 16) | image_attention.overlay(is_image, 100, 16)
+    assert mx.array_equal(overlaid, expected).item()
+    assert isinstance(masks.causal(1, 100, window=16), mx.array)
+    with masks.array_masks():
+        assert isinstance(masks.causal(40, 100, window=16), mx.array)

@@ -126,6 +126,26 @@ def test_logits_match_transformers(checkpoint):
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
 
 
+def test_long_chunk_past_the_window_matches_transformers(checkpoint, on_cpu, monkeypatch):
+    """A 150-token chunk on the CPU: its sliding layers attend in blocks, each from its first
+    query's window (``masks.Window``), its full layers in causal blocks."""
+    from mlxc.runtime.model import layers, masks
+
+    windows = []
+    real = layers._causal_blocks
+    monkeypatch.setattr(
+        layers,
+        "_causal_blocks",
+        lambda *a, window=None, **kw: windows.append(window) or real(*a, window=window, **kw),
+    )
+    hf, path = checkpoint
+    ids = np.random.default_rng(2).integers(0, 128, size=(1, 150))
+    model = mlxc.load_model(path)
+    got = np.array(model(mx.array(ids)))
+    assert any(isinstance(w, masks.Window) for w in windows) and None in windows
+    np.testing.assert_allclose(got, reference(hf, ids), atol=ATOL, rtol=0)
+
+
 def test_logits_with_the_cpu_gelu_match_transformers(checkpoint, on_cpu, monkeypatch):
     """On the CPU a prefill's GeGLU gate goes through ``layers.gelu_approx_by_polynomial`` in
     blocks of rows; here every gate does (in blocks of 2 rows of 96), still transformers'."""

@@ -59,7 +59,7 @@ def overlay(is_image: mx.array, n_keys: int, window: int | None = None) -> mx.ar
 
 
 def with_images(
-    mask: mx.array | str | None,
+    mask: mx.array | masks.Window | str | None,
     is_image: mx.array | None,
     n_keys: int,
     window: int | None = None,
@@ -76,6 +76,8 @@ def with_images(
     extra = overlay(is_image, n_keys, window)
     if mask is None or isinstance(mask, str):
         mask = masks.causal_array(is_image.shape[-1], n_keys)
+    elif isinstance(mask, masks.Window):  # the overlay makes it a mask of another kind
+        mask = mask.array()
     return mask | extra
 
 

@@ -234,7 +234,7 @@ def attend(
     values: mx.array,
     *,
     scale: float,
-    mask: mx.array | str | None,
+    mask: mx.array | masks.Window | str | None,
     sinks: mx.array | None = None,
 ) -> mx.array:
     """Scaled dot-product attention (GQA-aware) that refuses a mask not sized to the keys.
@@ -244,6 +244,9 @@ def attend(
     """
     masks.check(mask, queries.shape[-2], keys.shape[-2])
     quantized = isinstance(keys, QuantizedKV)
+    blocked = queries.shape[-2] > CAUSAL_BLOCK and mx.default_device() == mx.cpu
+    if isinstance(mask, masks.Window) and not blocked:  # a Window is the CPU's (masks.causal)
+        mask = mask.array()
     if cuda_attention.applies(queries, values.shape[-1], mask, quantized):
         return cuda_attention.attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     if quantized:
@@ -254,8 +257,9 @@ def attend(
         keys, values = keys.dequantize(), values.dequantize()
     if _composed_on_cuda(queries, keys):
         return composed_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-    if mask == "causal" and queries.shape[-2] > CAUSAL_BLOCK and mx.default_device() == mx.cpu:
-        return _causal_blocks(queries, keys, values, scale=scale, sinks=sinks)
+    if blocked and (isinstance(mask, masks.Window) or mask == "causal"):
+        window = mask if isinstance(mask, masks.Window) else None
+        return _causal_blocks(queries, keys, values, scale=scale, sinks=sinks, window=window)
     return mx.fast.scaled_dot_product_attention(
         queries, keys, values, scale=scale, mask=mask, sinks=sinks
     )
@@ -266,27 +270,40 @@ def attend(
 # mask a block of queries sees no key past its last query, so a chunk attended in blocks of
 # this many queries skips the scores above the diagonal (almost half of a first chunk's) and
 # holds one block's scores at a time: a 512-token first chunk's attention 1.7x faster, a
-# 2,048-token one 2x (``docs/performance.md``). Fused GPU kernels skip those tiles themselves.
+# 2,048-token one 2x (``docs/performance.md``). Under a sliding window a block also skips the
+# keys before its first query's window. Fused GPU kernels skip those tiles themselves.
 CAUSAL_BLOCK = 64
 
 
 def _causal_blocks(
-    queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, sinks: mx.array | None
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    *,
+    scale: float,
+    sinks: mx.array | None,
+    window: masks.Window | None = None,
 ) -> mx.array:
-    """``attend`` under the string ``"causal"`` mask, CAUSAL_BLOCK queries at a time, each
-    block against the keys up to its last query (the mask aligns queries with the last keys)."""
+    """``attend`` under the string ``"causal"`` mask (or a ``window``), CAUSAL_BLOCK queries at
+    a time, each block against the keys from its first query's window (the first key without
+    one) up to its last query: the block's queries are then the last of its keys, so its mask
+    is ``"causal"``, or the window's over those keys."""
     L, T = queries.shape[-2], keys.shape[-2]
     blocks = []
     for start in range(0, L, CAUSAL_BLOCK):
         end = min(start + CAUSAL_BLOCK, L)
         seen = T - L + end
+        first = 0 if window is None else max(0, T - L + start - window.window + 1)
+        mask = "causal"
+        if window is not None and seen - first > window.window:
+            mask = masks.causal_array(end - start, seen - first, window.window)
         blocks.append(
             mx.fast.scaled_dot_product_attention(
                 queries[:, :, start:end],
-                keys[..., :seen, :],
-                values[..., :seen, :],
+                keys[..., first:seen, :],
+                values[..., first:seen, :],
                 scale=scale,
-                mask="causal",
+                mask=mask,
                 sinks=sinks,
             )
         )

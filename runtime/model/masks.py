@@ -4,7 +4,9 @@
 ``n_keys = cache.live_len + n_queries`` (the ``live-window`` label: the live keys once the chunk is
 appended). Where the new queries are the last ``n_queries`` of the live keys, MLX's string mask
 ``"causal"`` (aligned bottom-right) is exact and takes the fast kernel; an array mask is built
-only when asked for (``mlxc verify`` forces arrays so it can check every width).
+only when asked for (``mlxc verify`` forces arrays so it can check every width). On the CPU a
+sliding window over a chunk is left unbuilt (``Window``), so that ``layers.attend`` can run the
+chunk in blocks against the keys each block's window sees.
 """
 
 from __future__ import annotations
@@ -42,9 +44,34 @@ def array_masks():
         _audit.reset(token)
 
 
-def check(mask: mx.array | str | None, n_queries: int, n_keys: int) -> None:
-    """Raise MaskWidthError unless an array mask is exactly ``[..., n_queries, n_keys]``."""
-    if not isinstance(mask, mx.array):
+class Window:
+    """The sliding-window causal mask of ``n_queries`` queries, the last of ``n_keys`` keys,
+    each attending to its ``window`` latest keys (its own included), left unbuilt.
+
+    Only ``causal`` on the CPU returns one: ``layers.attend`` runs a chunk of more queries
+    than a block under it in blocks, each against the keys its window sees (past the window a
+    chunk's scores are mostly masked, and MLX's CPU attention computes and exponentiates every
+    one); any other reader takes ``array()``, the boolean ``[n_queries, n_keys]`` built once.
+    """
+
+    def __init__(self, n_queries: int, n_keys: int, window: int) -> None:
+        self.n_queries, self.n_keys, self.window = n_queries, n_keys, window
+        self._array: mx.array | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n_queries, self.n_keys)
+
+    def array(self) -> mx.array:
+        if self._array is None:
+            self._array = causal_array(self.n_queries, self.n_keys, self.window)
+        return self._array
+
+
+def check(mask: mx.array | Window | str | None, n_queries: int, n_keys: int) -> None:
+    """Raise MaskWidthError unless an array (or ``Window``) mask is exactly ``[..., n_queries,
+    n_keys]``."""
+    if not isinstance(mask, (mx.array, Window)):
         return
     if mask.shape[-1] != n_keys or mask.shape[-2] != n_queries:
         raise MaskWidthError(
@@ -61,7 +88,7 @@ def causal(
     n_keys: int,
     key_valid: mx.array | None = None,
     window: int | None = None,
-) -> mx.array | str | None:
+) -> mx.array | Window | str | None:
     """Causal mask for ``n_queries`` new tokens against ``n_keys`` live keys (queries last).
 
     ``key_valid`` ``[B, 1, 1, n_keys]``: the columns each row may attend to (the rows of a
@@ -71,19 +98,22 @@ def causal(
     ``window``: a query at key column ``q`` also attends only to columns ``q - window + 1 ..
     q`` (sliding-window attention; a row's live keys are contiguous positions, so columns
     count positions). Returns None when no masking is needed (one query, no
-    window, every key valid), ``"causal"`` where the string form is exact, else a boolean
-    array ``[..., n_queries, n_keys]`` (True = attend).
+    window, every key valid), ``"causal"`` where the string form is exact, on the CPU a
+    ``Window`` for a chunk under a window alone, else a boolean array ``[..., n_queries,
+    n_keys]`` (True = attend).
     """
     if n_queries > n_keys:
         raise ValueError(f"{n_queries} queries but only {n_keys} live keys: mask sized wrong")
     if window is not None and n_keys <= window:
         window = None  # every live key is inside the window of every query
-    if window is None and _audit.get() is None:
-        if key_valid is None:
+    if _audit.get() is None:
+        if window is None and key_valid is None:
             return None if n_queries == 1 else "causal"
-        if n_queries == 1:
+        if window is None and n_queries == 1:
             # One new query, the last key: causality masks nothing.
             return key_valid
+        if key_valid is None and n_queries > 1 and mx.default_device() == mx.cpu:
+            return Window(n_queries, n_keys, window)
     mask = causal_array(n_queries, n_keys, window)
     if key_valid is not None and key_valid.shape[-2] == n_queries > 1:
         return mask & key_valid  # per query, its own column included
