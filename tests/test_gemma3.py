@@ -132,10 +132,10 @@ def test_long_chunk_past_the_window_matches_transformers(checkpoint, on_cpu, mon
     from mlxc.runtime.model import layers, masks
 
     windows = []
-    real = layers._causal_blocks
+    real = layers._query_blocks
     monkeypatch.setattr(
         layers,
-        "_causal_blocks",
+        "_query_blocks",
         lambda *a, window=None, **kw: windows.append(window) or real(*a, window=window, **kw),
     )
     hf, path = checkpoint

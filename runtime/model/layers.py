@@ -259,7 +259,7 @@ def attend(
         return composed_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     if blocked and (isinstance(mask, masks.Window) or mask == "causal"):
         window = mask if isinstance(mask, masks.Window) else None
-        return _causal_blocks(queries, keys, values, scale=scale, sinks=sinks, window=window)
+        return _query_blocks(queries, keys, values, scale=scale, sinks=sinks, window=window)
     return mx.fast.scaled_dot_product_attention(
         queries, keys, values, scale=scale, mask=mask, sinks=sinks
     )
@@ -275,7 +275,7 @@ def attend(
 CAUSAL_BLOCK = 64
 
 
-def _causal_blocks(
+def _query_blocks(
     queries: mx.array,
     keys: mx.array,
     values: mx.array,

@@ -113,7 +113,7 @@ def causal(
             # One new query, the last key: causality masks nothing.
             return key_valid
         if key_valid is None and n_queries > 1 and mx.default_device() == mx.cpu:
-            return Window(n_queries, n_keys, window)
+            return Window(n_queries, n_keys, window)  # a window alone (none returned above)
     mask = causal_array(n_queries, n_keys, window)
     if key_valid is not None and key_valid.shape[-2] == n_queries > 1:
         return mask & key_valid  # per query, its own column included
