@@ -1,5 +1,6 @@
 """`mlxc verify` passes on the shipped specs and catches a mask sized from the offset."""
 
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,6 +24,20 @@ def test_verify_passes_on_every_spec():
     specs = sorted(p.stem for p in (ROOT / "specs").glob("*.yaml"))
     assert [line.split()[1].rstrip(":") for line in lines] == specs
     assert all(line.startswith("ok ") for line in lines)
+
+
+@pytest.mark.parametrize("given", [None, "1"])
+def test_verify_runs_without_tf32_unless_told(monkeypatch, given):
+    """`mlxc verify` compares float32 runs to 1e-4: it asks MLX for full float32 matmuls (a
+    GPU's TF32 rounds each product to ~1e-3, which failed every spec on the H200), unless the
+    variable is already set."""
+    if given is None:
+        monkeypatch.delenv("MLX_ENABLE_TF32", raising=False)
+    else:
+        monkeypatch.setenv("MLX_ENABLE_TF32", given)
+    result = CliRunner().invoke(main, ["verify", str(ROOT / "specs" / "llama.yaml")])
+    assert result.exit_code == 0, result.output
+    assert os.environ["MLX_ENABLE_TF32"] == (given or "0")
 
 
 def _spec(name):
