@@ -41,8 +41,9 @@ def glu(act):
         return compiled
 
     def cpu_glu(gate: mx.array, up: mx.array) -> mx.array:
-        cpu = mx.default_device() == mx.cpu and gate.dtype == mx.float32
-        if not (cpu and gate.size >= CPU_ACT_ELEMENTS):
+        # The size first: a decode step's gate is small, and the step asks nothing else.
+        big = gate.size >= CPU_ACT_ELEMENTS and gate.dtype == mx.float32
+        if not (big and mx.default_device() == mx.cpu):
             return compiled(gate, up)
         return in_row_blocks(lambda g, u: by_polynomial(g) * u, gate, up)
 

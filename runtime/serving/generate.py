@@ -84,11 +84,21 @@ def check_prompt(prompt_ids: Sequence[int], *models: nn.Module) -> None:
     this holds for every caller (the scheduler, ``generate_tokens``, a draft model)."""
     if not prompt_ids:
         raise ValueError("the prompt is empty: generation needs at least one token")
-    sizes = [n for n in map(vocab_size, models) if n is not None]
-    low, high = min(prompt_ids), max(prompt_ids)
-    if low < 0 or (sizes and high >= min(sizes)):
-        bad = low if low < 0 else high
-        raise ValueError(f"token id {bad} is out of range (vocab size {min(sizes, default='?')})")
+    vocab = min((n for n in map(vocab_size, models) if n is not None), default=None)
+    bad = out_of_range(prompt_ids, vocab)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is out of range (vocab size {vocab or '?'})")
+
+
+def out_of_range(ids: Sequence[int], vocab: int | None) -> int | None:
+    """A token id of ``ids`` outside ``0 .. vocab - 1`` (the lowest if one is negative, else
+    the highest), or None; ``vocab`` None checks the sign only."""
+    if not ids:
+        return None
+    low, high = min(ids), max(ids)
+    if low < 0:
+        return low
+    return high if vocab is not None and high >= vocab else None
 
 
 def as_model_inputs(inputs: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -244,12 +244,12 @@ def _completion_prompt(engine: Engine, req: CompletionRequest) -> list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str):
         return engine.encode_text(prompt)
+    from mlxc.runtime.serving.generate import out_of_range
+
     vocab = engine.vocab_size
-    bad = [t for t in prompt if t < 0 or (vocab is not None and t >= vocab)]
-    if bad:
-        raise APIError(
-            400, f"token id {bad[0]} is out of range (vocab size {vocab})", param="prompt"
-        )
+    bad = out_of_range(prompt, vocab)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is out of range (vocab size {vocab})", param="prompt")
     return list(prompt)
 
 
