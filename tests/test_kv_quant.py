@@ -190,6 +190,7 @@ def test_quantized_product_keeps_a_half_dtype(rng, monkeypatch, transpose):
     assert float(diff.max()) <= 0.02 * scale
 
 
+@pytest.mark.usefixtures("on_cpu")  # on CUDA ``cuda_attention`` takes the step first
 @pytest.mark.parametrize("packed", [True, False])
 def test_attend_dequantises_a_long_chunk_or_where_packing_is_off(rng, monkeypatch, packed):
     """A decode step reads the keys packed where ``packed_attention`` holds (CPU, Metal); a
