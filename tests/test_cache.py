@@ -1,8 +1,17 @@
+import types
+
 import mlx.core as mx
 import pytest
 
 from mlxc.runtime.model import masks
-from mlxc.runtime.model.cache import KVCache, WindowedKVCache, buffer_tokens, enforce_max_kv
+from mlxc.runtime.model.cache import (
+    KVCache,
+    QuantizedKVCache,
+    QuantizedWindowedKVCache,
+    WindowedKVCache,
+    buffer_tokens,
+    enforce_max_kv,
+)
 
 
 def kv(n, start=0):
@@ -115,6 +124,31 @@ def test_kv_caches_satisfy_the_protocol():
     assert BatchKVCache.holds_keys
     assert len(cache.arrays()) == 2 and isinstance(cache.batch_layer(), BatchKVCache)
     assert BatchKVCache().batch_layer() is None  # a batch's rows do not join another batch
+
+
+def test_is_layer_cache_is_the_protocol_check_per_type():
+    """``is_layer_cache`` (once per type) answers as ``isinstance(c, LayerCache)`` for every
+    cache kind, and for model-owned state outside the protocol, asked twice."""
+    from mlxc.runtime.model import batch, ssm
+    from mlxc.runtime.model.cache import KVQuant, LayerCache, is_layer_cache
+
+    quant = KVQuant(4, 32)
+    objects = [
+        KVCache(),
+        WindowedKVCache(8),
+        QuantizedKVCache(quant),
+        QuantizedWindowedKVCache(8, quant),
+        batch.BatchKVCache(),
+        batch.BatchWindowedKVCache(8),
+        batch.BatchQuantizedKVCache(quant),
+        batch.BatchQuantizedWindowedKVCache(8, quant),
+        ssm.RecurrentCache(),
+        ssm.BatchRecurrentCache(),
+        types.SimpleNamespace(state=None),  # model-owned state: not a LayerCache
+    ]
+    for _ in range(2):
+        assert [is_layer_cache(c) for c in objects] == [isinstance(c, LayerCache) for c in objects]
+    assert not is_layer_cache(objects[-1]) and all(map(is_layer_cache, objects[:-1]))
 
 
 def test_buffers_are_never_a_multiple_of_256_tokens():

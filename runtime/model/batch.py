@@ -49,6 +49,7 @@ from mlxc.runtime.model.cache import (
     RewindError,
     buffer_tokens,
     check_trim,
+    is_layer_cache,
 )
 from mlxc.runtime.model.multimodal import SequenceCache
 
@@ -165,9 +166,10 @@ class BatchKVCache:
         the width are new tokens (written after each row's last, over its tail): valid, except
         a prompt row's padding (``start_rows``)."""
         column = np.arange(self.width if columns is None else columns)[None, :]
-        sink_end = (self.pad + self.sink)[:, None]
-        dropped = (column >= sink_end) & (column < sink_end + self.gap[:, None])
-        valid = (column >= self.pad[:, None]) & ~dropped
+        valid = column >= self.pad[:, None]
+        if self.gap.any():  # trimmed rows: their columns between the sink and the gap's end
+            sink_end = (self.pad + self.sink)[:, None]
+            valid &= (column < sink_end) | (column >= sink_end + self.gap[:, None])
         if self.tail.any():
             new = 0 if columns is None else columns - self.width
             valid &= column < (self.width - self.tail + new)[:, None]
@@ -510,9 +512,7 @@ class BatchCache(SequenceCache):
     def accepts(caches: list) -> bool:
         """Whether a sequence's caches can join a batch: every layer's cache kind has a batch
         layer, and positions continue as plain offsets (every image token already seen)."""
-        if not caches or not all(
-            isinstance(c, LayerCache) and c.batch_layer() is not None for c in caches
-        ):
+        if not caches or not all(is_layer_cache(c) and c.batch_layer() is not None for c in caches):
             return False
         state = getattr(caches, "rope_state", None)
         return state is None or state.grids is None

@@ -572,6 +572,20 @@ def check_kv_limits(max_kv_size: int | None, kv_sink: int) -> None:
         raise ValueError(f"max_kv_size ({max_kv_size}) must be larger than kv_sink ({kv_sink})")
 
 
+_LAYER_CACHE_TYPES: dict[type, bool] = {}
+
+
+def is_layer_cache(obj: Any) -> bool:
+    """``isinstance(obj, LayerCache)``, checked once per type: a runtime protocol check looks up
+    every member (~14 us), and admissions and prefill chunks ask it for every layer. The
+    protocol's members are class attributes, methods and properties of each kind, the same for
+    all of a type's instances."""
+    known = _LAYER_CACHE_TYPES.get(type(obj))
+    if known is None:
+        known = _LAYER_CACHE_TYPES[type(obj)] = isinstance(obj, LayerCache)
+    return known
+
+
 def cache_arrays(caches: list) -> list[mx.array]:
     """Every array the caches hold: what to evaluate after a prefill chunk whose logits nobody
     reads (model-owned state outside the protocol: the arrays among its attributes)."""
@@ -580,7 +594,7 @@ def cache_arrays(caches: list) -> list[mx.array]:
         for c in caches
         for a in (
             c.arrays()
-            if isinstance(c, LayerCache)
+            if is_layer_cache(c)
             else [v for v in vars(c).values() if isinstance(v, mx.array)]
         )
     ]
