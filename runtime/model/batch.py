@@ -167,7 +167,7 @@ class BatchKVCache:
         a prompt row's padding (``start_rows``)."""
         column = np.arange(self.width if columns is None else columns)[None, :]
         valid = column >= self.pad[:, None]
-        if self.gap.any():  # trimmed rows: their columns between the sink and the gap's end
+        if self.gap.any():  # trimmed rows: not the columns from the sink's end to the gap's end
             sink_end = (self.pad + self.sink)[:, None]
             valid &= (column < sink_end) | (column >= sink_end + self.gap[:, None])
         if self.tail.any():
