@@ -89,6 +89,23 @@ def thread_cpu(pid: int) -> dict[str, float] | None:
     return used
 
 
+def ptx_modules() -> int | None:
+    """Kernel modules in MLX's CUDA compile cache (``MLX_PTX_CACHE_DIR``, else
+    ``$TMPDIR/mlx/<version>/ptx``): one file per module MLX has compiled on this machine, so
+    the count's growth over a level is what the level waited for NVRTC to compile. None where
+    there is no such cache (not CUDA)."""
+    given = os.environ.get("MLX_PTX_CACHE_DIR")
+    dirs = [Path(given)] if given else list(Path(tempfile.gettempdir(), "mlx").glob("*/ptx"))
+    dirs = [d for d in dirs if d.is_dir()]
+    if not dirs:
+        return None
+    return sum(1 for d in dirs for _ in d.rglob("*.ptx"))
+
+
+def _compiled(before: int | None, after: int | None) -> int | None:
+    return None if before is None or after is None else after - before
+
+
 def measure(name: str, command: list[str], port: int, args, log_dir: Path, cwd: str) -> dict:
     """Start one server, load it at every level, stop it; the serve_load report.
 
@@ -119,12 +136,17 @@ def measure(name: str, command: list[str], port: int, args, log_dir: Path, cwd: 
             # prompt cache can answer the measured ones from it): what a server builds once per
             # batch shape (kernels, cuBLAS plans) stays out of the level, as in the ceiling's.
             warm = argparse.Namespace(**{**vars(load_args), "requests": streams})
+            modules = ptx_modules()
             serve_load.run_level(target, None, streams, warm, first_id=streams * 100_000 + 50_000)
-            before, cpu_before = counters(url), thread_cpu(proc.pid)
+            before, cpu_before, warmed = counters(url), thread_cpu(proc.pid), ptx_modules()
             measured = max(8, args.requests_per_stream * streams)
             level_args = argparse.Namespace(**{**vars(load_args), "requests": measured})
             level = serve_load.run_level(target, None, streams, level_args)
             after, cpu_after = counters(url), thread_cpu(proc.pid)
+            level["ptx_compiled"] = {
+                "warm_wave": _compiled(modules, warmed),
+                "level": _compiled(warmed, ptx_modules()),
+            }
             if before is not None and after is not None:  # the level's forwards, phases
                 for key, now in after.items():
                     level[key] = {k: now[k] - before[key].get(k, 0.0) for k in now}
@@ -214,6 +236,20 @@ def markdown(report: dict) -> str:
             + "; ".join(f"{a['concurrency']} streams: {_per_forward(a)}" for a in phased)
             + ".",
         ]
+    lines += ["", _by_second(ours, peer)]
+    compiled = [a for a in ours["levels"] if (a.get("ptx_compiled") or {}).get("level") is not None]
+    if compiled:
+        lines += [
+            "",
+            "Kernel modules MLX compiled (NVRTC) while mlxc served, in the unmeasured wave / in the "
+            "measured level (`bench.serve_compare.ptx_modules`): "
+            + "; ".join(
+                f"{a['concurrency']} streams: {a['ptx_compiled']['warm_wave']} / "
+                f"{a['ptx_compiled']['level']}"
+                for a in compiled
+            )
+            + ".",
+        ]
     timed = [a for a in ours["levels"] if a.get("thread_cpu_s") and a["completion_tokens"]]
     if timed:
         lines += [
@@ -233,6 +269,25 @@ def markdown(report: dict) -> str:
                 f"{first['concurrency']}."
             )
     return "\n".join(lines) + "\n"
+
+
+def _by_second(ours: dict, peer: dict) -> str:
+    """The line of each level's tokens/s second by second: the median and the lowest whole
+    second, each side (``bench.serve_load``): a stall (a compile, a prompt burst) shows in the
+    lowest where the aggregate averages it away."""
+
+    def pair(level: dict) -> str:
+        median, low = level.get("second_tps_median"), level.get("second_tps_min")
+        return "—" if median is None else f"{median:,.0f} / {low:,.0f}"
+
+    return (
+        "Tokens/s by whole second, median / lowest, mlxc and mlx-lm: "
+        + "; ".join(
+            f"{a['concurrency']} streams: {pair(a)} and {pair(b)}"
+            for a, b in zip(ours["levels"], peer["levels"])
+        )
+        + "."
+    )
 
 
 def _machine(m: dict) -> str:

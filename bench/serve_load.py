@@ -1,8 +1,9 @@
 """Load generator for an OpenAI-compatible server on this machine (``mlxc serve``, ``mlx_lm.server``).
 
 Runs a bounded number of streaming requests at each concurrency level (default 1, 4, 16) and
-reports aggregate completion tokens/s, request latency p50/p90, time to first token p50/p90 and
-per-stream decode tokens/s::
+reports aggregate completion tokens/s, request latency p50/p90, time to first token p50/p90,
+per-stream decode tokens/s, and the level's tokens/s second by second (its median and lowest
+whole second: a stall shows there, where the aggregate averages it away)::
 
     mlxc serve --model DIR --port 8000 &
     python -m bench.serve_load --url http://127.0.0.1:8000 --out bench/results/serve-mlxc
@@ -18,6 +19,7 @@ only. Every prompt starts differently, so no server can answer from a cached pre
 from __future__ import annotations
 
 import argparse
+import collections
 import http.client
 import ipaddress
 import json
@@ -29,7 +31,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -97,6 +99,9 @@ class Result:
     first: float | None  # time of the first content chunk
     tokens: int
     error: str = ""
+    # Content chunks (a token's text each) by the whole second of the monotonic clock they came
+    # in: a level's timeline, which shows stalls its aggregate averages away.
+    seconds: dict[int, int] = field(default_factory=dict)
 
     @property
     def latency(self) -> float:
@@ -138,7 +143,7 @@ def one_request(target, model: str | None, i: int, args) -> Result:
         stream_options={"include_usage": True},
     )
     start = time.perf_counter()
-    first, chunks, usage = None, 0, None
+    first, chunks, usage, seconds = None, 0, None, collections.Counter()
     conn = http.client.HTTPConnection(host, port, timeout=args.timeout)
     try:
         conn.request(
@@ -164,12 +169,14 @@ def one_request(target, model: str | None, i: int, args) -> Result:
                     text = (choice.get("delta") or {}).get("content")
                 if text:
                     chunks += 1
+                    now = time.perf_counter()
+                    seconds[int(now)] += 1
                     if first is None:
-                        first = time.perf_counter()
+                        first = now
         tokens = (usage or {}).get("completion_tokens") or chunks
-        return Result(True, start, time.perf_counter(), first, int(tokens))
+        return Result(True, start, time.perf_counter(), first, int(tokens), "", dict(seconds))
     except (OSError, http.client.HTTPException, json.JSONDecodeError) as e:
-        return Result(False, start, time.perf_counter(), first, chunks, repr(e))
+        return Result(False, start, time.perf_counter(), first, chunks, repr(e), dict(seconds))
     finally:
         conn.close()
 
@@ -252,6 +259,8 @@ def run_level(
         if r.first and r.tokens > 1 and r.end > r.first
     ]
     total = sum(r.tokens for r in ok)
+    timeline = by_second(results)
+    whole = timeline[1:-1]  # the first and last seconds are partly outside the level
     return {
         "concurrency": concurrency,
         "requests": len(results),
@@ -265,8 +274,22 @@ def run_level(
         "ttft_p50_s": _pct(ttft, 50),
         "ttft_p90_s": _pct(ttft, 90),
         "stream_tps_median": statistics.median(per_stream) if per_stream else None,
+        "second_tps_median": statistics.median(whole) if whole else None,
+        "second_tps_min": min(whole) if whole else None,
+        "tps_by_second": timeline,
         "results": [asdict(r) for r in results],
     }
+
+
+def by_second(results: list[Result]) -> list[int]:
+    """Content chunks per whole second of the monotonic clock, from the level's first chunk's
+    second to its last's (every client process's clock is the same CLOCK_MONOTONIC)."""
+    counts = collections.Counter()
+    for r in results:
+        counts.update(r.seconds)
+    if not counts:
+        return []
+    return [counts[t] for t in range(min(counts), max(counts) + 1)]
 
 
 def _pct(sorted_values: list[float], q: float) -> float | None:
@@ -299,9 +322,9 @@ def markdown(report: dict) -> str:
         "",
         (
             "| streams | requests | errors | aggregate tok/s | latency p50 / p90 s | "
-            "TTFT p50 / p90 s | per-stream tok/s |"
+            "TTFT p50 / p90 s | per-stream tok/s | tok/s by second: median / lowest |"
         ),
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
 
     def f(x, d=2):
@@ -311,7 +334,8 @@ def markdown(report: dict) -> str:
         lines.append(
             f"| {lv['concurrency']} | {lv['requests']} | {lv['errors']} | "
             f"{f(lv['aggregate_tps'], 1)} | {f(lv['latency_p50_s'])} / {f(lv['latency_p90_s'])} | "
-            f"{f(lv['ttft_p50_s'])} / {f(lv['ttft_p90_s'])} | {f(lv['stream_tps_median'], 1)} |"
+            f"{f(lv['ttft_p50_s'])} / {f(lv['ttft_p90_s'])} | {f(lv['stream_tps_median'], 1)} | "
+            f"{f(lv.get('second_tps_median'), 0)} / {f(lv.get('second_tps_min'), 0)} |"
         )
     levels = {lv["concurrency"]: lv for lv in report["levels"]}
     if 1 in levels and levels[1]["aggregate_tps"]:

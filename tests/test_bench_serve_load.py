@@ -105,6 +105,39 @@ def test_every_request_once_across_client_processes(stream_server, clients):
     want = sorted(serve_load.prompt_text(5 * 100_000 + i, 4).split()[0] for i in range(12))
     assert sorted(seen.read_text().split()) == want
     assert level["wall_s"] > 0 and level["aggregate_tps"] > 0
+    # Every content chunk of every process lands in the level's timeline, once.
+    assert sum(level["tps_by_second"]) == 12 * TOKENS
+
+
+def test_the_timeline_counts_chunks_by_second_across_requests():
+    """A level's tokens/s second by second, the seconds between its first chunk's and its
+    last's included (a stall: no chunk at all), and the median and lowest of its whole seconds
+    (the first and last are partly outside it)."""
+    a = serve_load.Result(True, 0.0, 0.0, 0.0, 5, seconds={100: 2, 103: 3})
+    b = serve_load.Result(True, 0.0, 0.0, 0.0, 4, seconds={101: 4, 105: 1})
+    assert serve_load.by_second([a, b]) == [2, 4, 0, 3, 0, 1]
+    assert serve_load.by_second([serve_load.Result(False, 0.0, 0.0, None, 0)]) == []
+
+
+def test_serve_compare_counts_the_kernel_modules_mlx_compiled(tmp_path, monkeypatch):
+    """``ptx_modules``: the ``.ptx`` files under MLX's CUDA compile cache (long module names
+    are split into folders), None where there is none; ``_compiled`` their growth."""
+    cache = tmp_path / "ptx"
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(cache))
+    assert serve_compare.ptx_modules() is None
+    (cache / "long_name_part").mkdir(parents=True)
+    for path in ("gather_i32.ptx", "gather_i32.txt", "long_name_part/rest.ptx"):
+        (cache / path).write_text("x")
+    assert serve_compare.ptx_modules() == 2
+    assert serve_compare._compiled(2, 5) == 3 and serve_compare._compiled(None, 5) is None
+
+
+def test_serve_compare_reports_each_levels_seconds():
+    ours = {"levels": [{"concurrency": 16, "second_tps_median": 1234.4, "second_tps_min": 87.0}]}
+    peer = {"levels": [{"concurrency": 16, "second_tps_median": None, "second_tps_min": None}]}
+    assert serve_compare._by_second(ours, peer) == (
+        "Tokens/s by whole second, median / lowest, mlxc and mlx-lm: 16 streams: 1,234 / 87 and —."
+    )
 
 
 def test_a_warm_up_wave_sends_prompts_the_level_does_not(stream_server):
