@@ -15,7 +15,7 @@ import pytest
 from test_server import ARCHS
 
 from mlxc.runtime.checkpoint.loading import load_checkpoint
-from mlxc.runtime.model.batch import BatchCache
+from mlxc.runtime.model.batch import BatchCache, BatchKVCache
 from mlxc.runtime.model.cache import KVQuant
 from mlxc.runtime.serving import metrics
 from mlxc.runtime.serving import scheduler as scheduler_module
@@ -332,6 +332,28 @@ def test_warmup_flag_reaches_the_scheduler(tmp_path, monkeypatch, flag, warm):
     scheduler.start()
     scheduler.stop()
     assert len(warmed) == warm and len(scheduler.pool) == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "nemotron_h"])
+@pytest.mark.parametrize("max_kv_size", [None, 1024])
+def test_warm_serving_compacts_the_batch(tmp_path, monkeypatch, arch, max_kv_size):
+    """The warm-up's last wave makes the batch compact its rows (``BatchKVCache._compact``, a
+    gather along the columns: on CUDA a module of its own, compiled where a loaded server would
+    otherwise first meet it, once its first answers end). Unless ``--max-kv-size`` trims the
+    long prompt below a buffer step: then the rows' gaps, not padding, make the compactions."""
+    compactions = []
+    real = BatchKVCache._compact
+
+    def recording(self):
+        compactions.append(self.width)
+        return real(self)
+
+    monkeypatch.setattr(BatchKVCache, "_compact", recording)
+    checkpoint = load_checkpoint(ARCHS[arch](tmp_path / arch))
+    options = {"max_kv_size": max_kv_size, "kv_sink": SINK}
+    scheduler = Scheduler(checkpoint.load_model(), checkpoint.tokenizer, **options)
+    scheduler._warm_serving()
+    assert compactions and len(scheduler.pool) == 0
 
 
 def test_warm_serving_goes_on_when_the_image_prompt_fails(tmp_path, caplog):

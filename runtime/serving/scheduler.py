@@ -73,7 +73,7 @@ import numpy as np
 from mlx import nn
 
 from mlxc.runtime.model import cuda_attention
-from mlxc.runtime.model.batch import BatchCache
+from mlxc.runtime.model.batch import BatchCache, BatchKVCache
 from mlxc.runtime.model.cache import (
     KVQuant,
     cache_arrays,
@@ -147,11 +147,16 @@ __all__ = [
 
 log = logging.getLogger("mlxc.serve")
 
-# Scheduler._warm_serving's requests, (prompt tokens, sampling), in three waves: the first
+# Scheduler._warm_serving's requests, (prompt tokens, sampling), in four waves: the first
 # decodes alone; the next four arrive together (two end first, leaving dead rows); two arrive
-# together once they have ended (a prompt batch written over the dead rows); the last arrives
+# together once they have ended (a prompt batch written over the dead rows); the next arrives
 # alone once one of those has ended (a row written over a dead one). _WARM_CONSTRAINED's
 # output is constrained (by AnyToken: the masked steps of structured output, no grammar).
+# The last two arrive once every other has ended (_WARM_COMPACTION_WAVE): a prompt longer
+# than a buffer step beside a short one, padded to it in their prompt batch, so that when the
+# long one ends the short row wastes a step of columns and the batch compacts (a gather no
+# other wave meets, which a loaded server meets once its first answers end).
+_WARM_LONG_PROMPT = BatchKVCache.step + 4
 _WARM_REQUESTS = (
     (5, SamplingParams(max_tokens=24, ignore_eos=True)),
     (3, SamplingParams(max_tokens=2, ignore_eos=True)),
@@ -171,11 +176,15 @@ _WARM_REQUESTS = (
     (6, SamplingParams(max_tokens=2, ignore_eos=True)),
     (2, SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.0, min_p=0.05, seed=1)),
     (3, SamplingParams(max_tokens=3, ignore_eos=True)),
+    (_WARM_LONG_PROMPT, SamplingParams(max_tokens=2, ignore_eos=True)),
+    (3, SamplingParams(max_tokens=6, ignore_eos=True)),
 )
 _WARM_CONSTRAINED = 3
 _ENDED = -1
+_ALL_ENDED = (-1, _ENDED)  # a wave that waits for every request before it to end
 # (requests, when they arrive: None at once, else (request, tokens it has streamed or _ENDED))
 _WARM_WAVES = (((0,), None), ((1, 2, 3, 4), (0, 2)), ((5, 6), (2, _ENDED)), ((7,), (5, _ENDED)))
+_WARM_COMPACTION_WAVE = ((8, 9), _ALL_ENDED)
 # A VL server's request with an image (``warm_image``): its vision tower runs, and its row
 # decodes beside the last text request's (it arrives once that one has streamed a token).
 _WARM_IMAGE = len(_WARM_REQUESTS)
@@ -681,13 +690,18 @@ class Scheduler:
         before the real ones: a lone row decoding, prompts prefilled together and joining it,
         rows ending (dead rows decoded through) and arrivals written over them, sampled rows,
         one asking for logprobs and one whose output is constrained (the masked steps of
-        structured output) beside greedy ones; on a VL model, one with an image.
+        structured output) beside greedy ones; on a VL model, one with an image; last, a
+        compaction of the batch's rows (``BatchKVCache.keep_rows``), after a long prompt's row.
 
         MLX's CUDA backend compiles (NVRTC) a module the first time a kernel variant runs, a
         second or more each; met by real requests, every stream waits. On the H200 the first
         16-stream wave waited 2.5 s for its first tokens while MLX compiled a gather module for
         the batched decode step (``bench/results/warm-gpu-h200/``), after a warm-up whose steps
-        were its own, not the scheduler's. So this one takes the scheduler's.
+        were its own, not the scheduler's. So this one takes the scheduler's. A served
+        64-stream run still fell to a sixth of its rate for 4-7 s once its first answers ended
+        (``bench/results/serve-profile-gpu-h200-s20/``): the compaction's gather along the
+        columns (``mx.take_along_axis``, a module of its own) was the one batch path that no
+        wave took, hence the last wave.
 
         The requests have a queue of their own and skip the prefix cache; no counter or metric
         sees them (``_count``). Called on CUDA only."""
@@ -699,6 +713,7 @@ class Scheduler:
                 log.warning("warming up without an image: %s: %s", type(e).__name__, e)
             else:
                 waves.append(_WARM_IMAGE_WAVE)
+        waves.append(_WARM_COMPACTION_WAVE)
         queue, prefix = self._queue, self.prefix
         self._queue, self.prefix = AdmissionQueue(_WARM_IMAGE + 1, 0), None
         self._warming = True
@@ -724,6 +739,8 @@ class Scheduler:
         def arrives(when: tuple[int, int] | None) -> bool:
             if when is None:
                 return True
+            if when == _ALL_ENDED:
+                return all(now == _ENDED for now in streamed.values())
             index, tokens = when
             now = streamed.get(index, 0)
             return now == _ENDED or tokens != _ENDED and now >= tokens
