@@ -699,9 +699,9 @@ class Scheduler:
         the batched decode step (``bench/results/warm-gpu-h200/``), after a warm-up whose steps
         were its own, not the scheduler's. So this one takes the scheduler's. A served
         64-stream run still fell to a sixth of its rate for 4-7 s once its first answers ended
-        (``bench/results/serve-profile-gpu-h200-s20/``): the compaction's gather along the
-        columns (``mx.take_along_axis``, a module of its own) was the one batch path that no
-        wave took, hence the last wave.
+        (``bench/results/serve-profile-gpu-h200-s20/``), most likely compiling the
+        compaction's gather along the columns (``mx.take_along_axis``, a module of its own):
+        the one batch path no wave took, hence the last wave (not yet measured on a GPU).
 
         The requests have a queue of their own and skip the prefix cache; no counter or metric
         sees them (``_count``). Called on CUDA only."""

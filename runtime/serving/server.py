@@ -74,6 +74,7 @@ from mlxc.runtime.serving.api_schemas import (
     validation_error,
 )
 from mlxc.runtime.serving.engine import PROMPT_WORKERS, Engine, PromptError
+from mlxc.runtime.serving.generate import out_of_range
 from mlxc.runtime.serving.reasoning import ReasoningSplitter, starts_in_reasoning
 from mlxc.runtime.serving.scheduler import (
     Delta,
@@ -244,8 +245,6 @@ def _completion_prompt(engine: Engine, req: CompletionRequest) -> list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str):
         return engine.encode_text(prompt)
-    from mlxc.runtime.serving.generate import out_of_range
-
     vocab = engine.vocab_size
     bad = out_of_range(prompt, vocab)
     if bad is not None:
