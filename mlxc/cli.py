@@ -725,6 +725,13 @@ def _drafter(draft_model, prompt_lookup, ngram_size, num_draft_tokens, checkpoin
     show_default=True,
     type=click.Choice(["debug", "info", "warning", "error"]),
 )
+@click.option(
+    "--http-process/--no-http-process",
+    default=True,
+    show_default=True,
+    help="Serve HTTP from a process of its own, so the event loop's Python never waits on "
+    "(or holds up) the scheduler's; --no-http-process runs both in one process.",
+)
 @_speculation_options
 @click.option(
     "--speculative-rows",
@@ -764,6 +771,7 @@ def serve(
     model_id,
     max_body_bytes,
     log_level,
+    http_process,
     draft_model,
     prompt_lookup,
     num_draft_tokens,
@@ -882,20 +890,19 @@ def serve(
         sock.close()
         raise _OneLineError("interrupted while loading the model", 130) from None
 
-    app = create_app(
-        engine,
-        api_key=api_key,
-        default_max_tokens=max_tokens,
-        max_tokens_limit=max_tokens_limit,
-        max_body_bytes=max_body_bytes,
-        max_images=max_images_per_request,
-        max_request_pixels=max_request_pixels,
-        bind_host=host,
-        allowed_hosts=_comma_list(allowed_hosts),
-        allowed_origins=_comma_list(allowed_origins),
-        chat_template_args=template_args,
-        reasoning_parser=reasoning_parser,
-    )
+    app_settings = {
+        "api_key": api_key,
+        "default_max_tokens": max_tokens,
+        "max_tokens_limit": max_tokens_limit,
+        "max_body_bytes": max_body_bytes,
+        "max_images": max_images_per_request,
+        "max_request_pixels": max_request_pixels,
+        "bind_host": host,
+        "allowed_hosts": _comma_list(allowed_hosts),
+        "allowed_origins": _comma_list(allowed_origins),
+        "chat_template_args": template_args,
+        "reasoning_parser": reasoning_parser,
+    }
     window = f"max-kv-size {max_kv_size}, kv-sink {kv_sink}" if max_kv_size else "unbounded KV"
     if kv_bits is not None:
         window += f", {kv_bits}-bit KV (group {kv_group_size})"
@@ -915,7 +922,13 @@ def serve(
         bound_host,
         bound_port,
     )
-    run(app, sock, log_level=log_level)
+    if not http_process:
+        return run(create_app(engine, **app_settings), sock, log_level=log_level)
+    from mlxc.runtime.serving.frontend import serve_http_process
+
+    status = serve_http_process(engine, sock, app_settings, log_level)
+    if status:
+        raise SystemExit(status)
 
 
 def _json_object(value: str | None, flag: str) -> dict:

@@ -4,19 +4,24 @@ processor (a VL model), its scheduler and the prompt workers.
 The scheduler thread owns MLX and the model, and detokenizes with the tokenizer it was given.
 Prompts are encoded in ``Engine.workers`` (threads of the server's side, never the event loop) on
 a copy of that tokenizer, so no stream waits on another request's preprocessing. The HTTP app
-over it is ``runtime.serving.server``.
+over it is ``runtime.serving.server``; it reaches the scheduler only through ``Engine.submit``,
+``status``, ``metrics_text`` and ``request_stop``, which ``runtime.serving.frontend``'s
+``FrontEngine`` implements for an HTTP process of its own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import functools
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mlxc.runtime.serving import metrics
 from mlxc.runtime.serving.scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -51,28 +56,76 @@ class Engine:
         prompt_tokenizer: Any = None,
         **scheduler_options: Any,
     ) -> None:
+        self._prompt_side(
+            model_id=model_id,
+            aliases=aliases,
+            eos_token_ids=eos_token_ids,
+            context_length=context_length,
+            vocab_size=vocab_size,
+            chat_template=chat_template,
+            description=description,
+            processor=processor,
+            prompt_tokenizer=prompt_tokenizer or copy.deepcopy(tokenizer),
+        )
+        if processor is not None:  # the warm-up runs the vision tower too
+            scheduler_options.setdefault("warm_image", self._warm_image_prompt)
+        self.scheduler = Scheduler(
+            model, tokenizer, eos_token_ids=eos_token_ids, **scheduler_options
+        )
+
+    def _prompt_side(
+        self,
+        *,
+        model_id: str,
+        aliases: tuple[str, ...],
+        eos_token_ids,
+        context_length: int | None,
+        vocab_size: int | None,
+        chat_template: str | None,
+        description: str | None,
+        processor: Any,
+        prompt_tokenizer: Any,
+        created: int | None = None,
+    ) -> None:
+        """What the HTTP side reads: names, limits, the prompt tokenizer and processor."""
+        created = int(time.time()) if created is None else created
+        self._prompt_settings = {
+            "model_id": model_id,
+            "aliases": tuple(aliases),
+            "eos_token_ids": frozenset(eos_token_ids),
+            "context_length": context_length,
+            "vocab_size": vocab_size,
+            "chat_template": chat_template,
+            "description": description,
+            "processor": processor,
+            "prompt_tokenizer": prompt_tokenizer,
+            "created": created,
+        }
         self.model_id = model_id
         self.names = {model_id, *aliases}
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.context_length = context_length
         self.vocab_size = vocab_size
         self.chat_template = chat_template  # overrides the tokenizer's (--chat-template)
         self.description = description
         # Image processor of a VL model (None: text only); it encodes with prompt_tokenizer.
         self.processor = processor
-        self.created = int(time.time())
+        self.created = created
         # Prompts are encoded in worker threads, on a copy of the tokenizer: Hugging Face
         # tokenizers are not safe under concurrent use, and sharing the scheduler's would make
         # every stream's detokenizing wait while a long prompt is encoded.
-        self.prompt_tokenizer = prompt_tokenizer or copy.deepcopy(tokenizer)
+        self.prompt_tokenizer = prompt_tokenizer
         self._prompt_lock = threading.Lock()  # the workers take turns on prompt_tokenizer
         self.workers: ThreadPoolExecutor | None = None  # made by start(), on the server's side
         self.preparing = 0  # requests in the workers now (event loop only; /health shows it)
-        self.relay: Any = None  # the server's EventRelay for its event loop (server._relay)
-        if processor is not None:  # the warm-up runs the vision tower too
-            scheduler_options.setdefault("warm_image", self._warm_image_prompt)
-        self.scheduler = Scheduler(
-            model, tokenizer, eos_token_ids=eos_token_ids, **scheduler_options
-        )
+        self.relay: EventRelay | None = None  # hands events to the server's event loop
+        # Ends the HTTP server (set by ``server.run``; a FrontEngine calls it when its engine
+        # process has gone).
+        self.stop_serving: Callable[[], None] | None = None
+
+    def prompt_side_settings(self) -> dict[str, Any]:
+        """``_prompt_side``'s arguments: an ``Engine`` of the HTTP process is made of them."""
+        return dict(self._prompt_settings)
 
     @classmethod
     def from_path(
@@ -148,15 +201,55 @@ class Engine:
         return self.scheduler.pool.max_kv_size
 
     def start(self) -> None:
-        if self.workers is None:
-            self.workers = ThreadPoolExecutor(PROMPT_WORKERS, thread_name_prefix="mlxc-prompt")
+        self._start_workers()
         self.scheduler.start()
 
     def stop(self) -> None:
         self.scheduler.stop()
+        self._stop_workers()
+
+    def _start_workers(self) -> None:
+        if self.workers is None:
+            self.workers = ThreadPoolExecutor(PROMPT_WORKERS, thread_name_prefix="mlxc-prompt")
+
+    def _stop_workers(self) -> None:
         if self.workers is not None:
             self.workers.shutdown(wait=False, cancel_futures=True)
             self.workers = None
+
+    # What the HTTP app asks of the scheduler (on its event loop).
+
+    async def submit(
+        self,
+        prompt_ids: list[int],
+        params: Any,
+        events: asyncio.Queue,
+        model_inputs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Queue a generation whose events arrive in ``events`` (a queue of the running event
+        loop); a handle whose ``cancel()`` ends it. Raises what ``Scheduler.submit`` raises
+        (QueueFull, SchedulerStopped, ValueError)."""
+        loop = asyncio.get_running_loop()
+        if self.relay is None or self.relay.loop is not loop:  # one per loop (tests run several)
+            self.relay = EventRelay(loop)
+        relay = self.relay
+
+        def emit(event) -> None:  # scheduler thread -> event loop
+            relay.send(events, event)
+
+        return self.scheduler.submit(prompt_ids, params, emit, model_inputs=model_inputs)
+
+    async def status(self) -> tuple[bool, dict[str, Any]]:
+        """Whether the scheduler runs, and its stats (``Scheduler.stats``)."""
+        return self.scheduler.alive, self.scheduler.stats()
+
+    async def metrics_text(self) -> bytes:
+        """``GET /metrics``: Prometheus' text format."""
+        return metrics.render(self.scheduler.stats())
+
+    def request_stop(self) -> None:
+        """Begin shutting down (safe in a signal handler): every request ends at once."""
+        self.scheduler.request_stop()
 
     # Prompt building: called in the worker threads (never on the event loop).
 
@@ -205,8 +298,7 @@ class Engine:
 
         with self._prompt_lock:
             tokenizer = copy.deepcopy(self.prompt_tokenizer)
-        eos = self.scheduler.eos_token_ids
-        return Grammars(tokenizer, self.vocab_size, eos)
+        return Grammars(tokenizer, self.vocab_size, self.eos_token_ids)
 
     def encode_chat(
         self, messages: list[dict[str, str]], template_kwargs: dict | None = None
@@ -245,3 +337,37 @@ class Engine:
 
         with self._prompt_lock:
             return encode_prompt(self.prompt_tokenizer, text, chat_template=False)
+
+
+class EventRelay:
+    """Hands events from the scheduler thread to one event loop's queues, a burst at a time.
+
+    One scheduler step makes an event for every running stream. A ``call_soon_threadsafe`` per
+    event would wake the loop (a write to its self-pipe) and take the GIL from the scheduler
+    thread once per token per stream; here the first event of a burst schedules one flush, and
+    the events that follow before it runs join the same flush, in order.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, Any]] = []
+
+    def send(self, queue: asyncio.Queue, event: Any) -> None:
+        """Scheduler thread: queue ``event`` for ``queue``; raises once the loop is closed."""
+        with self._lock:
+            self._pending.append((queue, event))
+            if len(self._pending) > 1:
+                return  # a flush is already scheduled and will take this one too
+        try:
+            self.loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the loop is closed: nobody reads these any more
+            with self._lock:
+                self._pending.clear()
+            raise
+
+    def _flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for queue, event in pending:
+            queue.put_nowait(event)

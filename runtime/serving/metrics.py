@@ -156,12 +156,53 @@ REQUEST_LATENCY = Histogram(
 )
 
 
-def render(stats: dict[str, Any]) -> bytes:
-    """The exposition text, with the gauges set from ``Scheduler.stats()``."""
+# The families the scheduler counts. When HTTP runs in a process of its own
+# (``runtime.serving.frontend``) the engine's process holds these and the HTTP process the rest;
+# its ``/metrics`` joins the two.
+ENGINE_FAMILIES = frozenset(
+    {
+        "mlxc_prefix_cache_hits",
+        "mlxc_prefix_cache_hit_tokens",
+        "mlxc_spec_decode_steps",
+        "mlxc_spec_decode_draft_tokens",
+        "mlxc_spec_decode_accepted_tokens",
+        "mlxc_forwards",
+        "mlxc_scheduler_seconds",
+    }
+)
+
+
+class _Families:
+    """A collector of some of ``REGISTRY``'s metric families."""
+
+    def __init__(self, keep) -> None:
+        self.keep = keep
+
+    def collect(self):
+        return [family for family in REGISTRY.collect() if self.keep(family.name)]
+
+
+def _text(keep) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(keep))
+    return generate_latest(registry)
+
+
+def render(stats: dict[str, Any], engine_text: bytes | None = None) -> bytes:
+    """The exposition text, with the gauges set from ``Scheduler.stats()``. ``engine_text``:
+    the engine process's :func:`render_engine` (HTTP in a process of its own), which replaces
+    this process's copies of those families."""
     QUEUE_DEPTH.set(stats["waiting"])
     RUNNING.set(stats["running"])
     KV_BYTES.set(stats["pool"]["bytes"])
-    return generate_latest(REGISTRY)
+    if engine_text is None:
+        return generate_latest(REGISTRY)
+    return _text(lambda name: name not in ENGINE_FAMILIES) + engine_text
+
+
+def render_engine() -> bytes:
+    """The engine process's share of the exposition text: the :data:`ENGINE_FAMILIES`."""
+    return _text(lambda name: name in ENGINE_FAMILIES)
 
 
 class TokenClock:

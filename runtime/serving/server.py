@@ -15,7 +15,7 @@ SSE replies, and binding and running it. The app's settings live on ``app.state`
 Request path: Host/Origin guard (``runtime.serving.http_guard``) -> API key -> body (size-limited) ->
 in a worker thread: JSON -> pydantic schema (strict types) -> prompt ids (chat template, or the
 raw prompt) -> context and ``max_tokens`` checks -> ``Scheduler.submit`` -> events from the
-scheduler thread, handed to the event loop by an :class:`EventRelay` -> JSON or SSE.
+scheduler thread, handed to the event loop by ``Engine.submit`` -> JSON or SSE.
 ``image_url`` parts (data URLs or bare base64; the server fetches nothing) go to a VL model's
 ``Engine.processor``, which expands the image placeholders; its vision inputs (numpy) travel with
 the first prefill chunk through ``Scheduler.submit(model_inputs=...)``. A text model answers 400.
@@ -38,7 +38,6 @@ import logging
 import re
 import secrets
 import socket
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
@@ -713,56 +712,11 @@ async def read_body(request: Request, settings: SettingsDep) -> bytes:
 Body = Annotated[bytes, Depends(read_body)]
 
 
-class EventRelay:
-    """Hands events from the scheduler thread to one event loop's queues, a burst at a time.
-
-    One scheduler step makes an event for every running stream. A ``call_soon_threadsafe`` per
-    event would wake the loop (a write to its self-pipe) and take the GIL from the scheduler
-    thread once per token per stream; here the first event of a burst schedules one flush, and
-    the events that follow before it runs join the same flush, in order.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._lock = threading.Lock()
-        self._pending: list[tuple[asyncio.Queue, Any]] = []
-
-    def send(self, queue: asyncio.Queue, event: Any) -> None:
-        """Scheduler thread: queue ``event`` for ``queue``; raises once the loop is closed."""
-        with self._lock:
-            self._pending.append((queue, event))
-            if len(self._pending) > 1:
-                return  # a flush is already scheduled and will take this one too
-        try:
-            self.loop.call_soon_threadsafe(self._flush)
-        except RuntimeError:  # the loop is closed: nobody reads these any more
-            with self._lock:
-                self._pending.clear()
-            raise
-
-    def _flush(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for queue, event in pending:
-            queue.put_nowait(event)
-
-
-def _relay(engine: Engine, loop: asyncio.AbstractEventLoop) -> EventRelay:
-    if engine.relay is None or engine.relay.loop is not loop:  # one per loop (tests run several)
-        engine.relay = EventRelay(loop)
-    return engine.relay
-
-
-def _submit(engine: Engine, job: _Job):
-    relay = _relay(engine, asyncio.get_running_loop())
+async def _submit(engine: Engine, job: _Job):
     events: asyncio.Queue = asyncio.Queue()
-
-    def emit(event) -> None:  # scheduler thread -> event loop
-        relay.send(events, event)
-
     params = replace(job.req.params(job.max_tokens), **job.params)
     try:
-        handle = engine.scheduler.submit(job.prompt_ids, params, emit, model_inputs=job.vision)
+        handle = await engine.submit(job.prompt_ids, params, events, model_inputs=job.vision)
     except QueueFull as e:
         raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from e
     except SchedulerStopped as e:
@@ -779,7 +733,7 @@ async def _complete(engine: Engine, settings: _Settings, kind: str, body: bytes)
         job = await loop.run_in_executor(engine.workers, _prepare, engine, kind, body, settings)
     finally:
         engine.preparing -= 1
-    handle, events = _submit(engine, job)
+    handle, events = await _submit(engine, job)
     reply = _Reply(engine, job, arrival)
     if job.req.stream:
         return _SSEResponse(reply.stream(events, job.req.include_usage), handle)
@@ -850,12 +804,12 @@ _open = APIRouter()  # no API key: load balancers and the tests poll it
 
 @_open.get("/health")
 async def health(engine: EngineDep):
-    alive = engine.scheduler.alive
+    alive, stats = await engine.status()
     body = {
         "status": "ok" if alive else "error",
         "model": engine.model_id,
         "preparing": engine.preparing,  # requests being parsed, rendered and tokenized
-        **engine.scheduler.stats(),
+        **stats,
     }
     return JSONResponse(body, status_code=200 if alive else 503)
 
@@ -863,7 +817,7 @@ async def health(engine: EngineDep):
 @_open.get("/metrics")
 async def prometheus_metrics(engine: EngineDep):
     """Prometheus text format (``runtime.serving.metrics`` lists the names)."""
-    return Response(metrics.render(engine.scheduler.stats()), media_type=metrics.CONTENT_TYPE)
+    return Response(await engine.metrics_text(), media_type=metrics.CONTENT_TYPE)
 
 
 async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -988,7 +942,7 @@ class _Server(uvicorn.Server):
         self.engine = engine
 
     def handle_exit(self, sig, frame) -> None:
-        self.engine.scheduler.request_stop()  # a lock and a notify: safe in a signal handler
+        self.engine.request_stop()  # safe in a signal handler
         super().handle_exit(sig, frame)
         self._captured_signals.clear()  # a stop on request is a normal exit
 
@@ -997,4 +951,6 @@ def run(app: FastAPI, sock: socket.socket, *, log_level: str = "info") -> None:
     """Serve ``app`` (made by :func:`create_app`) on ``sock`` (from :func:`bind`) until a
     signal stops it."""
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
-    _Server(config, app.state.engine).run(sockets=[sock])
+    server = _Server(config, app.state.engine)
+    app.state.engine.stop_serving = lambda: setattr(server, "should_exit", True)
+    server.run(sockets=[sock])

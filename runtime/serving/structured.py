@@ -103,11 +103,14 @@ def tool_call_grammar(
 
 
 class Constraint:
-    """One request's matcher: the allowed-token bitmask for the next step, and its tokens."""
+    """One request's matcher: the allowed-token bitmask for the next step, and its tokens.
+    ``grammar``: the Lark text it was made from (a matcher does not pickle: another process
+    makes its own from this, ``runtime.serving.frontend``)."""
 
-    def __init__(self, matcher: Any, words: int) -> None:
+    def __init__(self, matcher: Any, words: int, grammar: str = "") -> None:
         self.matcher = matcher
         self.words = words  # int32 words of the bitmask
+        self.grammar = grammar
 
     def bitmask(self) -> np.ndarray:
         """The tokens allowed next, one bit per token id (int32 words, little-endian bits)."""
@@ -179,7 +182,7 @@ class Grammars:
         )
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        return Constraint(matcher, (info.vocab_size + 31) // 32)
+        return Constraint(matcher, (info.vocab_size + 31) // 32, grammar)
 
 
 def apply_masks(logits: mx.array, rows: list[int], masks: list[np.ndarray]) -> mx.array:
