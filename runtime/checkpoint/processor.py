@@ -561,7 +561,6 @@ class PixtralProcessor(Processor):
         super().__init__(tokenizer, chat_template, template_source)
         from mlxc.runtime.checkpoint import pixtral_preprocess as pp
 
-        self._pp = pp
         self.cfg = pp.PixtralProcessorConfig.from_pretrained(path)
         config = _read_json(Path(path) / "config.json")
         self.token_ids = pp.image_token_ids(tokenizer, self.cfg, config)
@@ -569,7 +568,9 @@ class PixtralProcessor(Processor):
         self.placeholder = self.cfg.image_token
 
     def _vision(self, images):
-        pp, cfg = self._pp, self.cfg
+        from mlxc.runtime.checkpoint import pixtral_preprocess as pp
+
+        cfg = self.cfg
         try:
             pixel_values, sizes = pp.preprocess_images(images, cfg)
         except (ValueError, OSError) as e:
@@ -602,7 +603,6 @@ class Gemma3Processor(Processor):
         super().__init__(tokenizer, chat_template, template_source)
         from mlxc.runtime.checkpoint import gemma3_preprocess as gp
 
-        self._gp = gp
         self.cfg = gp.Gemma3ProcessorConfig.from_pretrained(path)
         self.tokens = gp.Gemma3Tokens.from_tokenizer(tokenizer)
         ids = gp.token_ids(tokenizer, self.tokens, _read_json(Path(path) / "config.json"))
@@ -610,7 +610,9 @@ class Gemma3Processor(Processor):
         self.placeholder = self.tokens.boi
 
     def _vision(self, images):
-        gp, cfg = self._gp, self.cfg
+        from mlxc.runtime.checkpoint import gemma3_preprocess as gp
+
+        cfg = self.cfg
         try:
             pixel_values, num_crops = gp.preprocess_images(images, cfg)
         except (ValueError, OSError) as e:
