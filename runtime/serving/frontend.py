@@ -189,7 +189,11 @@ def serve_http_process(
     process = context.Process(
         target=_http_main, args=(spec, sock, requests_out, replies_in), name="mlxc-http"
     )
-    process.start()
+    try:
+        process.start()
+    except BaseException:
+        engine.stop()
+        raise
     requests_out.close()
     replies_in.close()
     sock.close()  # the HTTP process holds its own copy

@@ -6,7 +6,9 @@ with ``data: [DONE]``. Every error is OpenAI-shaped: ``{"error": {"message", "ty
 "code"}}``; bad input is rejected before anything is queued, so it changes no state.
 
 Layout: ``runtime.serving.engine`` holds the :class:`Engine` (model, tokenizers, processor, scheduler,
-prompt workers), ``runtime.serving.api_schemas`` the request schemas, :class:`APIError` and
+prompt workers; the app reaches the scheduler only through its ``submit``, ``status``,
+``metrics_text`` and ``request_stop``, which ``runtime.serving.frontend.FrontEngine`` sends to
+another process when HTTP runs in one of its own), ``runtime.serving.api_schemas`` the request schemas, :class:`APIError` and
 :class:`Limits`; this module the app: request preparation, the disconnect watcher, the JSON and
 SSE replies, and binding and running it. The app's settings live on ``app.state`` (``engine``,
 ``settings``); the API key check and the size-limited body read are FastAPI dependencies
