@@ -6,7 +6,9 @@ scheduler thread (building each step's graph, handing tokens out) take turns on 
 every turn the loop takes is a step the device waits for. Measured in-process on an H100 (s21,
 ``bench.gil_contention``: the medium llama, 64 rows): a second Python thread busy a fifth of
 the time cut the scheduler's rate from 11.8-15.6k to 8.7k tokens/s, where the served rate of
-the same scheduler was 4.2k. Two processes have two GILs.
+the same scheduler was 4.2k. Two processes have two GILs: served, alternated on one H100, the
+step's build fell from 3.2-3.6 to 1.7-1.9 ms and the rate rose 1.1-1.5x at 64 streams
+(``bench/results/serve-http-process-gpu-h100-s21/``).
 
 The process ``mlxc serve`` starts (the *engine process*) loads the model and runs the scheduler
 as before, then starts the *HTTP process* (``multiprocessing``, spawned, never forked: MLX and
@@ -28,8 +30,8 @@ other waits to write. A grammar travels as its Lark text (llguidance's matcher d
 the engine makes its own matcher from it, after the HTTP side has already checked it compiles.
 
 Ending: a signal to the engine process (SIGINT, SIGTERM) is passed on to the HTTP process as
-SIGTERM (a terminal's Ctrl-C reaches both). Either way the scheduler ends every request (their final events still reach their
-streams), uvicorn shuts down, the HTTP process exits, its pipe closes, and the engine process
+SIGTERM (a terminal's Ctrl-C reaches both). Either way the scheduler ends every request (their
+final events still reach their streams), uvicorn shuts down, the HTTP process exits, its pipe closes, and the engine process
 stops the scheduler and exits with the HTTP process's exit status. If the engine process dies,
 the HTTP process fails its open requests and exits 1; if the HTTP process dies, the engine
 process stops.

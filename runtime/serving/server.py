@@ -5,12 +5,13 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/mo
 with ``data: [DONE]``. Every error is OpenAI-shaped: ``{"error": {"message", "type", "param",
 "code"}}``; bad input is rejected before anything is queued, so it changes no state.
 
-Layout: ``runtime.serving.engine`` holds the :class:`Engine` (model, tokenizers, processor, scheduler,
-prompt workers; the app reaches the scheduler only through its ``submit``, ``status``,
-``metrics_text`` and ``request_stop``, which ``runtime.serving.frontend.FrontEngine`` sends to
-another process when HTTP runs in one of its own), ``runtime.serving.api_schemas`` the request schemas, :class:`APIError` and
-:class:`Limits`; this module the app: request preparation, the disconnect watcher, the JSON and
-SSE replies, and binding and running it. The app's settings live on ``app.state`` (``engine``,
+Layout: ``runtime.serving.engine`` holds the :class:`Engine` (model, tokenizers, processor,
+scheduler, prompt workers; the app reaches the scheduler only through its ``submit``,
+``status``, ``metrics_text`` and ``request_stop``, which ``runtime.serving.frontend``'s
+``FrontEngine`` sends to another process when HTTP runs in one of its own),
+``runtime.serving.api_schemas`` the request schemas, :class:`APIError` and :class:`Limits`;
+this module the app: request preparation, the disconnect watcher, the JSON and SSE replies,
+and binding and running it. The app's settings live on ``app.state`` (``engine``,
 ``settings``); the API key check and the size-limited body read are FastAPI dependencies
 (:func:`check_auth` on every ``/v1`` route, :func:`read_body` on the completion routes).
 
