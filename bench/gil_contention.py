@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+BURNER = "gil-burner"  # the burning thread's name
 # (label, busy ms, asleep ms, switch interval s)
 VARIANTS = (
     ("alone", 0, 0, 0.005),
@@ -57,7 +58,9 @@ def run(model_dir: str, levels: list[int], prompt_tokens: int, steps: int) -> li
         stop = threading.Event()
         burner = None
         if busy:
-            burner = threading.Thread(target=_burn, args=(stop, busy, asleep), daemon=True)
+            burner = threading.Thread(
+                target=_burn, args=(stop, busy, asleep), name=BURNER, daemon=True
+            )
             burner.start()
         try:
             tps, ticks = ceiling.scheduler_tps(model_dir, levels, prompt_tokens, steps)

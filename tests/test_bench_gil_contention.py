@@ -15,7 +15,7 @@ def test_each_variant_measures_with_its_burner_and_switch_interval(monkeypatch):
     seen = []
 
     def scheduler_tps(model_dir, levels, prompt_tokens, steps):
-        burners = [t for t in threading.enumerate() if t.name != "MainThread" and t.is_alive()]
+        burners = [t for t in threading.enumerate() if t.name == gil_contention.BURNER]
         seen.append((len(burners), sys.getswitchinterval()))
         tps = {b: 100.0 * (len(seen)) for b in levels}
         return tps, {b: {"tick": 1.0} for b in levels}
@@ -28,7 +28,7 @@ def test_each_variant_measures_with_its_burner_and_switch_interval(monkeypatch):
         assert burners == (1 if busy else 0), label
         assert switch == interval, label
     assert sys.getswitchinterval() == default
-    assert not [t for t in threading.enumerate() if t.name != "MainThread" and t.is_alive()]
+    assert not [t for t in threading.enumerate() if t.name == gil_contention.BURNER]
     text = gil_contention.markdown(rows, [16, 64], "cmd", "machine")
     # the faster run alone is the last (500 tokens/s): the first alone is 100 / 500
     assert "| alone | 100 (0.20) | 100 (0.20) |" in text
