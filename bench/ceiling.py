@@ -7,7 +7,8 @@ against what the same model shape decodes on this machine::
 The loop is the tightest one MLX users write (mlx-lm's model and plain KV caches): all rows
 prefill one ``prompt_tokens``-long prompt together, then every step queues the next forward with
 ``mx.async_eval`` before reading the previous step's tokens, so the host never stalls the device;
-the best of ``--repeats`` runs counts. ``bench.serve_compare`` runs it at each stream level's batch size and records ``ceiling_tps``.
+the best of ``--repeats`` runs counts. ``bench.serve_compare`` runs it at each stream level's
+batch size and records ``ceiling_tps``.
 
 ``--scheduler`` also times mlxc's own ``Scheduler`` in this process on the same checkpoint:
 ``batch`` requests submitted at once (no HTTP, no JSON, events counted and dropped), decode
@@ -52,7 +53,7 @@ def decode_tps(model, batch: int, prompt_tokens: int, steps: int, vocab: int) ->
 
 
 def measure(
-    model_dir: str, batches: list[int], prompt_tokens: int, steps: int, repeats: int = 1
+    model_dir: str, batches: list[int], prompt_tokens: int, steps: int, repeats: int = 2
 ) -> dict[str, dict[int, float | list[float]]]:
     """``{"ceiling": {batch: tokens/s}, "ceiling_runs": {batch: [tokens/s, ...]}}``: the best
     of ``repeats`` timed runs per batch, each batch after one short untimed run. The best,
