@@ -88,21 +88,9 @@ class Engine:
         created: int | None = None,
     ) -> None:
         """What the HTTP side reads: names, limits, the prompt tokenizer and processor."""
-        created = int(time.time()) if created is None else created
-        self._prompt_settings = {
-            "model_id": model_id,
-            "aliases": tuple(aliases),
-            "eos_token_ids": frozenset(eos_token_ids),
-            "context_length": context_length,
-            "vocab_size": vocab_size,
-            "chat_template": chat_template,
-            "description": description,
-            "processor": processor,
-            "prompt_tokenizer": prompt_tokenizer,
-            "created": created,
-        }
         self.model_id = model_id
         self.names = {model_id, *aliases}
+        self.aliases = tuple(aliases)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.context_length = context_length
         self.vocab_size = vocab_size
@@ -110,7 +98,7 @@ class Engine:
         self.description = description
         # Image processor of a VL model (None: text only); it encodes with prompt_tokenizer.
         self.processor = processor
-        self.created = created
+        self.created = int(time.time()) if created is None else created
         # Prompts are encoded in worker threads, on a copy of the tokenizer: Hugging Face
         # tokenizers are not safe under concurrent use, and sharing the scheduler's would make
         # every stream's detokenizing wait while a long prompt is encoded.
@@ -125,7 +113,18 @@ class Engine:
 
     def prompt_side_settings(self) -> dict[str, Any]:
         """``_prompt_side``'s arguments: an ``Engine`` of the HTTP process is made of them."""
-        return dict(self._prompt_settings)
+        return {
+            "model_id": self.model_id,
+            "aliases": self.aliases,
+            "eos_token_ids": self.eos_token_ids,
+            "context_length": self.context_length,
+            "vocab_size": self.vocab_size,
+            "chat_template": self.chat_template,
+            "description": self.description,
+            "processor": self.processor,
+            "prompt_tokenizer": self.prompt_tokenizer,
+            "created": self.created,
+        }
 
     @classmethod
     def from_path(

@@ -701,7 +701,8 @@ class Scheduler:
         64-stream run still fell to a sixth of its rate for 4-7 s once its first answers ended
         (``bench/results/serve-profile-gpu-h200-s20/``), most likely compiling the
         compaction's gather along the columns (``mx.take_along_axis``, a module of its own):
-        the one batch path no wave took, hence the last wave (not yet measured on a GPU).
+        the one batch path no wave took, hence the last wave (with it, s21's served run on an
+        H100 compiled nothing and did not dip).
 
         The requests have a queue of their own and skip the prefix cache; no counter or metric
         sees them (``_count``). Called on CUDA only."""
