@@ -21,6 +21,7 @@ from mlxc.runtime.model.cache import KVCache, cache_policy
 from mlxc.runtime.serving import metrics
 from mlxc.runtime.serving.admission import AdmissionQueue, Request
 from mlxc.runtime.serving.generate import generate_tokens, prefill_chunks
+from mlxc.runtime.serving.output import EventText, SequenceOutput
 from mlxc.runtime.serving.sample import make_sampler
 from mlxc.runtime.serving.scheduler import (
     Delta,
@@ -527,6 +528,42 @@ def test_stop_string_ends_generation(model, tokenizer, make_scheduler):
     tokens, got, done = out.result()
     assert got == text[: text.index(stop)]
     assert done.reason == "stop" and len(tokens) < 30
+
+
+@pytest.mark.parametrize("ending", ["eos", "length"])
+def test_text_made_by_the_reader_equals_the_schedulers(tokenizer, ending):
+    """``mlxc serve``'s HTTP process makes the text of requests without stop strings
+    (``SamplingParams(detokenize=False)``, ``output.EventText``): on random token streams
+    (multi-byte characters split across tokens, a special token kept), every event's text
+    equals what the scheduler's own ``SequenceOutput`` sends, and the scheduler's events
+    carry none."""
+    eos = 257
+    keep = frozenset({256})
+    rng = np.random.default_rng(1)
+    for _ in range(10):
+        ids = [int(i) for i in rng.integers(0, 256, 30)] + [256, 72, 105]
+        if ending == "eos":
+            ids.append(eos)
+        made = {}
+        for detokenize in (True, False):
+            params = SamplingParams(max_tokens=len(ids), keep_special=keep, detokenize=detokenize)
+            output = SequenceOutput(tokenizer, params, 4, frozenset({eos}))
+            events: list = []
+            for token in ids:
+                if output.accept(token, events.append):
+                    break
+            made[detokenize] = events
+        sent, filled = made[True], made[False]
+        assert [type(e) for e in sent] == [type(e) for e in filled]
+        assert isinstance(sent[-1], Finished) and sent[-1].reason == (
+            "stop" if ending == "eos" else "length"
+        )
+        assert all(e.text == "" for e in filled)  # nothing detokenized on the scheduler's side
+        reader = EventText(tokenizer, keep)
+        assert [reader.fill(e) for e in filled] == sent
+        assert "".join(e.text for e in sent).endswith("Hi")
+    with pytest.raises(ValueError, match="stop strings"):
+        SamplingParams(max_tokens=4, stop=("x",), detokenize=False)
 
 
 class KwargsRecorder:

@@ -4,6 +4,7 @@ The rest of the server suites run against the default (two processes) too."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -63,12 +64,20 @@ def test_http_runs_in_its_own_process_and_answers_as_one_process(model, tmp_path
             with server.client() as c:
                 reply = c.post("/v1/completions", json=BODY).json()
                 streamed = c.post("/v1/completions", json={**BODY, "stream": True}).text
+                # Text made by the engine (stop strings), not by the HTTP process.
+                stop = reply["choices"][0]["text"][4:6]
+                stopped = c.post("/v1/completions", json={**BODY, "stop": [stop]}).json()
                 metrics = c.get("/metrics").text
-            answers[flag] = reply["choices"][0], reply["usage"]
+            answers[flag] = reply["choices"][0], reply["usage"], stopped["choices"][0]
             assert streamed.endswith("data: [DONE]\n\n")
+            chunks = [
+                json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")
+            ]
+            assert "".join(c["choices"][0]["text"] for c in chunks) == reply["choices"][0]["text"]
+            assert stopped["choices"][0]["finish_reason"] == "stop"
             # The scheduler's families come from the engine process, the requests from HTTP.
             assert 'mlxc_forwards_total{kind="decode"}' in metrics
-            assert 'mlxc_requests_total{endpoint="completions",status="200"} 2.0' in metrics
+            assert 'mlxc_requests_total{endpoint="completions",status="200"} 3.0' in metrics
         finally:
             server.close()
         assert server.proc.returncode == 0, server.log_text()

@@ -55,6 +55,15 @@ class SamplingParams:
     top_logprobs: int = 0
     keep_special: frozenset[int] = frozenset()  # special tokens detokenized all the same
     constraint: Any = None  # a runtime.serving.structured.Constraint: the grammar output follows
+    # False: the scheduler sends tokens without their text (Delta.text and Finished.text stay
+    # empty) and the reader detokenizes (output.EventText): `mlxc serve`'s HTTP process does,
+    # so the scheduler thread's step does not. Stop strings are matched on the scheduler's
+    # text, so they need True.
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are matched on the scheduler's text: detokenize=True")
 
 
 # A request receives any number of Delta events, then exactly one Finished or Failed.

@@ -104,7 +104,7 @@ class Engine:
         # every stream's detokenizing wait while a long prompt is encoded.
         self.prompt_tokenizer = prompt_tokenizer
         self._prompt_lock = threading.Lock()  # the workers take turns on prompt_tokenizer
-        self.workers: ThreadPoolExecutor | None = None  # made by start(), on the server's side
+        self.workers: ThreadPoolExecutor | None = None  # made by start(), by the HTTP app
         self.preparing = 0  # requests in the workers now (event loop only; /health shows it)
         self.relay: EventRelay | None = None  # hands events to the server's event loop
         # Ends the HTTP server (set by ``server.run``; a FrontEngine calls it when its engine
@@ -192,7 +192,9 @@ class Engine:
             prompt_tokenizer=checkpoint.prompt_tokenizer,
             **scheduler_options,
         )
-        engine.start()  # loads the model; raises CheckpointError here, not at the first request
+        # Loads the model: a CheckpointError is raised here, not at the first request. The
+        # prompt workers start with the app (``start``), in whichever process serves HTTP.
+        engine.scheduler.start()
         return engine
 
     @property

@@ -6,6 +6,10 @@ A running sequence's text is its own business, apart from the step that samples 
 completion tokens against ``max_tokens``, and turns each token into the :class:`Delta` and
 :class:`Finished` events of ``runtime.serving.admission``. It holds no MLX state and runs on the
 scheduler thread only (the detokenizer uses the scheduler's tokenizer).
+
+A request without stop strings needs no text on the scheduler thread: with
+``SamplingParams(detokenize=False)`` its events carry tokens alone, and :class:`EventText`
+makes the same text where they are read (``mlxc serve``'s HTTP process, off the step).
 """
 
 from __future__ import annotations
@@ -108,7 +112,9 @@ class SequenceOutput:
         self.eos_token_ids = eos_token_ids
         self.generated = 0
         self.cached_tokens = 0  # prompt tokens resumed from the prefix cache (not prefilled)
-        self.detok = StreamingDetokenizer(tokenizer, params.keep_special)
+        self.detok = (
+            StreamingDetokenizer(tokenizer, params.keep_special) if params.detokenize else None
+        )
         self.stops = StopMatcher(params.stop)
 
     def accept(
@@ -119,8 +125,7 @@ class SequenceOutput:
             send(self._finished("stop"))
             return True
         self.generated += 1
-        delta = self.detok.add(token)
-        text, hit = self.stops.feed(delta)
+        text, hit = self.stops.feed(self.detok.add(token) if self.detok else "")
         if hit:
             send(self._finished("stop", final_text=text))
             return True
@@ -131,7 +136,9 @@ class SequenceOutput:
         return False
 
     def _finished(self, reason: str, final_text: str | None = None) -> Finished:
-        if final_text is None:
+        if self.detok is None:  # the reader detokenizes (EventText)
+            final_text = ""
+        elif final_text is None:
             # EOS or max_tokens: flush what the detokenizer and the stop matcher hold back.
             tail = self.detok.finalize()
             final_text, hit = self.stops.feed(tail)
@@ -140,3 +147,23 @@ class SequenceOutput:
             else:
                 final_text += self.stops.flush()
         return Finished(reason, final_text, self.prompt_tokens, self.generated, self.cached_tokens)
+
+
+class EventText:
+    """A request's text, made where its events are read: fills in ``Delta.text`` and
+    ``Finished.text`` of events the scheduler sent without them (``SamplingParams(detokenize=
+    False)``), as ``SequenceOutput`` would have (the same detokenizer; no stop strings).
+
+    ``tokenizer`` must not be in use on another thread (Hugging Face tokenizers are not safe
+    under concurrent use)."""
+
+    def __init__(self, tokenizer: Any, keep_special: frozenset[int]) -> None:
+        self.detok = StreamingDetokenizer(tokenizer, keep_special)
+
+    def fill(self, event: Event) -> Event:
+        """``event`` with its text (in place: the reader's own copy)."""
+        if isinstance(event, Delta):
+            event.text = self.detok.add(event.token)
+        elif isinstance(event, Finished):
+            event.text = self.detok.finalize()
+        return event
