@@ -22,6 +22,11 @@ attention stack's time per token and ``mlp only - neither`` the MLP stack's, per
 model's decode ratio against mlx-lm comes from (batch-1 decode on a GPU is bound by kernel
 launches, so the parts add up to about the whole). Variants and sides interleave, median of
 ``--repeats``.
+
+The whole step's host time is split too, per side: building its graph (the model's Python)
+and ``mx.async_eval`` (MLX encoding and launching its kernels on the same thread; it also waits
+where the device is more than a step behind). Where the two add up to the step, the step is
+bound by the host, not by the device.
 """
 
 from __future__ import annotations
@@ -88,23 +93,33 @@ def main(argv: list[str] | None = None) -> None:
                 elif isinstance(layer.get(name), nn.Module):
                     object.__setattr__(layer, name, zeros)
 
-    def time_ms(model, cache, ids) -> float:
-        """Prefill ``ids``, then ``--tokens`` greedy steps, pipelined: ms per step (with
-        ``--phase prefill``: ms for the prefill, the steps not taken)."""
+    def time_ms(model, cache, ids) -> tuple[float, dict[str, float]]:
+        """Prefill ``ids``, then ``--tokens`` greedy steps, pipelined: ms per step, and the
+        median ms per step spent building the graph and in ``mx.async_eval`` (with ``--phase
+        prefill``: ms for the prefill, the steps not taken)."""
         start = time.perf_counter()
         y = mx.argmax(model(mx.array([ids]), cache=cache)[:, -1, :], axis=-1)
         mx.eval(y)
         if args.phase == "prefill":
-            return 1e3 * (time.perf_counter() - start)
+            return 1e3 * (time.perf_counter() - start), {}
         warm = 4
+        build, dispatch = [], []
         for i in range(warm + args.tokens):
             if i == warm:
                 mx.eval(y)
                 start = time.perf_counter()
+            a = time.perf_counter()
             y = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
+            b = time.perf_counter()
             mx.async_eval(y)
+            build.append(b - a)
+            dispatch.append(time.perf_counter() - b)
         mx.eval(y)
-        return 1e3 * (time.perf_counter() - start) / args.tokens
+        host = {
+            "build": 1e3 * statistics.median(build[warm:]),
+            "async_eval": 1e3 * statistics.median(dispatch[warm:]),
+        }
+        return 1e3 * (time.perf_counter() - start) / args.tokens, host
 
     results = {}
     for arch in archs:
@@ -119,17 +134,21 @@ def main(argv: list[str] | None = None) -> None:
         caches = {"mlxc": lambda m: m.make_cache(), "mlx-lm": make_prompt_cache}
         ids = prompt(args.prompt, sides["mlxc"].args.vocab_size, 1)
         runs = {(v, s): [] for v in VARIANTS for s in sides}
+        host_runs = {s: {"build": [], "async_eval": []} for s in sides}  # the full step's
         for repeat in range(args.repeats + 1):  # the first round warms (kernels, buffers)
             print(f"[{arch}] round {repeat}", file=sys.stderr, flush=True)
             for variant, kept in VARIANTS.items():
                 for side, model in sides.items():
                     keep(model, *kept)
                     try:
-                        ms = time_ms(model, caches[side](model), ids)
+                        ms, host = time_ms(model, caches[side](model), ids)
                     finally:
                         keep(model, True, True)
                     if repeat:
                         runs[variant, side].append(ms)
+                        if variant == "full":
+                            for k, v in host.items():
+                                host_runs[side][k].append(v)
         ms = {key: statistics.median(xs) for key, xs in runs.items()}
         parts = {
             side: {
@@ -141,6 +160,10 @@ def main(argv: list[str] | None = None) -> None:
         }
         results[arch] = {
             "step_ms": {f"{v} / {s}": round(x, 4) for (v, s), x in ms.items()},
+            "host_ms": {
+                s: {k: round(statistics.median(xs), 4) for k, xs in h.items() if xs}
+                for s, h in host_runs.items()
+            },
             "runs_ms": {f"{v} / {s}": [round(x, 3) for x in xs] for (v, s), xs in runs.items()},
             "parts_ms": parts,
         }
@@ -194,6 +217,12 @@ def _markdown(results: dict, args, device: str, mlx_version: str, argv) -> str:
         rows += [
             (part, r["parts_ms"]["mlxc"][part], r["parts_ms"]["mlx-lm"][part])
             for part in ("attention", "mlp", "rest")
+        ]
+        host = r.get("host_ms", {})
+        rows += [
+            (f"whole step, host: {label}", host["mlxc"][key], host["mlx-lm"][key])
+            for key, label in (("build", "building its graph"), ("async_eval", "mx.async_eval"))
+            if key in host.get("mlxc", {}) and key in host.get("mlx-lm", {})
         ]
         for part, ours, peer in rows:
             ratio = f"{ours / peer:.2f}" if peer > 0 else "-"

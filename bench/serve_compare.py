@@ -71,22 +71,39 @@ def counters(url: str) -> dict[str, dict[str, float]] | None:
 
 def thread_cpu(pid: int) -> dict[str, float] | None:
     """CPU seconds (user + system) each thread of process ``pid`` has used, summed by thread
-    name: ``main`` for its first thread (a server's HTTP event loop), the OS name for the
-    others (mlxc names its scheduler thread ``mlxc-scheduler``). None without Linux's /proc."""
+    name: ``main`` for its first thread (a server's HTTP event loop, or under ``mlxc serve``'s
+    split the engine process's reader), the OS name for the others (mlxc names its scheduler
+    thread ``mlxc-scheduler``), and ``child`` for every thread of the processes it started
+    (``mlxc serve``'s HTTP process). None without Linux's /proc."""
     tasks = Path(f"/proc/{pid}/task")
     if not tasks.is_dir():
         return None
-    ticks = os.sysconf("SC_CLK_TCK")
     used: dict[str, float] = {}
     for task in tasks.iterdir():
-        try:
-            name = "main" if task.name == str(pid) else (task / "comm").read_text().strip()
-            # utime and stime: fields 14 and 15, counted after the parenthesised name
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended between the listing and the read
-            continue
-        used[name] = used.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+        name = "main" if task.name == str(pid) else _read(task / "comm")
+        if name is not None:
+            used[name] = used.get(name, 0.0) + _cpu_s(task)
+        for child in (_read(task / "children") or "").split():
+            child_tasks = Path(f"/proc/{child}/task")
+            for child_task in child_tasks.iterdir() if child_tasks.is_dir() else ():
+                used["child"] = used.get("child", 0.0) + _cpu_s(child_task)
     return used
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:  # the thread or process ended meanwhile
+        return None
+
+
+def _cpu_s(task: Path) -> float:
+    """User + system CPU seconds of one /proc task (0 once it has ended)."""
+    stat = _read(task / "stat")
+    if stat is None:
+        return 0.0
+    fields = stat.rsplit(")", 1)[1].split()  # utime, stime: fields 14, 15 after the name
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def ptx_modules() -> int | None:
@@ -223,10 +240,12 @@ def markdown(report: dict) -> str:
             "mlxc's model forwards per level (`mlxc_forwards_total`): "
             + "; ".join(
                 f"{a['concurrency']} streams: {a['forwards'].get('prefill', 0):.0f} prefill, "
-                f"{a['forwards'].get('decode', 0):.0f} decode"
+                f"{a['forwards'].get('decode', 0):.0f} decode{_rows(a)}"
                 for a in counted
             )
-            + ".",
+            + ". Rows: the level's tokens after each request's first (which its prefill "
+            "makes) per decode forward, the batch a decode forward ran on average (the "
+            "ceiling's is always the level's streams).",
         ]
     phased = [a for a in counted if a.get("scheduler_s") and a["forwards"].get("decode")]
     if phased:
@@ -255,8 +274,9 @@ def markdown(report: dict) -> str:
     if timed:
         lines += [
             "",
-            "mlxc's CPU time per streamed token by thread, microseconds (`/proc`; `main` is the "
-            "HTTP event loop): "
+            "mlxc's CPU time per streamed token by thread, microseconds (`/proc`; `main`: the "
+            "first thread, the HTTP event loop in one process, the engine's reader beside an HTTP "
+            "process; `child`: the HTTP process, all its threads): "
             + "; ".join(f"{a['concurrency']} streams: {_per_token(a)}" for a in timed)
             + ".",
         ]
@@ -297,12 +317,23 @@ def _machine(m: dict) -> str:
 
 
 def _per_token(level: dict) -> str:
-    """``main 69, mlxc-scheduler 114, other 830``: a level's CPU microseconds per token."""
-    named = ("main", "mlxc-scheduler")
+    """``main 69, mlxc-scheduler 114, child 45, other 830``: a level's CPU microseconds per
+    token (``child`` only where the server started processes)."""
     cpu = level["thread_cpu_s"]
-    parts = {k: cpu.get(k, 0.0) for k in named}
-    parts["other"] = sum(v for k, v in cpu.items() if k not in named)
+    parts = {"main": cpu.get("main", 0.0), "mlxc-scheduler": cpu.get("mlxc-scheduler", 0.0)}
+    if "child" in cpu:
+        parts["child"] = cpu["child"]
+    parts["other"] = sum(v for k, v in cpu.items() if k not in (*parts, "child"))
     return ", ".join(f"{k} {v / level['completion_tokens'] * 1e6:.0f}" for k, v in parts.items())
+
+
+def _rows(level: dict) -> str:
+    """`` (51.7 rows)``: completion tokens after each request's first per decode forward."""
+    decode = level["forwards"].get("decode", 0)
+    if not decode:
+        return ""
+    after_first = level["completion_tokens"] - (level["requests"] - level["errors"])
+    return f" ({after_first / decode:.1f} rows)"
 
 
 def _per_forward(level: dict) -> str:

@@ -215,3 +215,32 @@ def test_thread_cpu_names_each_thread():
     level = {"thread_cpu_s": {"main": 0.069, "mlxc-scheduler": 0.114, "a": 0.5, "b": 0.33}}
     level["completion_tokens"] = 1000
     assert serve_compare._per_token(level) == "main 69, mlxc-scheduler 114, other 830"
+    level["thread_cpu_s"]["child"] = 0.045  # mlxc serve's HTTP process
+    assert serve_compare._per_token(level) == "main 69, mlxc-scheduler 114, child 45, other 830"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads Linux's /proc")
+def test_thread_cpu_counts_the_processes_a_server_started():
+    """``mlxc serve``'s HTTP process is a child of the process serve_compare started: its
+    threads count as ``child``."""
+    import os
+    import subprocess
+
+    script = (
+        "import time\nwhile time.process_time() < 0.3: pass\nprint('burnt', flush=True)\ninput()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "burnt"
+        used = serve_compare.thread_cpu(os.getpid())
+    finally:
+        child.communicate("\n", timeout=30)
+    assert used["child"] >= 0.25
+
+
+def test_rows_per_decode_forward():
+    level = {"completion_tokens": 1000, "requests": 10, "errors": 0, "forwards": {"decode": 99}}
+    assert serve_compare._rows(level) == " (10.0 rows)"  # 990 tokens after the first ones
+    assert serve_compare._rows({**level, "forwards": {"prefill": 3}}) == ""
