@@ -24,9 +24,11 @@ launches, so the parts add up to about the whole). Variants and sides interleave
 ``--repeats``.
 
 The whole step's host time is split too, per side: building its graph (the model's Python)
-and ``mx.async_eval`` (MLX encoding and launching its kernels on the same thread; it also waits
-where the device is more than a step behind). Where the two add up to the step, the step is
-bound by the host, not by the device.
+and ``mx.async_eval`` in the pipelined loop (MLX encoding and launching its kernels on the same
+thread; it also waits there while the device is behind, so in a device-bound loop it takes the
+rest of the step), and ``mx.async_eval`` of a step built while the device is idle (after an
+``mx.eval``): the encoding alone. Where building and encoding alone add up to the step, the
+host is the limit; where they fall short of it, the device is.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+IDLE_STEPS = 8  # steps after the timed ones whose async_eval runs on an idle device
 
 VARIANTS = {  # name -> (attention kept, mlp kept)
     "full": (True, True),
@@ -115,11 +119,20 @@ def main(argv: list[str] | None = None) -> None:
             build.append(b - a)
             dispatch.append(time.perf_counter() - b)
         mx.eval(y)
+        step_ms = 1e3 * (time.perf_counter() - start) / args.tokens
+        idle = []  # async_eval of a step while the device is idle: the encoding alone
+        for _ in range(IDLE_STEPS):
+            y = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
+            b = time.perf_counter()
+            mx.async_eval(y)
+            idle.append(time.perf_counter() - b)
+            mx.eval(y)
         host = {
             "build": 1e3 * statistics.median(build[warm:]),
             "async_eval": 1e3 * statistics.median(dispatch[warm:]),
+            "encode_idle": 1e3 * statistics.median(idle),
         }
-        return 1e3 * (time.perf_counter() - start) / args.tokens, host
+        return step_ms, host
 
     results = {}
     for arch in archs:
@@ -134,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         caches = {"mlxc": lambda m: m.make_cache(), "mlx-lm": make_prompt_cache}
         ids = prompt(args.prompt, sides["mlxc"].args.vocab_size, 1)
         runs = {(v, s): [] for v in VARIANTS for s in sides}
-        host_runs = {s: {"build": [], "async_eval": []} for s in sides}  # the full step's
+        host_runs = {s: {"build": [], "async_eval": [], "encode_idle": []} for s in sides}
         for repeat in range(args.repeats + 1):  # the first round warms (kernels, buffers)
             print(f"[{arch}] round {repeat}", file=sys.stderr, flush=True)
             for variant, kept in VARIANTS.items():
@@ -221,7 +234,11 @@ def _markdown(results: dict, args, device: str, mlx_version: str, argv) -> str:
         host = r.get("host_ms", {})
         rows += [
             (f"whole step, host: {label}", host["mlxc"][key], host["mlx-lm"][key])
-            for key, label in (("build", "building its graph"), ("async_eval", "mx.async_eval"))
+            for key, label in (
+                ("build", "building its graph"),
+                ("async_eval", "mx.async_eval, pipelined"),
+                ("encode_idle", "mx.async_eval, device idle"),
+            )
             if key in host.get("mlxc", {}) and key in host.get("mlx-lm", {})
         ]
         for part, ours, peer in rows:
