@@ -234,6 +234,29 @@ def test_sigmoid_router_moe(cls_name):
     compare(block, moe)
 
 
+def test_sigmoid_router_casts_its_weights_once():
+    """The router scores in float32 from bf16 weights; the float32 copies are made once per
+    loaded weight (a cast per step is two kernels a layer on a GPU), and weights loaded later
+    are used, not the old copies."""
+    from mlxc.runtime.model.moe import SigmoidRouter
+
+    router = SigmoidRouter(H, E)
+    mx.random.seed(3)
+    w = (mx.random.normal((E, H)) * 0.5).astype(mx.bfloat16)
+    bias = mx.random.normal((E,)).astype(mx.bfloat16)
+    router.update({"weight": w, "e_score_correction_bias": bias})
+    x = mx.random.normal((5, H)).astype(mx.bfloat16)
+    want = x.astype(mx.float32) @ w.astype(mx.float32).T
+    got = router(x)
+    assert got.dtype == mx.float32 and mx.array_equal(got, want)
+    first = router.float32()
+    assert all(a is b for a, b in zip(first, router.float32()))  # no new cast
+    assert mx.array_equal(first[1], bias.astype(mx.float32))
+    router.update({"weight": w * 2})
+    assert mx.array_equal(router(x), x.astype(mx.float32) @ (w * 2).astype(mx.float32).T)
+    assert router.float32()[0] is not first[0]
+
+
 def test_qwen2_moe_shared_expert_gate():
     from transformers import Qwen2MoeConfig
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock

@@ -345,7 +345,9 @@ def _by_expert_order(indices: mx.array) -> tuple[mx.array, mx.array, mx.array]:
 
 
 class SigmoidRouter(nn.Module):
-    """DeepSeek-V3 router parameters: ``weight [E, H]`` and ``e_score_correction_bias [E]``."""
+    """DeepSeek-V3 router parameters: ``weight [E, H]`` and ``e_score_correction_bias [E]``.
+
+    Scores in float32, as transformers computes them (its router weight is float32)."""
 
     def __init__(self, hidden: int, num_experts: int) -> None:
         super().__init__()
@@ -353,8 +355,19 @@ class SigmoidRouter(nn.Module):
         self.e_score_correction_bias = mx.zeros((num_experts,))
 
     def __call__(self, x: mx.array) -> mx.array:
-        # float32 like transformers (the router weight is kept in float32 there).
-        return x.astype(mx.float32) @ self.weight.astype(mx.float32).T
+        return x.astype(mx.float32) @ self.float32()[0].T
+
+    def float32(self) -> tuple[mx.array, mx.array]:
+        """``weight`` and ``e_score_correction_bias`` in float32, cast once: a cast per step
+        would be two kernels a layer on a GPU (bf16 checkpoints). Kept outside the parameter
+        tree and keyed on the arrays themselves, so weights loaded later are cast anew."""
+        params = self.weight, self.e_score_correction_bias
+        cached = self.__dict__.get("_float32")
+        if cached is None or any(a is not b for a, b in zip(cached[0], params)):
+            # Lazy: the first forward evaluates the casts, later ones reuse them.
+            cast = tuple(a.astype(mx.float32) for a in params)
+            cached = self.__dict__["_float32"] = (params, cast)
+        return cached[1]
 
 
 def route(
@@ -419,6 +432,13 @@ def _sigmoid_and_biased(logits: mx.array, bias: mx.array) -> tuple[mx.array, mx.
     """Sigmoid scores and the biased scores experts are chosen by, in one kernel."""
     scores = mx.sigmoid(logits)
     return scores, scores + bias
+
+
+@partial(mx.compile, shapeless=True)
+def _weighted_sum(y: mx.array, weights: mx.array) -> mx.array:
+    """The chosen experts' outputs ``[N, k, H]`` weighted by ``weights [N, k]`` (float32) and
+    summed: the cast and the product one kernel, the sum another."""
+    return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
 
 
 @functools.lru_cache
@@ -530,7 +550,7 @@ class MoE(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        bias = self.gate.e_score_correction_bias if self.scoring == "sigmoid" else None
+        bias = self.gate.float32()[1] if self.scoring == "sigmoid" else None
         inds, weights = route(
             self.gate(x),
             self.top_k,
@@ -543,8 +563,7 @@ class MoE(nn.Module):
             routed_scaling_factor=self.routed_scaling_factor,
         )
         routed = self.fc1_latent_proj(x) if "fc1_latent_proj" in self else x
-        y = self.experts(routed, inds)  # [N, k, H] (or the latent width)
-        y = (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+        y = _weighted_sum(self.experts(routed, inds), weights)  # [N, k, H] -> [N, H]
         if "fc2_latent_proj" in self:
             y = self.fc2_latent_proj(y)
         if "shared_experts" in self:
