@@ -74,12 +74,11 @@ def in_row_blocks(fn, *xs: mx.array) -> mx.array:
     return mx.concatenate(blocks).reshape(shape)
 
 
-def _over_one_plus_exp(x: mx.array, t: mx.array) -> mx.array:
-    """``x / (1 + exp(t))`` with ``exp(t) = 2**n * p(r)``: Cody and Waite's reduction (``n``
-    the integer nearest ``t / ln 2``, ``ln 2`` in two parts so ``r`` keeps its bits, ``|r| <=
-    ln 2 / 2``), the Cephes ``expf`` polynomial for ``p``, and ``2**n`` made from its float32
-    exponent bits. ``t`` is clipped to float32's exponent range; past it (``t > 88``: the
-    quotient under ``|x| * 1e-38``) the result is 0."""
+def exp_by_polynomial(t: mx.array) -> mx.array:
+    """float32 ``exp(t)`` of ``t`` clipped to [-87, 88] (float32's exponent range), as ``2**n *
+    p(r)``: Cody and Waite's reduction (``n`` the integer nearest ``t / ln 2``, ``ln 2`` in two
+    parts so ``r`` keeps its bits, ``|r| <= ln 2 / 2``), the Cephes ``expf`` polynomial for
+    ``p``, and ``2**n`` made from its float32 exponent bits. Within 2e-6 of ``mx.exp``."""
     n_t = mx.clip(t, -87.0, 88.0)
     n = mx.floor(n_t * 1.4426950408889634 + 0.5)
     r = n_t - n * 0.693359375 + n * 2.12194440e-4
@@ -87,7 +86,13 @@ def _over_one_plus_exp(x: mx.array, t: mx.array) -> mx.array:
     for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 0.5):
         p = p * r + c
     two_n = ((n.astype(mx.int32) + 127) << 23).view(mx.float32)
-    return mx.where(t > 88.0, 0.0, x / (1.0 + (p * r * r + r + 1.0) * two_n))
+    return (p * r * r + r + 1.0) * two_n
+
+
+def _over_one_plus_exp(x: mx.array, t: mx.array) -> mx.array:
+    """``x / (1 + exp(t))``; past float32's range (``t > 88``: the quotient under ``|x| *
+    1e-38``) 0."""
+    return mx.where(t > 88.0, 0.0, x / (1.0 + exp_by_polynomial(t)))
 
 
 def silu_by_polynomial(x: mx.array) -> mx.array:
@@ -299,7 +304,7 @@ def _query_blocks(
         if window is not None and seen - first > window.window:
             mask = masks.causal_array(end - start, seen - first, window.window)
         blocks.append(
-            mx.fast.scaled_dot_product_attention(
+            _block_attention(
                 queries[:, :, start:end],
                 keys[..., first:seen, :],
                 values[..., first:seen, :],
@@ -309,6 +314,46 @@ def _query_blocks(
             )
         )
     return mx.concatenate(blocks, axis=2)
+
+
+def _block_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    *,
+    scale: float,
+    mask: mx.array | str,
+    sinks: mx.array | None,
+) -> mx.array:
+    """One block of ``_query_blocks``: ``softmax(q k^T) v`` composed, the exponentials by
+    ``exp_by_polynomial`` (float32 on the CPU; MLX 0.32.4's fused kernel exponentiates every
+    score with its CPU ``exp``, ~12 ns an element against ~3 for the compiled polynomial, and
+    most of a prefill's attention is those exponentials). The query heads of a KV head are
+    rows of one matmul (GQA); the rows are normalised after the values' product, on ``Dv``
+    columns instead of the keys' ``T``."""
+    B, n_heads, L, _ = queries.shape
+    n_kv = keys.shape[1]
+    rep = n_heads // n_kv
+    rows = (queries * scale).reshape(B, n_kv, rep * L, -1)
+    scores = (rows @ keys.swapaxes(-1, -2)).reshape(B, n_kv, rep, L, -1)
+    T = scores.shape[-1]
+    allowed = masks.causal_array(L, T) if isinstance(mask, str) else mask
+    scores = scores + mx.where(allowed, 0.0, -mx.inf)  # [L, T], broadcast
+    top = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:  # a virtual key per head: its logit joins the softmax, not the sum
+        sink = sinks.astype(mx.float32).reshape(1, n_kv, rep, 1, 1)
+        top = mx.maximum(top, sink)
+    e = _shifted_exp(scores, top)
+    total = e.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + _shifted_exp(sink, top)
+    out = (e.reshape(B, n_kv, rep * L, T) @ values) / total.reshape(B, n_kv, rep * L, 1)
+    return out.reshape(B, n_heads, L, -1)
+
+
+# Not shapeless: ``exp_by_polynomial``'s bit view has no shape rule for it; a new shape costs
+# a trace (~3 ms), not a new kernel.
+_shifted_exp = mx.compile(lambda scores, top: exp_by_polynomial(scores - top))
 
 
 # Up to this many queries (decode steps, short continuations) attention reads the quantised
