@@ -199,7 +199,8 @@ def test_attend_dequantises_a_long_chunk_or_where_packing_is_off(rng, monkeypatc
     packed_calls, real = [], layers.composed_attention
 
     def counted(*args, **kwargs):
-        packed_calls.append(args[0].shape[-2])
+        if isinstance(args[1], QuantizedKV):  # the CPU composes float attention too
+            packed_calls.append(args[0].shape[-2])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(layers, "packed_attention", lambda: packed)
@@ -428,6 +429,7 @@ def test_attend_composes_short_chunks_on_cuda(rng, monkeypatch):
 
     monkeypatch.setattr(layers, "composed_attention", counted)
     monkeypatch.setattr(layers.cuda_attention, "available", lambda: True)
+    monkeypatch.setattr(layers, "_cpu_rows", lambda queries, n_keys: 0)  # not the CPU's form
     monkeypatch.setattr(layers, "COMPOSED_SCORES", 4 * 20 * 100)  # 4 heads, 20 queries, 100 keys
     for L, T in (
         (1, 1),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -250,7 +251,13 @@ def attend(
     """
     masks.check(mask, queries.shape[-2], keys.shape[-2])
     quantized = isinstance(keys, QuantizedKV)
-    blocked = queries.shape[-2] > CAUSAL_BLOCK and mx.default_device() == mx.cpu
+    L, T = queries.shape[-2], keys.shape[-2]
+    cpu = mx.default_device() == mx.cpu
+    rows = _cpu_rows(queries, T) if cpu else 0  # queries a composed call takes (0: none)
+    causal = isinstance(mask, masks.Window) or (isinstance(mask, str) and mask == "causal")
+    if rows and L > rows and not (causal and rows * T * math.prod(queries.shape[:2]) <= CPU_SCORES):
+        rows = 0  # many blocks against many keys: MLX's fused kernel (see CPU_SCORES)
+    blocked = cpu and causal and L > (rows or CAUSAL_BLOCK)
     if isinstance(mask, masks.Window) and not blocked:  # a Window is the CPU's (masks.causal)
         mask = mask.array()
     if cuda_attention.applies(queries, values.shape[-1], mask, quantized):
@@ -263,12 +270,37 @@ def attend(
         keys, values = keys.dequantize(), values.dequantize()
     if _composed_on_cuda(queries, keys):
         return composed_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-    if blocked and (isinstance(mask, masks.Window) or mask == "causal"):
+    if blocked:
         window = mask if isinstance(mask, masks.Window) else None
-        return _query_blocks(queries, keys, values, scale=scale, sinks=sinks, window=window)
+        return _query_blocks(
+            queries, keys, values, scale=scale, sinks=sinks, window=window, rows=rows
+        )
+    if L <= rows:
+        return composed_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     return mx.fast.scaled_dot_product_attention(
         queries, keys, values, scale=scale, mask=mask, sinks=sinks
     )
+
+
+# On the CPU MLX 0.32.4's fused attention exponentiates every score with its CPU exp (~12 ns
+# an element); ``composed_attention``'s CPU form takes a compiled polynomial (~3 ns) and
+# normalises after the values' product: 1.3-3.8x faster for a decode step or a verification
+# (one call, up to 8k keys measured) and 1.5-1.7x for a prompt of 512-4,096 tokens in blocks
+# of queries whose scores stay within this many elements. Past that a block's passes leave
+# the caches, and many blocks against many keys (a 64-token chunk after 8k tokens: 0.87x)
+# lose to the fused kernel, which such chunks keep (``docs/performance.md``).
+CPU_SCORES = 1 << 20
+CPU_MIN_ROWS = 16  # fewer queries a block would reread the keys too often
+
+
+def _cpu_rows(queries: mx.array, n_keys: int) -> int:
+    """Queries one composed call on the CPU takes (``attend``): float32 ones, up to
+    CAUSAL_BLOCK while their scores stay within CPU_SCORES, at least CPU_MIN_ROWS; 0 (MLX's
+    fused kernel) for other dtypes."""
+    if queries.dtype != mx.float32:
+        return 0
+    fit = CPU_SCORES // (math.prod(queries.shape[:2]) * n_keys)
+    return min(CAUSAL_BLOCK, max(CPU_MIN_ROWS, fit))
 
 
 # On the CPU, MLX's attention materialises every score of a chunk and exponentiates each one
@@ -289,22 +321,26 @@ def _query_blocks(
     scale: float,
     sinks: mx.array | None,
     window: masks.Window | None = None,
+    rows: int = 0,
 ) -> mx.array:
-    """``attend`` under the string ``"causal"`` mask (or a ``window``), CAUSAL_BLOCK queries at
-    a time, each block against the keys from its first query's window (the first key without
-    one) up to its last query: the block's queries are then the last of its keys, so its mask
-    is ``"causal"``, or the window's over those keys."""
+    """``attend`` under the string ``"causal"`` mask (or a ``window``), ``rows`` queries at a
+    time (0: CAUSAL_BLOCK, through MLX's fused kernel), each block against the keys from its
+    first query's window (the first key without one) up to its last query: the block's queries
+    are then the last of its keys, so its mask is ``"causal"``, or the window's over those
+    keys. Blocks of ``rows`` attend composed (``composed_attention``'s CPU form)."""
     L, T = queries.shape[-2], keys.shape[-2]
+    attend_block = composed_attention if rows else mx.fast.scaled_dot_product_attention
+    size = rows or CAUSAL_BLOCK
     blocks = []
-    for start in range(0, L, CAUSAL_BLOCK):
-        end = min(start + CAUSAL_BLOCK, L)
+    for start in range(0, L, size):
+        end = min(start + size, L)
         seen = T - L + end
         first = 0 if window is None else max(0, T - L + start - window.window + 1)
         mask = "causal"
         if window is not None and seen - first > window.window:
             mask = masks.causal_array(end - start, seen - first, window.window)
         blocks.append(
-            _block_attention(
+            attend_block(
                 queries[:, :, start:end],
                 keys[..., first:seen, :],
                 values[..., first:seen, :],
@@ -314,41 +350,6 @@ def _query_blocks(
             )
         )
     return mx.concatenate(blocks, axis=2)
-
-
-def _block_attention(
-    queries: mx.array,
-    keys: mx.array,
-    values: mx.array,
-    *,
-    scale: float,
-    mask: mx.array | str,
-    sinks: mx.array | None,
-) -> mx.array:
-    """One block of ``_query_blocks``: ``softmax(q k^T) v`` composed, the exponentials by
-    ``exp_by_polynomial`` (float32 on the CPU; MLX 0.32.4's fused kernel exponentiates every
-    score with its CPU ``exp``, ~12 ns an element against ~3 for the compiled polynomial, and
-    most of a prefill's attention is those exponentials). The query heads of a KV head are
-    rows of one matmul (GQA); the rows are normalised after the values' product, on ``Dv``
-    columns instead of the keys' ``T``."""
-    B, n_heads, L, _ = queries.shape
-    n_kv = keys.shape[1]
-    rep = n_heads // n_kv
-    rows = (queries * scale).reshape(B, n_kv, rep * L, -1)
-    scores = (rows @ keys.swapaxes(-1, -2)).reshape(B, n_kv, rep, L, -1)
-    T = scores.shape[-1]
-    allowed = masks.causal_array(L, T) if isinstance(mask, str) else mask
-    scores = scores + mx.where(allowed, 0.0, -mx.inf)  # [L, T], broadcast
-    top = scores.max(axis=-1, keepdims=True)
-    if sinks is not None:  # a virtual key per head: its logit joins the softmax, not the sum
-        sink = sinks.astype(mx.float32).reshape(1, n_kv, rep, 1, 1)
-        top = mx.maximum(top, sink)
-    e = _shifted_exp(scores, top)
-    total = e.sum(axis=-1, keepdims=True)
-    if sinks is not None:
-        total = total + _shifted_exp(sink, top)
-    out = (e.reshape(B, n_kv, rep * L, T) @ values) / total.reshape(B, n_kv, rep * L, 1)
-    return out.reshape(B, n_heads, L, -1)
 
 
 # Not shapeless: ``exp_by_polynomial``'s bit view has no shape rule for it; a new shape costs
@@ -405,6 +406,11 @@ def composed_attention(
     GQA: the ``n_heads / n_kv_heads`` query heads of one KV head attend as ``rep * L`` rows of
     that head (as MLA's decode does), so each product is one plain batched matmul per KV head,
     nothing broadcast; the masks see the scores as ``[B, kv, rep, L, T]``.
+
+    On the CPU float32 scores are exponentiated by the compiled ``exp_by_polynomial`` (MLX's
+    CPU ``exp`` costs 4x as much), a boolean mask is added as 0 / a large negative (built at
+    the mask's size, not the scores'), and each row is divided by its sum after the values'
+    product (``Dv`` columns instead of ``T``): ``attend`` takes this form on the CPU.
     """
     B, n_heads, L, _ = queries.shape
     n_kv = keys.shape[1]
@@ -418,6 +424,7 @@ def composed_attention(
 
     rows = (queries * scale).reshape(B, n_kv, rep * L, -1)
     scores = product(rows, keys, True).reshape(B, n_kv, rep, L, -1)
+    cpu = scores.dtype == mx.float32 and mx.default_device() == mx.cpu
     if isinstance(mask, str):
         mask = masks.causal_array(L, scores.shape[-1])
     if mask is not None:
@@ -426,10 +433,23 @@ def composed_attention(
             mask = mx.expand_dims(mask, 2)
         else:  # a mask per query head: head kv * rep + r is row r of KV head kv
             mask = mask.reshape(mask.shape[0], n_kv, rep, *mask.shape[2:])
-        if mask.dtype == mx.bool_:
+        if mask.dtype == mx.bool_ and cpu:
+            scores = scores + mx.where(mask, 0.0, mx.finfo(scores.dtype).min)
+        elif mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
         else:
             scores = scores + mask
+    if cpu:
+        top = scores.max(axis=-1, keepdims=True)
+        if sinks is not None:  # a virtual key per head: it joins the maximum and the sum
+            sink = sinks.astype(mx.float32).reshape(1, n_kv, rep, 1, 1)
+            top = mx.maximum(top, sink)
+        e = _shifted_exp(scores, top)
+        total = e.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            total = total + _shifted_exp(sink, top)
+        out = product(e.reshape(B, n_kv, rep * L, -1), values, False)
+        return (out / total.reshape(B, n_kv, rep * L, 1)).reshape(B, n_heads, L, -1)
     if sinks is not None:  # a virtual key per head that takes softmax mass and adds nothing
         sink = mx.broadcast_to(
             sinks.astype(scores.dtype).reshape(n_kv, rep, 1, 1), (*scores.shape[:-1], 1)
