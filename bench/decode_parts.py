@@ -99,8 +99,9 @@ def main(argv: list[str] | None = None) -> None:
 
     def time_ms(model, cache, ids) -> tuple[float, dict[str, float]]:
         """Prefill ``ids``, then ``--tokens`` greedy steps, pipelined: ms per step, and the
-        median ms per step spent building the graph and in ``mx.async_eval`` (with ``--phase
-        prefill``: ms for the prefill, the steps not taken)."""
+        median ms per step spent building the graph and in ``mx.async_eval``, then that of
+        IDLE_STEPS more steps each built on an idle device (with ``--phase prefill``: ms for
+        the prefill, the steps not taken)."""
         start = time.perf_counter()
         y = mx.argmax(model(mx.array([ids]), cache=cache)[:, -1, :], axis=-1)
         mx.eval(y)

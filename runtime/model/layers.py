@@ -309,7 +309,9 @@ def _cpu_rows(queries: mx.array, n_keys: int) -> int:
 # this many queries skips the scores above the diagonal (almost half of a first chunk's) and
 # holds one block's scores at a time: a 512-token first chunk's attention 1.7x faster, a
 # 2,048-token one 2x (``docs/performance.md``). Under a sliding window a block also skips the
-# keys before its first query's window. Fused GPU kernels skip those tiles themselves.
+# keys before its first query's window. Fused GPU kernels skip those tiles themselves. Blocks
+# composed on the CPU (``_cpu_rows``) take fewer queries where many keys would make their
+# scores too many.
 CAUSAL_BLOCK = 64
 
 
