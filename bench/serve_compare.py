@@ -214,24 +214,30 @@ def markdown(report: dict) -> str:
             "Ceiling = `bench.ceiling`: one batched decode forward per step at the level's batch "
             "size (mlx-lm's model, plain KV caches, async_eval), no HTTP, no scheduler; the "
             "best of its runs (`ceiling_runs` in the JSON). "
-            "Scheduler = mlxc's Scheduler in-process on the same checkpoint, no HTTP."
+            "Scheduler = mlxc's Scheduler in-process on the same checkpoint, no HTTP. "
+            "Full load = the level's tokens/s until its first stream had no request left "
+            "(`bench.serve_load`), while every stream had one, as the ceiling's batch always "
+            "has: after it the level drains, its streams' last answers ending one by one."
         ),
         "",
         (
             "| streams | mlxc tok/s | scheduler tok/s | ceiling tok/s | mlxc / ceiling | "
-            "mlx-lm tok/s | mlxc / mlx-lm | mlxc TTFT p50 s | mlx-lm TTFT p50 s "
-            "| errors mlxc / mlx-lm |"
+            "mlxc full load tok/s | full load / ceiling | "
+            "mlx-lm tok/s | mlxc / mlx-lm | mlx-lm full load tok/s | mlxc / mlx-lm at full load "
+            "| mlxc TTFT p50 s | mlx-lm TTFT p50 s | errors mlxc / mlx-lm |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for a, b in zip(ours["levels"], peer["levels"]):
-        ratio = a["aggregate_tps"] / b["aggregate_tps"] if b["aggregate_tps"] else float("nan")
         lines.append(
             f"| {a['concurrency']} | {a['aggregate_tps']:.1f} | {a['scheduler_tps']:.1f} | "
-            f"{a['ceiling_tps']:.1f} | "
-            f"**{a['ceiling_ratio']:.2f}** | {b['aggregate_tps']:.1f} | "
-            f"**{ratio:.2f}x** | {_num(a['ttft_p50_s'])} | {_num(b['ttft_p50_s'])} | "
-            f"{a['errors']} / {b['errors']} |"
+            f"{a['ceiling_tps']:.1f} | **{a['ceiling_ratio']:.2f}** | "
+            f"{_num(a.get('full_load_tps'), 1)} | "
+            f"**{_num(_ratio(a.get('full_load_tps'), a['ceiling_tps']))}** | "
+            f"{b['aggregate_tps']:.1f} | **{_times(_ratio(a['aggregate_tps'], b['aggregate_tps']))}** | "
+            f"{_num(b.get('full_load_tps'), 1)} | "
+            f"{_times(_ratio(a.get('full_load_tps'), b.get('full_load_tps')))} | "
+            f"{_num(a['ttft_p50_s'])} | {_num(b['ttft_p50_s'])} | {a['errors']} / {b['errors']} |"
         )
     counted = [a for a in ours["levels"] if "forwards" in a]
     if counted:
@@ -344,8 +350,16 @@ def _per_forward(level: dict) -> str:
     return ", ".join(f"{k} {v / n * 1e3:.2f}" for k, v in parts.items())
 
 
-def _num(x) -> str:
-    return "—" if x is None else f"{x:.2f}"
+def _num(x, digits: int = 2) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def _times(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}x"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -413,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         level["scheduler_tps"] = ceiling["scheduler"][level["concurrency"]]
         level["scheduler_ms_per_tick"] = ceiling["scheduler_ms_per_tick"][level["concurrency"]]
         level["ceiling_ratio"] = level["aggregate_tps"] / level["ceiling_tps"]
+        level["full_load_ceiling_ratio"] = _ratio(level.get("full_load_tps"), level["ceiling_tps"])
     report = {
         "command": "python -m bench.serve_compare " + " ".join(argv or sys.argv[1:]),
         "machine": run.machine("gpu" if args.gpu else "cpu"),

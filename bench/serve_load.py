@@ -2,8 +2,10 @@
 
 Runs a bounded number of streaming requests at each concurrency level (default 1, 4, 16) and
 reports aggregate completion tokens/s, request latency p50/p90, time to first token p50/p90,
-per-stream decode tokens/s, and the level's tokens/s second by second (its median and lowest
-whole second: a stall shows there, where the aggregate averages it away)::
+per-stream decode tokens/s, the level's tokens/s second by second (its median and lowest
+whole second: a stall shows there, where the aggregate averages it away), and its tokens/s at
+full load (until the first stream has no request left; after that the level drains, as its
+streams' last answers end one by one)::
 
     mlxc serve --model DIR --port 8000 &
     python -m bench.serve_load --url http://127.0.0.1:8000 --out bench/results/serve-mlxc
@@ -102,6 +104,9 @@ class Result:
     # Content chunks (a token's text each) by the whole second of the monotonic clock they came
     # in: a level's timeline, which shows stalls its aggregate averages away.
     seconds: dict[int, int] = field(default_factory=dict)
+    # Each content chunk's arrival (perf_counter): what ``full_load_tps`` counts. Not written
+    # to the report's JSON (``seconds`` is its summary).
+    times: list[float] = field(default_factory=list, repr=False)
 
     @property
     def latency(self) -> float:
@@ -143,7 +148,7 @@ def one_request(target, model: str | None, i: int, args) -> Result:
         stream_options={"include_usage": True},
     )
     start = time.perf_counter()
-    first, chunks, usage, seconds = None, 0, None, collections.Counter()
+    first, usage, times = None, None, []
     conn = http.client.HTTPConnection(host, port, timeout=args.timeout)
     try:
         conn.request(
@@ -168,17 +173,21 @@ def one_request(target, model: str | None, i: int, args) -> Result:
                 if text is None:
                     text = (choice.get("delta") or {}).get("content")
                 if text:
-                    chunks += 1
-                    now = time.perf_counter()
-                    seconds[int(now)] += 1
+                    times.append(time.perf_counter())
                     if first is None:
-                        first = now
-        tokens = (usage or {}).get("completion_tokens") or chunks
-        return Result(True, start, time.perf_counter(), first, int(tokens), "", dict(seconds))
+                        first = times[0]
+        tokens = (usage or {}).get("completion_tokens") or len(times)
+        end = time.perf_counter()
+        return Result(True, start, end, first, int(tokens), "", _seconds(times), times)
     except (OSError, http.client.HTTPException, json.JSONDecodeError) as e:
-        return Result(False, start, time.perf_counter(), first, chunks, repr(e), dict(seconds))
+        end = time.perf_counter()
+        return Result(False, start, end, first, len(times), repr(e), _seconds(times), times)
     finally:
         conn.close()
+
+
+def _seconds(times: list[float]) -> dict[int, int]:
+    return dict(collections.Counter(int(t) for t in times))
 
 
 def clients(concurrency: int) -> int:
@@ -190,18 +199,24 @@ def clients(concurrency: int) -> int:
     return max(1, min(math.ceil(concurrency / 8), (os.cpu_count() or 1) // 4))
 
 
-def _stream_requests(target, model, ids: range, threads: int, deadline: float, args) -> list:
+def _stream_requests(
+    target, model, ids: range, threads: int, deadline: float, args
+) -> tuple[list[Result], float]:
     """``threads`` streams taking request ids from ``ids`` in turn until they run out or the
-    deadline passes; the results in any order."""
+    deadline passes: the results in any order, and when the first stream stopped (from then on
+    fewer streams than ``threads`` had a request in flight)."""
     lock = threading.Lock()
     pending = iter(ids)
     results: list[Result] = []
+    stopped: list[float] = []
 
     def worker():
         while True:
             with lock:
                 i = next(pending, None)
             if i is None or time.perf_counter() > deadline:
+                with lock:
+                    stopped.append(time.perf_counter())
                 return
             r = one_request(target, model, i, args)
             with lock:
@@ -212,7 +227,7 @@ def _stream_requests(target, model, ids: range, threads: int, deadline: float, a
         t.start()
     for t in workers:
         t.join(args.duration + args.timeout + 5)
-    return results
+    return results, min(stopped, default=time.perf_counter())
 
 
 def run_level(
@@ -228,7 +243,7 @@ def run_level(
         first_id = concurrency * 100_000
     if n_clients == 1:
         ids = range(first_id, first_id + n_requests)
-        results = _stream_requests(target, model, ids, concurrency, deadline, args)
+        results, full_until = _stream_requests(target, model, ids, concurrency, deadline, args)
     else:
         # Streams and requests dealt round-robin: client c takes every n_clients-th id. Forked
         # (this process has no threads yet): a spawned child would re-import this module by a
@@ -246,7 +261,9 @@ def run_level(
                 )
                 for c in range(n_clients)
             ]
-            results = [r for share in shares for r in share.result()]
+            done = [share.result() for share in shares]
+        results = [r for share_results, _ in done for r in share_results]
+        full_until = min(stopped for _, stopped in done)
     # From the first request's start: the client processes' start-up is not the server's time.
     begin = min((r.start for r in results), default=t0)
     wall = (max((r.end for r in results), default=begin) - begin) or 1e-9
@@ -259,6 +276,7 @@ def run_level(
         if r.first and r.tokens > 1 and r.end > r.first
     ]
     total = sum(r.tokens for r in ok)
+    full_s = full_until - begin
     timeline = by_second(results)
     whole = timeline[1:-1]  # the first and last seconds are partly outside the level
     return {
@@ -269,6 +287,8 @@ def run_level(
         "completion_tokens": total,
         "wall_s": round(wall, 3),
         "aggregate_tps": total / wall,
+        "full_load_s": round(full_s, 3),
+        "full_load_tps": full_load_tps(ok, begin, full_until),
         "latency_p50_s": _pct(lat, 50),
         "latency_p90_s": _pct(lat, 90),
         "ttft_p50_s": _pct(ttft, 50),
@@ -277,8 +297,21 @@ def run_level(
         "second_tps_median": statistics.median(whole) if whole else None,
         "second_tps_min": min(whole) if whole else None,
         "tps_by_second": timeline,
-        "results": [asdict(r) for r in results],
+        "results": [{k: v for k, v in asdict(r).items() if k != "times"} for r in results],
     }
+
+
+def full_load_tps(ok: list[Result], begin: float, until: float) -> float | None:
+    """Tokens/s from the level's start (``begin``) until its first stream found no request left
+    (``until``): while every stream had one, so a batching server's batch was full but for the
+    gaps between a stream's requests. After it the level drains, its streams' last answers
+    ending one by one, and the aggregate counts that too. Counted in content chunks, weighed
+    to tokens (a chunk holds one token's text or, where text was held back, several's)."""
+    chunks = sum(len(r.times) for r in ok)
+    if until <= begin or not chunks:
+        return None
+    in_window = sum(1 for r in ok for t in r.times if t <= until)
+    return in_window * sum(r.tokens for r in ok) / chunks / (until - begin)
 
 
 def by_second(results: list[Result]) -> list[int]:
@@ -322,9 +355,10 @@ def markdown(report: dict) -> str:
         "",
         (
             "| streams | requests | errors | aggregate tok/s | latency p50 / p90 s | "
-            "TTFT p50 / p90 s | per-stream tok/s | tok/s by second: median / lowest |"
+            "TTFT p50 / p90 s | per-stream tok/s | tok/s by second: median / lowest | "
+            "full-load tok/s |"
         ),
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(x, d=2):
@@ -335,7 +369,8 @@ def markdown(report: dict) -> str:
             f"| {lv['concurrency']} | {lv['requests']} | {lv['errors']} | "
             f"{f(lv['aggregate_tps'], 1)} | {f(lv['latency_p50_s'])} / {f(lv['latency_p90_s'])} | "
             f"{f(lv['ttft_p50_s'])} / {f(lv['ttft_p90_s'])} | {f(lv['stream_tps_median'], 1)} | "
-            f"{f(lv.get('second_tps_median'), 0)} / {f(lv.get('second_tps_min'), 0)} |"
+            f"{f(lv.get('second_tps_median'), 0)} / {f(lv.get('second_tps_min'), 0)} | "
+            f"{f(lv.get('full_load_tps'), 1)} |"
         )
     levels = {lv["concurrency"]: lv for lv in report["levels"]}
     if 1 in levels and levels[1]["aggregate_tps"]:

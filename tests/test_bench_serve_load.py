@@ -107,6 +107,20 @@ def test_every_request_once_across_client_processes(stream_server, clients):
     assert level["wall_s"] > 0 and level["aggregate_tps"] > 0
     # Every content chunk of every process lands in the level's timeline, once.
     assert sum(level["tps_by_second"]) == 12 * TOKENS
+    # The full-load window ends when the first stream found no request left, within the level.
+    assert 0 < level["full_load_s"] <= level["wall_s"] and level["full_load_tps"] > 0
+    assert all("times" not in r for r in level["results"])  # the JSON keeps per-second counts
+
+
+def test_full_load_counts_the_tokens_before_the_first_stream_stopped():
+    """Two answers of 4 chunks, 4 and 8 tokens (the second's text held back, 2 tokens a
+    chunk): 6 of the 8 chunks came by t=3, weighed to tokens 6 x 12 / 8 = 9 in 3 s; a window
+    that does not open has no rate."""
+    a = serve_load.Result(True, 0.0, 4.0, 0.5, 4, times=[0.5, 1.0, 1.5, 2.0])
+    b = serve_load.Result(True, 0.0, 5.0, 1.0, 8, times=[1.0, 2.5, 3.5, 4.0])
+    assert serve_load.full_load_tps([a, b], 0.0, 3.0) == pytest.approx(6 * 12 / 8 / 3)
+    assert serve_load.full_load_tps([a, b], 3.0, 3.0) is None
+    assert serve_load.full_load_tps([], 0.0, 3.0) is None
 
 
 def test_the_timeline_counts_chunks_by_second_across_requests():
