@@ -232,6 +232,8 @@ def test_sigmoid_router_moe(cls_name):
     load_block(moe, to_mx(block.state_dict(), "mlp."))
     assert_grouping_matters(moe)
     compare(block, moe)
+    compare(block, moe, (9, 1, H))  # one token a row: the compiled step
+    assert "_step" in moe.__dict__
 
 
 def test_sigmoid_router_casts_its_weights_once():
@@ -255,6 +257,30 @@ def test_sigmoid_router_casts_its_weights_once():
     router.update({"weight": w * 2})
     assert mx.array_equal(router(x), x.astype(mx.float32) @ (w * 2).astype(mx.float32).T)
     assert router.float32()[0] is not first[0]
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_the_one_token_step_is_the_block_compiled(scoring):
+    """Inputs of one token a row (decode) take the block compiled (``MoE._one_token_step``),
+    others the block as written; the two agree to the bit, at every batch size, and weights
+    loaded after the step was traced are the ones it uses."""
+    mx.random.seed(4)
+    moe = MoE(H, I, E, K, scoring=scoring, n_group=4, topk_group=2, shared_hidden=I)
+    params = nn.utils.tree_flatten(moe.parameters())
+    moe.update(nn.utils.tree_unflatten([(k, mx.random.normal(v.shape) * 0.3) for k, v in params]))
+    router = moe.gate.float32() if scoring == "sigmoid" else ()
+    for batch in (1, 3, 8):
+        x = mx.array(_input((batch, 1, H), batch))
+        got = moe(x)
+        assert "_step" in moe.__dict__
+        assert mx.array_equal(got, moe._forward(x, *router))
+    assert mx.array_equal(moe(x.reshape(2, 4, H)).reshape(8, 1, H), got)  # the uncompiled path
+    moe.update(
+        nn.utils.tree_unflatten([(k, v * 2) for k, v in nn.utils.tree_flatten(moe.parameters())])
+    )
+    again = moe(x)
+    assert not mx.allclose(again, got)
+    assert mx.array_equal(again, moe(x.reshape(2, 4, H)).reshape(8, 1, H))
 
 
 def test_qwen2_moe_shared_expert_gate():

@@ -281,12 +281,18 @@ class Experts(nn.Module):
         """``x [N, H]``, ``indices [N, k]`` -> ``[N, k, H]`` (one output per chosen expert)."""
         indices = mx.stop_gradient(indices)
         do_sort = indices.size >= self.sort_threshold
-        cpu_runs = (
-            mx.default_device() == mx.cpu and indices.size >= BY_EXPERT_ROWS * self.num_experts
-        )
-        if do_sort and cpu_runs:
+        if self.reads_host(indices.size):
             return self.by_expert(x, indices)
         return self.gathered(x, indices, do_sort)
+
+    def reads_host(self, pairs: int) -> bool:
+        """Whether ``pairs`` (token, expert) pairs take ``by_expert``, which reads the router's
+        choice on the host (the CPU, from ``BY_EXPERT_ROWS`` pairs per expert)."""
+        return (
+            mx.default_device() == mx.cpu
+            and pairs >= self.sort_threshold
+            and pairs >= BY_EXPERT_ROWS * self.num_experts
+        )
 
     def gathered(self, x: mx.array, indices: mx.array, do_sort: bool) -> mx.array:
         """``__call__`` through MLX's gather matmuls, the pairs sorted by expert or not."""
@@ -354,8 +360,9 @@ class SigmoidRouter(nn.Module):
         self.weight = mx.zeros((num_experts, hidden))
         self.e_score_correction_bias = mx.zeros((num_experts,))
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return x.astype(mx.float32) @ self.float32()[0].T
+    def __call__(self, x: mx.array, weight: mx.array | None = None) -> mx.array:
+        """Router logits in float32; ``weight``: ``float32()``'s, where the caller has it."""
+        return x.astype(mx.float32) @ (self.float32()[0] if weight is None else weight).T
 
     def float32(self) -> tuple[mx.array, mx.array]:
         """``weight`` and ``e_score_correction_bias`` in float32, cast once: a cast per step
@@ -548,14 +555,36 @@ class MoE(nn.Module):
         self.sharding_group: mx.distributed.Group | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
+        # A sigmoid router's float32 weights go in as arguments: cast once and cached outside
+        # the compiled step, which would otherwise cast them in its graph every step.
+        router = self.gate.float32() if self.scoring == "sigmoid" else ()
+        if x.shape[-2] == 1 and self.sharding_group is None:
+            tokens = math.prod(x.shape[:-1])
+            if not self.experts.reads_host(tokens * self.top_k):
+                return self._one_token_step()(x, *router)
+        return self._forward(x, *router)
+
+    def _one_token_step(self):
+        """``_forward`` compiled, for inputs of one token a row (a decode step, a batch of
+        them). A decode step is bound by the host (``docs/performance.md``): replayed from
+        its trace, the block's graph costs C++ time instead of Python's, and its element-wise
+        runs fuse (on an H200, glm4_moe_lite's step 9.3 -> 8.4 ms). The weights are inputs
+        of the trace (``inputs=self``), so weights loaded later are used; a trace per shape,
+        so per batch size: a decode step's shapes are few, a prompt's lengths are not."""
+        step = self.__dict__.get("_step")
+        if step is None:
+            step = self.__dict__["_step"] = mx.compile(self._forward, inputs=self)
+        return step
+
+    def _forward(self, x: mx.array, *router: mx.array) -> mx.array:
+        """``router``: the sigmoid router's float32 weight and bias; none for softmax."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        bias = self.gate.float32()[1] if self.scoring == "sigmoid" else None
         inds, weights = route(
-            self.gate(x),
+            self.gate(x, *router[:1]),
             self.top_k,
             scoring=self.scoring,
-            bias=bias,
+            bias=router[1] if router else None,
             n_group=self.n_group,
             topk_group=self.topk_group,
             group_score=self.group_score,
