@@ -233,7 +233,7 @@ def markdown(report: dict) -> str:
             f"| {a['concurrency']} | {a['aggregate_tps']:.1f} | {a['scheduler_tps']:.1f} | "
             f"{a['ceiling_tps']:.1f} | **{a['ceiling_ratio']:.2f}** | "
             f"{_num(a.get('full_load_tps'), 1)} | "
-            f"**{_num(_ratio(a.get('full_load_tps'), a['ceiling_tps']))}** | "
+            f"**{_num(a.get('full_load_ceiling_ratio'))}** | "
             f"{b['aggregate_tps']:.1f} | **{_times(_ratio(a['aggregate_tps'], b['aggregate_tps']))}** | "
             f"{_num(b.get('full_load_tps'), 1)} | "
             f"{_times(_ratio(a.get('full_load_tps'), b.get('full_load_tps')))} | "
