@@ -1,9 +1,9 @@
-"""On the CPU a prefill's SwiGLU / GeGLU activation is computed from MLX's element-wise ops
+"""On the CPU a float32 SwiGLU / GeGLU activation is computed from MLX's element-wise ops
 (``layers.silu_by_polynomial``, ``layers.gelu_approx_by_polynomial``: MLX's CPU ``exp`` and
-``tanh`` cost ~12-25 ns an element) instead of the compiled ``act(gate) * up``, in blocks of
+``tanh`` cost ~12-25 ns an element), compiled, instead of ``act(gate) * up``, in blocks of
 rows: as exact as the float32 functions, against float64, over float32's whole range, and
-taken only for float32 gates of a prefill's size on the CPU. Models whose every gate takes it
-are checked against transformers in ``test_logits`` (silu) and ``test_gemma3`` (tanh GELU)."""
+taken only for float32 gates on the CPU. Models whose every gate takes it are checked against
+transformers in ``test_logits`` (silu) and ``test_gemma3`` (tanh GELU)."""
 
 from __future__ import annotations
 
@@ -54,23 +54,20 @@ def test_activation_by_polynomial_is_as_exact_as_float32(ours, mlx_own, z):
 
 @pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("act", [nn.silu, nn.gelu_approx], ids=["silu", "gelu_approx"])
-def test_glu_takes_the_polynomial_for_a_prefill_gate_on_the_cpu_only(rng, monkeypatch, act):
-    """Gates of at least ``CPU_ACT_ELEMENTS`` float32 elements take the polynomial, in blocks
-    of rows (a gate of several blocks, the last one short, and a [B, L, I] gate whose rows
-    are a split's strided view); a decode step's gate and a bf16 gate take the compiled
-    kernel; the same values."""
+def test_glu_takes_the_polynomial_for_a_float32_gate_on_the_cpu_only(rng, monkeypatch, act):
+    """float32 gates take the polynomial, in blocks of rows (a decode step's one row, a gate of
+    several blocks, the last one short, and a [B, L, I] gate whose rows are a split's strided
+    view); a bf16 gate takes MLX's function; the same values."""
     monkeypatch.setattr(layers, "CPU_ACT_BLOCK", 64)  # 16 rows of 4: several blocks below
     calls = []
     real = layers.in_row_blocks
     monkeypatch.setattr(layers, "in_row_blocks", lambda fn, *xs: calls.append(1) or real(fn, *xs))
     glu = layers.glu(act)
-    low = layers.CPU_ACT_ELEMENTS
     for shape, dtype, taken in [
-        ((1, 4), mx.float32, False),
-        ((low // 4 - 1, 4), mx.float32, False),
-        ((low // 4, 4), mx.float32, True),
-        ((2, low // 8 + 3, 4), mx.float32, True),
-        ((low // 4, 4), mx.bfloat16, False),
+        ((1, 4), mx.float32, True),
+        ((37, 4), mx.float32, True),
+        ((2, 21, 4), mx.float32, True),
+        ((37, 4), mx.bfloat16, False),
     ]:
         both = mx.array(rng.standard_normal((*shape[:-1], 8)).astype(np.float32) * 3)
         gate, up = mx.split(both.astype(dtype), 2, axis=-1)

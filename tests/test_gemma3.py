@@ -147,11 +147,10 @@ def test_long_chunk_past_the_window_matches_transformers(checkpoint, on_cpu, mon
 
 
 def test_logits_with_the_cpu_gelu_match_transformers(checkpoint, on_cpu, monkeypatch):
-    """On the CPU a prefill's GeGLU gate goes through ``layers.gelu_approx_by_polynomial`` in
-    blocks of rows; here every gate does (in blocks of 2 rows of 96), still transformers'."""
+    """On the CPU a float32 GeGLU gate goes through ``layers.gelu_approx_by_polynomial`` in
+    blocks of rows (here of 2 rows of 96), still transformers'."""
     from mlxc.runtime.model import layers
 
-    monkeypatch.setattr(layers, "CPU_ACT_ELEMENTS", 0)
     monkeypatch.setattr(layers, "CPU_ACT_BLOCK", 2 * TINY["intermediate_size"])
     taken = []
     real = layers.gelu_approx_by_polynomial

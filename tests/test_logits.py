@@ -120,13 +120,11 @@ def test_full_forward_matches_reference(ckpt, rng, shape):
 @pytest.mark.usefixtures("on_cpu")
 def test_full_forward_with_the_cpu_silu_matches_reference(ckpt, rng, monkeypatch):
     """On the CPU with every SwiGLU gate through ``layers.silu_by_polynomial`` in blocks of
-    rows (a prefill's gates take it; here every size does, in small blocks), the forward
-    still matches the reference."""
+    rows (here small blocks), the forward still matches the reference."""
     import mlx.core as mx
 
     from mlxc.runtime.model import layers
 
-    monkeypatch.setattr(layers, "CPU_ACT_ELEMENTS", 0)
     taken = []
     real = layers.in_row_blocks
     monkeypatch.setattr(layers, "in_row_blocks", lambda fn, *xs: taken.append(1) or real(fn, *xs))

@@ -34,19 +34,19 @@ ACTIVATIONS = {
 def glu(act):
     """``act(gate) * up`` as one compiled kernel: a decode step runs it once per gated MLP,
     and separate kernels for the activation and the product cost a launch each. On the CPU a
-    prefill's float32 silu or tanh-GELU gate is computed from fast element-wise ops instead
-    (``CPU_ACTIVATIONS``)."""
+    float32 silu or tanh-GELU gate is computed from fast element-wise ops instead
+    (``CPU_ACTIVATIONS``), compiled too."""
     compiled = mx.compile(lambda gate, up: act(gate) * up, shapeless=True)
     by_polynomial = CPU_ACTIVATIONS.get(act)
     if by_polynomial is None:
         return compiled
+    # Not shapeless (``exp_by_polynomial``'s bit view): a new block shape costs a trace.
+    polynomial = mx.compile(lambda gate, up: by_polynomial(gate) * up)
 
     def cpu_glu(gate: mx.array, up: mx.array) -> mx.array:
-        # The size first: a decode step's gate is small, and the step asks nothing else.
-        big = gate.size >= CPU_ACT_ELEMENTS and gate.dtype == mx.float32
-        if not (big and mx.default_device() == mx.cpu):
-            return compiled(gate, up)
-        return in_row_blocks(lambda g, u: by_polynomial(g) * u, gate, up)
+        if gate.dtype == mx.float32 and mx.default_device() == mx.cpu:
+            return in_row_blocks(polynomial, gate, up)
+        return compiled(gate, up)
 
     return cpu_glu
 
@@ -54,11 +54,10 @@ def glu(act):
 # MLX 0.32.4's CPU ``exp`` and ``tanh`` (so ``silu`` and the tanh GELU, compiled or not) cost
 # ~12-25 ns an element: a 1,024-token prefill's SwiGLU activation took longer than its down
 # projection's matmul (67 against 45 ms a layer of the small llama). Made of MLX's fast
-# element-wise ops they take a third to a half of that, as exactly, while the ~25 temporaries
-# stay in the caches: so a prefill's gate (a decode step's few thousand elements stay in the
-# compiled kernel, whose one launch costs less than the ops' fixed costs) goes through in
-# blocks of rows of at most ``CPU_ACT_BLOCK`` elements (``docs/performance.md``).
-CPU_ACT_ELEMENTS = 1 << 16
+# element-wise ops they take a third to a half of that, as exactly, and compiled into one
+# kernel a third to two thirds of that again, bit for bit the same (one decode step's gate
+# too: 1 x 2,048 elements 93 against MLX's 140 us). A gate goes through in blocks of rows of
+# at most ``CPU_ACT_BLOCK`` elements, which stay in the caches (``docs/performance.md``).
 CPU_ACT_BLOCK = 1 << 18
 
 
