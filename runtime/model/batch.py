@@ -112,9 +112,9 @@ class BatchKVCache:
                 self.keys = _with_capacity(self.keys, self.width, end)
                 if values is not None:
                     self.values = _with_capacity(self.values, self.width, end)
-            self.keys[..., self.width : end, :] = keys
+            self.keys[:, :, self.width : end] = keys  # as KVCache's: [:, :, a:b] parses faster
             if values is not None:
-                self.values[..., self.width : end, :] = values
+                self.values[:, :, self.width : end] = values
             if self.tail.any():
                 # A row with a tail writes its new columns after its own last token instead
                 # (a scatter of those rows only: what the slice put there is in its tail).
@@ -126,8 +126,8 @@ class BatchKVCache:
         self.width = end
         self.offsets = self.offsets + n_new
         self.appended += n_new
-        live_values = None if values is None else self.values[..., :end, :]
-        return self.keys[..., :end, :], live_values
+        live_values = None if values is None else self.values[:, :, :end]
+        return self.keys[:, :, :end], live_values
 
     def key_valid(self, n_new: int = 0) -> mx.array | None:
         """``[B, 1, 1, width + n_new]``: the columns each row attends to once ``n_new`` more are
