@@ -29,7 +29,7 @@ H, E, K, I, HEADS, KV_HEADS, D, KEYS = 2048, 64, 8, 512, 32, 8, 64, 512
 
 def kinds(mx, nn) -> dict[str, Callable[[int], list]]:
     """``{kind: build(n) -> n independent results}``, their inputs made (and evaluated) here."""
-    from mlxc.runtime.model import cuda_attention, moe
+    from mlxc.runtime.model import cuda_attention, layers, moe
 
     dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
     rand = lambda *shape: mx.random.normal(shape).astype(dtype)
@@ -47,7 +47,7 @@ def kinds(mx, nn) -> dict[str, Callable[[int], list]]:
     buffer = mx.zeros((1, KV_HEADS, 2 * KEYS, D), dtype)
     new = rand(1, KV_HEADS, 1, D)
     norm_w = rand(H)
-    glu = mx.compile(lambda g, u: nn.silu(g) * u, shapeless=True)
+    glu = layers.glu(nn.silu)  # what a SwiGLU layer calls
     mask = mx.ones((1, 1, 1, KEYS), mx.bool_)
     mx.eval(x, w, wq, scales, biases, we, *weq, chosen_ids, router, chosen, weights, q, keys)
     mx.eval(values, qt, buffer, new, norm_w, mask)
@@ -77,7 +77,7 @@ def kinds(mx, nn) -> dict[str, Callable[[int], list]]:
         ),
         "add (1 x 2,048)": each(lambda: x + x),
         "astype (1 x 2,048, to float32)": each(lambda: x.astype(mx.float32)),
-        "compiled silu(gate) * up (one fused kernel)": each(lambda: glu(x, x)),
+        "compiled silu(gate) * up (layers.glu, one fused kernel)": each(lambda: glu(x, x)),
         "fast.rms_norm (1 x 2,048)": each(lambda: mx.fast.rms_norm(x, norm_w, 1e-6)),
         "fast.rope (32 heads x 64)": each(
             lambda: mx.fast.rope(q, D, traditional=False, base=10000.0, scale=1.0, offset=KEYS)

@@ -101,12 +101,20 @@ class Result:
     first: float | None  # time of the first content chunk
     tokens: int
     error: str = ""
-    # Content chunks (a token's text each) by the whole second of the monotonic clock they came
-    # in: a level's timeline, which shows stalls its aggregate averages away.
-    seconds: dict[int, int] = field(default_factory=dict)
-    # Each content chunk's arrival (perf_counter): what ``full_load_tps`` counts. Not written
-    # to the report's JSON (``seconds`` is its summary).
+    # Each content chunk's arrival (perf_counter, CLOCK_MONOTONIC): what ``full_load_tps`` and
+    # the timeline count. The report's JSON keeps its summary, ``seconds``, instead.
     times: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def seconds(self) -> dict[int, int]:
+        """Content chunks (a token's text each) by the whole second they came in: a level's
+        timeline, which shows stalls its aggregate averages away."""
+        return dict(collections.Counter(int(t) for t in self.times))
+
+    def report(self) -> dict:
+        """The JSON record: the fields, with ``seconds`` for ``times``."""
+        fields = {k: v for k, v in asdict(self).items() if k != "times"}
+        return {**fields, "seconds": self.seconds}
 
     @property
     def latency(self) -> float:
@@ -178,16 +186,12 @@ def one_request(target, model: str | None, i: int, args) -> Result:
                         first = times[0]
         tokens = (usage or {}).get("completion_tokens") or len(times)
         end = time.perf_counter()
-        return Result(True, start, end, first, int(tokens), "", _seconds(times), times)
+        return Result(True, start, end, first, int(tokens), "", times)
     except (OSError, http.client.HTTPException, json.JSONDecodeError) as e:
         end = time.perf_counter()
-        return Result(False, start, end, first, len(times), repr(e), _seconds(times), times)
+        return Result(False, start, end, first, len(times), repr(e), times)
     finally:
         conn.close()
-
-
-def _seconds(times: list[float]) -> dict[int, int]:
-    return dict(collections.Counter(int(t) for t in times))
 
 
 def clients(concurrency: int) -> int:
@@ -297,7 +301,7 @@ def run_level(
         "second_tps_median": statistics.median(whole) if whole else None,
         "second_tps_min": min(whole) if whole else None,
         "tps_by_second": timeline,
-        "results": [{k: v for k, v in asdict(r).items() if k != "times"} for r in results],
+        "results": [r.report() for r in results],
     }
 
 

@@ -127,8 +127,8 @@ def test_the_timeline_counts_chunks_by_second_across_requests():
     """A level's tokens/s second by second, the seconds between its first chunk's and its
     last's included (a stall: no chunk at all), and the median and lowest of its whole seconds
     (the first and last are partly outside it)."""
-    a = serve_load.Result(True, 0.0, 0.0, 0.0, 5, seconds={100: 2, 103: 3})
-    b = serve_load.Result(True, 0.0, 0.0, 0.0, 4, seconds={101: 4, 105: 1})
+    a = serve_load.Result(True, 0.0, 0.0, 0.0, 5, times=[100.1, 100.7, 103.0, 103.2, 103.9])
+    b = serve_load.Result(True, 0.0, 0.0, 0.0, 4, times=[101.0, 101.1, 101.5, 101.6, 105.3])
     assert serve_load.by_second([a, b]) == [2, 4, 0, 3, 0, 1]
     assert serve_load.by_second([serve_load.Result(False, 0.0, 0.0, None, 0)]) == []
 
