@@ -9,10 +9,14 @@ median of ``--repeats``):
 * ``float``: the float cache, as ``mlxc generate`` runs it (MLX's own one-query attention);
 * ``float, mlxc kernel`` (CUDA only): the float cache, but attention through mlxc's kernel
   (``runtime.model.cuda_attention``), which every 4-bit step takes: the kernel's cost alone;
-* ``kv4``: the 4-bit cache;
+* ``kv4``: the 4-bit cache (on CUDA its newest tokens staged in float and quantised 32 at a
+  time, ``cache.QuantizedKVCache``);
+* ``kv4, unstaged`` (CUDA only): the 4-bit cache quantising each token on arrival, as it does
+  off CUDA (and did everywhere before staging): what staging saves;
 * ``kv4, no quantise``: the 4-bit cache, with each new token's packed parts taken from
-  zero arrays of the right shapes instead of ``mx.quantize``: the quantisation's cost alone (the
-  writes and the packed attention stay; the tokens are then garbage, the timing is not);
+  zero arrays of the right shapes instead of ``mx.quantize`` (unstaged on CUDA): the
+  quantisation's cost alone (the writes and the packed attention stay; the tokens are then
+  garbage, the timing is not);
 * ``kv4, dequantised`` (CUDA only): the 4-bit cache, its live keys and values dequantised each
   step for MLX's one-query kernel instead of read packed by mlxc's (what ``layers.attend`` does
   for a prefill chunk): whether, at batch one, expanding the cache costs less than the kernel.
@@ -64,7 +68,11 @@ def main(argv: list[str] | None = None) -> None:
     ids = prompt(args.prompt, model.args.vocab_size, 1)
     quant = kv.KVQuant(4, 64)
     cuda_attention.warm(model, (1,), quant)
-    real_quantize, real_applies = kv.KVQuant.quantize, cuda_attention.applies
+    real_quantize, real_applies, real_staging = (
+        kv.KVQuant.quantize,
+        cuda_attention.applies,
+        kv.staging,
+    )
 
     @functools.cache
     def zero_parts(shape, dtype, bits, group):
@@ -87,12 +95,15 @@ def main(argv: list[str] | None = None) -> None:
         variants = {
             "float": variants["float"],
             "float, mlxc kernel": (None, {"k": 1}),
-            **variants,
+            "kv4": variants["kv4"],
+            "kv4, unstaged": (quant, {"u": 1}),
+            "kv4, no quantise": (quant, {"q": 1, "u": 1}),
             "kv4, dequantised": (quant, {"d": 1}),
         }
 
     def patched(options):
         kv.KVQuant.quantize = no_quantize if "q" in options else real_quantize
+        kv.staging = (lambda keys, values: False) if "u" in options else real_staging
         cuda_attention.applies = (
             through_kernel if "k" in options else float_only if "d" in options else real_applies
         )

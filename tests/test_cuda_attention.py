@@ -130,6 +130,29 @@ def test_quantized(bits, group, D, T):
 
 
 @cuda_only
+@pytest.mark.parametrize("bits,group", [(4, 64), (8, 32)])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("L,T,recent", [(1, 50, 7), (1, 2500, 32), (3, 300, 16)])
+def test_staged(bits, group, D, L, T, recent):
+    """A quantised cache's staged tokens (``StagedKV``): packed keys, then the newest ones in
+    bf16, one pass (decode and a verification's causal rows); the oracle attends to the
+    dequantised packed keys followed by the staged ones."""
+    from mlxc.runtime.model.cache import StagedKV
+
+    B, Hq, Hkv = 2, 8, 2
+    q, k, v = _inputs(B, Hq, Hkv, L, T, D, seed=bits + D + T)
+    quant = KVQuant(bits=bits, group_size=group)
+    P = T - recent
+    keys = StagedKV(quant.quantize(k)[:, :, :P], k[:, :, P:])
+    values = StagedKV(quant.quantize(v)[:, :, :P], v[:, :, P:])
+    scale = D**-0.5
+    for mask in (None, "causal") if L > 1 else (None, _ragged_valid(B, T, 1, seed=3)):
+        got = layers.attend(q, keys, values, scale=scale, mask=mask)
+        want_mask = masks.causal_array(L, T) if mask == "causal" else mask
+        _check(got, _oracle(q, keys.dequantize(), values.dequantize(), scale, want_mask))
+
+
+@cuda_only
 def test_attend_routes_here_only_where_mlx_has_no_fast_path():
     q, k, v = _inputs(2, 8, 2, 1, 64, 64, seed=0)
     mask = _ragged_valid(2, 64, 1, seed=0)

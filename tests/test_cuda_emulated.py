@@ -35,7 +35,9 @@ pytestmark = pytest.mark.skipif(
 
 def _case_source(files: dict, kt: str, D: int, R: int, bits: int, group: int, chunks: int, grid):
     """C++ running the attention kernel (and the merge with ``chunks`` > 1) on ``files``."""
-    types = dict(zip(ca._INPUTS, ["T", "KT", "KT", "S", "S", "S", "S", "bool", "T", "float"]))
+    types = dict(
+        zip(ca._INPUTS, ["T", "KT", "KT", "S", "S", "S", "S", "T", "T", "bool", "T", "float"])
+    )
     params = ", ".join(
         f"const {types[n]}* {n}, const mlx::core::cu::Shape {n}_shape, "
         f"const mlx::core::cu::Strides {n}_strides"
@@ -122,41 +124,56 @@ def _run(
 
 
 CASES = [
-    # B, Hq, Hkv, L, T, D, bits, group, mask kind, sinks, chunks, strided head dim
-    (1, 8, 2, 1, 300, 64, 0, 1, "ragged", False, 3, False),  # a decode batch row, GQA 4
-    (2, 4, 4, 1, 70, 128, 0, 1, "ragged", False, 1, False),  # one block per row, no merge
-    (2, 8, 2, 3, 200, 64, 0, 1, "causal", False, 2, False),  # a verification, 12 rows a head
-    (2, 8, 2, 4, 90, 64, 0, 1, "ragged", False, 2, False),  # per-query rows of a tailed batch
-    (1, 8, 2, 1, 150, 64, 0, 1, "ragged", True, 2, True),  # sinks, element-wise loads
-    (2, 8, 2, 1, 150, 128, 0, 1, "none", True, 1, True),
-    (2, 8, 2, 1, 260, 64, 4, 64, "ragged", False, 2, False),  # 4-bit keys and values
-    (1, 8, 2, 2, 100, 64, 4, 32, "causal", False, 1, False),
-    (2, 4, 2, 1, 140, 128, 8, 64, "ragged", True, 2, False),  # 8-bit, sinks
-    (1, 4, 1, 1, 40, 128, 4, 64, "none", False, 1, False),
+    # B, Hq, Hkv, L, T, D, bits, group, mask kind, sinks, chunks, strided head dim, recent
+    (1, 8, 2, 1, 300, 64, 0, 1, "ragged", False, 3, False, 0),  # a decode batch row, GQA 4
+    (2, 4, 4, 1, 70, 128, 0, 1, "ragged", False, 1, False, 0),  # one block per row, no merge
+    (2, 8, 2, 3, 200, 64, 0, 1, "causal", False, 2, False, 0),  # a verification, 12 rows a head
+    (2, 8, 2, 4, 90, 64, 0, 1, "ragged", False, 2, False, 0),  # per-query rows of a tailed batch
+    (1, 8, 2, 1, 150, 64, 0, 1, "ragged", True, 2, True, 0),  # sinks, element-wise loads
+    (2, 8, 2, 1, 150, 128, 0, 1, "none", True, 1, True, 0),
+    (2, 8, 2, 1, 260, 64, 4, 64, "ragged", False, 2, False, 0),  # 4-bit keys and values
+    (1, 8, 2, 2, 100, 64, 4, 32, "causal", False, 1, False, 0),
+    (2, 4, 2, 1, 140, 128, 8, 64, "ragged", True, 2, False, 0),  # 8-bit, sinks
+    (1, 4, 1, 1, 40, 128, 4, 64, "none", False, 1, False, 0),
+    # A quantised cache's staged tokens: packed keys, then its newest in float (a chunk
+    # boundary inside them, a verification's causal rows over them, 8 bits, strided rows)
+    (1, 8, 2, 1, 200, 64, 4, 64, "none", False, 2, False, 17),
+    (2, 8, 2, 3, 150, 128, 4, 32, "causal", True, 3, False, 5),
+    (2, 4, 2, 1, 90, 64, 8, 64, "ragged", False, 1, True, 32),
 ]
 
 
 @pytest.mark.parametrize(
-    "B, Hq, Hkv, L, T, D, bits, group, kind, with_sinks, chunks, strided", CASES
+    "B, Hq, Hkv, L, T, D, bits, group, kind, with_sinks, chunks, strided, recent", CASES
 )
 def test_kernel_matches_mlx(
-    tmp_path, B, Hq, Hkv, L, T, D, bits, group, kind, with_sinks, chunks, strided
+    tmp_path, B, Hq, Hkv, L, T, D, bits, group, kind, with_sinks, chunks, strided, recent
 ):
     rng = np.random.default_rng(T + D + L)
     q = rng.standard_normal((B, Hq, L, D), np.float32)
     cap = T + 5  # the keys are the first T columns of a wider buffer, as a cache's are
     k_buf, v_buf = (rng.standard_normal((B, Hkv, cap, D), np.float32) for _ in range(2))
     none = np.zeros(1, np.float32)
+    k_recent = v_recent = np.zeros((1, 1, 1, 1), np.float32)  # the kernel's "none"
     if bits:
+        packed = T - recent  # tokens [packed, T) are read in float from their own buffers
         parts = {}
         for name, buf in (("k", k_buf), ("v", v_buf)):
             w, s, b = mx.quantize(mx.array(buf), group_size=group, bits=bits)
-            parts[name] = [np.array(p)[:, :, :T] for p in (w, s, b)]
-            dequant = mx.dequantize(w, s, b, group_size=group, bits=bits)
-            parts[name + "_ref"] = np.array(dequant)[:, :, :T]
+            parts[name] = [np.array(p)[:, :, :packed] for p in (w, s, b)]
+            dequant = np.array(mx.dequantize(w, s, b, group_size=group, bits=bits))
+            parts[name + "_ref"] = np.concatenate(
+                [dequant[:, :, :packed], buf[:, :, packed:T]], axis=2
+            )
         k, k_scales, k_biases = parts["k"]
         v, v_scales, v_biases = parts["v"]
         k_ref, v_ref = parts["k_ref"], parts["v_ref"]
+        if recent:
+            staged = [np.zeros((B, Hkv, 40, 2 * D), np.float32) for _ in range(2)]
+            step = 2 if strided else 1  # strided: every other element (no vector loads)
+            for buf, own in zip((k_buf, v_buf), staged):
+                own[:, :, :recent, : D * step : step] = buf[:, :, packed:T]
+            k_recent, v_recent = (a[:, :, :recent, : D * step : step] for a in staged)
     else:
         k_scales = k_biases = v_scales = v_biases = none
         if strided:  # every other element of a twice-wider head dim: no vector loads
@@ -182,7 +199,9 @@ def test_kernel_matches_mlx(
     R = ca._rows(Hq // Hkv * L)
     blocks = B * Hkv * -(-(Hq // Hkv * L) // R)
     flags = np.array([scale, mask_kind, float(with_sinks), Hq, L], np.float32)
-    inputs = [q, k, v, k_scales, k_biases, v_scales, v_biases, mask, sinks, flags]
+    inputs = [
+        q, k, v, k_scales, k_biases, v_scales, v_biases, k_recent, v_recent, mask, sinks, flags,
+    ]  # fmt: skip
     arrays = dict(zip(ca._INPUTS, [none if a is None else a for a in inputs], strict=True))
     kt = "uint32_t" if bits else "float"
     got = _run(tmp_path, arrays, kt, D, R, bits, group, chunks, (B * Hq * L, blocks))

@@ -20,6 +20,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import mlx.core as mx
 import numpy as np
 
+from mlxc.runtime.model import cuda_attention
+
 
 @runtime_checkable
 class LayerCache(Protocol):
@@ -414,10 +416,30 @@ class QuantizedKV:
         return [(data & 15).astype(dtype), (data >> 4).astype(dtype)]
 
 
-def dense(kv: mx.array | QuantizedKV | None) -> mx.array | None:
+class StagedKV:
+    """A quantised cache's live keys or values while its newest tokens are staged in float
+    (``QuantizedKVCache``): ``packed`` (``QuantizedKV`` ``[B, H, P, D]``, the older tokens),
+    then ``recent`` (float ``[B, H, n, D]``). mlxc's CUDA kernel reads both as they are
+    (``cuda_attention``); ``shape`` is the whole window's."""
+
+    def __init__(self, packed: QuantizedKV, recent: mx.array) -> None:
+        self.packed = packed
+        self.recent = recent
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        B, H, P, D = self.packed.shape
+        return (B, H, P + self.recent.shape[2], D)
+
+    def dequantize(self) -> mx.array:
+        packed = self.packed.dequantize().astype(self.recent.dtype)
+        return mx.concatenate([packed, self.recent], axis=2)
+
+
+def dense(kv: mx.array | QuantizedKV | StagedKV | None) -> mx.array | None:
     """``kv`` as a float array: what ``update_and_fetch`` returned, dequantised where the cache
     is quantised (an MLA latent feeds plain matmuls, not ``layers.attend``'s packed path)."""
-    return kv.dequantize() if isinstance(kv, QuantizedKV) else kv
+    return kv.dequantize() if isinstance(kv, QuantizedKV | StagedKV) else kv
 
 
 class QuantizedKVMixin:
@@ -453,11 +475,129 @@ class QuantizedKVMixin:
 
 
 class QuantizedKVCache(QuantizedKVMixin, KVCache):
-    """Full KV (``KVCache``: trimmed by ``--max-kv-size``, sinks kept) stored quantised."""
+    """Full KV (``KVCache``: trimmed by ``--max-kv-size``, sinks kept) stored quantised.
+
+    Where mlxc's CUDA kernel reads the keys (``staging``), a forward of a few tokens (a decode
+    step, a verification) stages them in float buffers of STAGE tokens, quantised into the
+    packed buffers a stage at a time (``flush``): the step then writes two float slices, as the
+    float cache does, where quantising its token costs two quantise kernels and six slice
+    writes a layer, launches that bound a batch-one GPU step (``docs/performance.md``).
+    Attention reads the packed tokens, then the staged ones (``StagedKV``). Tokens are
+    quantised independently, so the packed buffers end up exactly as if each had been
+    quantised on arrival; only the newest tokens are seen unrounded until their flush. Any
+    other use of the buffers (a trim reaching the staged tokens, ``live``, a prefix block)
+    flushes first.
+    """
+
+    STAGE = 32  # at least cuda_attention.MAX_QUERIES: a verification forward stages whole
 
     def __init__(self, quant: KVQuant) -> None:
         super().__init__()
         self.quant = quant
+        self.recent_keys: mx.array | None = None  # [B, H, STAGE, D], the staged tokens first
+        self.recent_values: mx.array | None = None
+        self.staged = 0  # the newest tokens held, in the recent buffers
+        self._packed_live: tuple[QuantizedKV, QuantizedKV] | None = None  # views; see _packed
+
+    def update_and_fetch(
+        self, keys: mx.array, values: mx.array | None = None
+    ) -> tuple[QuantizedKV | StagedKV, QuantizedKV | StagedKV | None]:
+        n_new = keys.shape[2]
+        if not self._stages(keys, values):
+            self.flush()
+            self._packed_live = None
+            return super().update_and_fetch(keys, values)
+        if self.staged + n_new > self.STAGE:
+            self.flush()
+        if self.recent_keys is None or self.recent_keys.shape[:2] != keys.shape[:2]:
+            B, H, _, D = keys.shape
+            self.recent_keys = mx.zeros((B, H, self.STAGE, D), keys.dtype)
+            self.recent_values = mx.zeros((B, H, self.STAGE, values.shape[3]), values.dtype)
+        start, end = self.staged, self.staged + n_new
+        self.recent_keys[:, :, start:end] = keys
+        self.recent_values[:, :, start:end] = values
+        self.staged = end
+        self.offset += n_new
+        packed_keys, packed_values = self._packed()
+        return (
+            StagedKV(packed_keys, self.recent_keys[:, :, :end]),
+            StagedKV(packed_values, self.recent_values[:, :, :end]),
+        )
+
+    def _stages(self, keys: mx.array, values: mx.array | None) -> bool:
+        """Whether these new tokens are staged: a few, after packed ones, where it pays."""
+        return (
+            values is not None
+            and keys.shape[2] <= self.STAGE // 2
+            and self.keys is not None
+            and self.held > self.staged  # a packed token to go first
+            and staging(keys, values)
+        )
+
+    def flush(self) -> None:
+        """Quantise the staged tokens into the packed buffers."""
+        n = self.staged
+        if n:
+            self.staged = 0
+            self.offset -= n  # the base cache appends them at the packed end, offset included
+            super().update_and_fetch(self.recent_keys[:, :, :n], self.recent_values[:, :, :n])
+            self._packed_live = None
+
+    def _packed(self) -> tuple[QuantizedKV, QuantizedKV]:
+        """The packed live keys and values: views kept from step to step (three slices each,
+        host work a staged step would otherwise repeat) until the packed buffers change."""
+        if self._packed_live is None:
+            n = self.held - self.staged
+            self._packed_live = (self.keys[:, :, :n], self.values[:, :, :n])
+        return self._packed_live
+
+    def trim_front(self, n: int, keep: int = 0) -> int:
+        n, staged = int(n), self.staged
+        if staged and self.held - staged - keep < n:  # the trim reaches the staged tokens
+            self.flush()
+            staged = 0
+        self.offset -= staged  # KVCache's trim, on the packed tokens
+        try:
+            dropped = super().trim_front(n, keep)
+        finally:
+            self.offset += staged
+        if dropped:
+            self.trimmed_at = self.offset
+            self._packed_live = None
+        return dropped
+
+    def rewind(self, n: int) -> None:
+        super().rewind(n)
+        if int(n) > self.staged:
+            self._packed_live = None  # the packed end moves back too
+        self.staged = max(self.staged - int(n), 0)
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        packed = self.keys.nbytes + (0 if self.values is None else self.values.nbytes)
+        total = packed // self.keys.shape[2] * (self.held - self.staged)
+        if self.staged:
+            recent = self.recent_keys.nbytes + self.recent_values.nbytes
+            total += recent // self.STAGE * self.staged
+        return total
+
+    def arrays(self) -> list[mx.array]:
+        recent = [self.recent_keys, self.recent_values] if self.staged else []
+        return super().arrays() + recent
+
+    def prefix_block(self, start: int) -> list[mx.array] | None:
+        self.flush()
+        return super().prefix_block(start)
+
+    def resume(self, blocks: list[list[mx.array]], offset: int) -> None:
+        super().resume(blocks, offset)
+        self.staged, self._packed_live = 0, None
+
+    def live(self) -> tuple[QuantizedKV, QuantizedKV | None]:
+        self.flush()
+        return super().live()
 
     def batch_layer(self) -> LayerCache:
         from mlxc.runtime.model.batch import BatchQuantizedKVCache
@@ -476,6 +616,19 @@ class QuantizedWindowedKVCache(QuantizedKVMixin, WindowedKVCache):
         from mlxc.runtime.model.batch import BatchQuantizedWindowedKVCache
 
         return BatchQuantizedWindowedKVCache(self.window, self.quant)
+
+
+def staging(keys: mx.array, values: mx.array) -> bool:
+    """Whether a quantised cache stages its newest tokens in float (``QuantizedKVCache``): where
+    attention reads its keys through mlxc's CUDA kernel (a device with MLX's CUDA backend,
+    head dims it is built for), which reads packed and staged tokens in one pass. Elsewhere
+    each token is quantised on arrival."""
+    return (
+        keys.shape[-1] == values.shape[-1]
+        and keys.shape[-1] in cuda_attention.HEAD_DIMS
+        and keys.dtype in (mx.bfloat16, mx.float16, mx.float32)
+        and cuda_attention.available()
+    )
 
 
 def quantized_caches(caches: list, quant: KVQuant | None) -> list:

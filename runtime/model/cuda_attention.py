@@ -106,7 +106,11 @@ _SOURCE = """
   constexpr float LOG2E = 1.4426950408889634f;
   const float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
   const int chunk = blockIdx.x, n_chunks = gridDim.x;
-  const int Hq = q_shape[1], L = q_shape[2], Hkv = k_shape[1], Tk = k_shape[2];
+  const int Hq = q_shape[1], L = q_shape[2], Hkv = k_shape[1], Tp = k_shape[2];
+  // Packed keys may be followed by recent ones in float (``k_recent``/``v_recent``
+  // [B, Hkv, n, D], the queries' dtype): a quantised cache's newest tokens, not yet quantised
+  // (``cache.QuantizedKVCache``). A stand-in whose last dim is not D means none.
+  const int Tk = Tp + (BITS != 0 && k_recent_shape[3] == D ? k_recent_shape[2] : 0);
   const int G = Hq / Hkv, n_rows = G * L, tiles = (n_rows + R - 1) / R;
   const int tile = blockIdx.y % tiles, kvh = (blockIdx.y / tiles) % Hkv;
   const int b = blockIdx.y / (tiles * Hkv);
@@ -140,10 +144,33 @@ _SOURCE = """
   const auto* kbi = k_biases + b * k_biases_strides[0] + kvh * k_biases_strides[1];
   const auto* vsc = v_scales + b * v_scales_strides[0] + kvh * v_scales_strides[1];
   const auto* vbi = v_biases + b * v_biases_strides[0] + kvh * v_biases_strides[1];
+  const auto* krec = k_recent + b * k_recent_strides[0] + kvh * k_recent_strides[1];
+  const auto* vrec = v_recent + b * v_recent_strides[0] + kvh * v_recent_strides[1];
   // Float rows with a contiguous head dim on 16-byte boundaries (every cache's): vector loads.
   const bool vec = BITS == 0 && k_strides[3] == 1 && v_strides[3] == 1 &&
       k_strides[2] % VE == 0 && v_strides[2] % VE == 0 &&
       (reinterpret_cast<uintptr_t>(krow) | reinterpret_cast<uintptr_t>(vrow)) % 16 == 0;
+  const bool rvec = k_recent_strides[3] == 1 && v_recent_strides[3] == 1 &&
+      k_recent_strides[2] % VE == 0 && v_recent_strides[2] % VE == 0 &&
+      (reinterpret_cast<uintptr_t>(krec) | reinterpret_cast<uintptr_t>(vrec)) %
+          (VE * sizeof(T)) == 0;
+  // Element e0.. of key (or value) row t: packed below Tp, a recent float row from there.
+  auto load_key = [&](int t, int e0, float* out) {
+    if (t < Tp)
+      load_vec<KT, S, BITS, GS, VE>(krow + t * k_strides[2], ksc + t * k_scales_strides[2],
+          kbi + t * k_biases_strides[2], e0, k_strides[3], k_scales_strides[3], vec, out);
+    else
+      load_vec<T, S, 0, GS, VE>(krec + (t - Tp) * k_recent_strides[2], ksc, kbi, e0,
+          k_recent_strides[3], 0, rvec, out);
+  };
+  auto load_value = [&](int t, int e0, float* out) {
+    if (t < Tp)
+      load_vec<KT, S, BITS, GS, VE>(vrow + t * v_strides[2], vsc + t * v_scales_strides[2],
+          vbi + t * v_biases_strides[2], e0, v_strides[3], v_scales_strides[3], vec, out);
+    else
+      load_vec<T, S, 0, GS, VE>(vrec + (t - Tp) * v_recent_strides[2], vsc, vbi, e0,
+          v_recent_strides[3], 0, rvec, out);
+  };
   // This lane's share of the value rows: row u0 + sub of each KPL, elements [ve, ve + VE).
   const int sub = lane / LPR, ve = (lane % LPR) * VE;
   for (int t0 = start + warp * 32; t0 < end; t0 += WARPS * 32) {
@@ -153,8 +180,7 @@ _SOURCE = """
     if (t < end) {
       for (int e0 = 0; e0 < D; e0 += VE) {
         float kr[VE];
-        load_vec<KT, S, BITS, GS, VE>(krow + t * k_strides[2], ksc + t * k_scales_strides[2],
-            kbi + t * k_biases_strides[2], e0, k_strides[3], k_scales_strides[3], vec, kr);
+        load_key(t, e0, kr);
         for (int r = 0; r < R; ++r)
           for (int j = 0; j < VE; ++j) d[r] += qs[r][e0 + j] * kr[j];
       }
@@ -181,8 +207,7 @@ _SOURCE = """
       const int u = u0 + sub, tu = t0 + u;
       if (u < n_keys) {
         float vr[VE];
-        load_vec<KT, S, BITS, GS, VE>(vrow + tu * v_strides[2], vsc + tu * v_scales_strides[2],
-            vbi + tu * v_biases_strides[2], ve, v_strides[3], v_scales_strides[3], vec, vr);
+        load_value(tu, ve, vr);
         for (int r = 0; r < R; ++r) {
           const float p = ps[warp][r][u];
           for (int j = 0; j < VE; ++j) acc[r][j] += p * vr[j];
@@ -263,7 +288,10 @@ _MERGE_SOURCE = """
   out[row * D + e] = static_cast<T>(tot > 0.f ? a / tot : 0.f);
 """
 
-_INPUTS = ["q", "k", "v", "k_scales", "k_biases", "v_scales", "v_biases", "mask", "sinks", "flags"]
+_INPUTS = [
+    "q", "k", "v", "k_scales", "k_biases", "v_scales", "v_biases", "k_recent", "v_recent",
+    "mask", "sinks", "flags",
+]  # fmt: skip
 
 
 @functools.cache
@@ -348,11 +376,17 @@ def attention(
     chunks: int | None = None,
 ) -> mx.array:
     """``softmax(scale * q k^T + mask) v`` for ``queries [B, Hq, L, D]`` (L <= MAX_QUERIES)
-    against ``keys``/``values`` ``[B, Hkv, T, D]``, float arrays or ``QuantizedKV``; ``mask``:
+    against ``keys``/``values`` ``[B, Hkv, T, D]``, float arrays, ``QuantizedKV`` or
+    ``StagedKV`` (packed, then recent float tokens: ``cache.QuantizedKVCache``); ``mask``:
     None, ``"causal"`` (queries last) or a boolean array broadcastable to ``[B, Hq, L, T]``.
     ``chunks``: blocks per (row, head) along the keys (default: by the shapes). Returns
     ``[B, Hq, L, D]`` in the queries' dtype."""
     B, Hq, L, D = queries.shape
+    k_recent = v_recent = _dummy(queries.dtype, ndim=4)
+    n_recent = 0
+    if hasattr(keys, "recent"):  # a StagedKV: packed tokens, then the newest still in float
+        k_recent, v_recent = keys.recent.astype(queries.dtype), values.recent.astype(queries.dtype)
+        keys, values, n_recent = keys.packed, values.packed, k_recent.shape[2]
     quantized = not isinstance(keys, mx.array)
     if quantized:
         k, k_scales, k_biases = keys.parts
@@ -363,7 +397,7 @@ def attention(
         k, v = keys, values
         k_scales = k_biases = v_scales = v_biases = _dummy(queries.dtype)
         bits, group, scale_dtype = 0, 1, queries.dtype
-    n_kv, n_keys = k.shape[1], k.shape[2]
+    n_kv, n_keys = k.shape[1], k.shape[2] + n_recent
     if isinstance(mask, mx.array):
         kind = 2
         mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
@@ -385,7 +419,8 @@ def attention(
     else:
         shapes = [(1,), (rows, n_chunks, D), (rows, n_chunks), (rows, n_chunks)]
     out, part_acc, part_max, part_sum = _kernel()(
-        inputs=[queries, k, v, k_scales, k_biases, v_scales, v_biases, mask, sink_arr, flags],
+        inputs=[queries, k, v, k_scales, k_biases, v_scales, v_biases]
+        + [k_recent, v_recent, mask, sink_arr, flags],
         template=template,
         grid=(n_chunks * WARPS * 32, blocks, 1),
         threadgroup=(WARPS * 32, 1, 1),

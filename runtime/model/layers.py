@@ -13,7 +13,7 @@ from mlx.nn.layers.distributed import AllToShardedLinear, QuantizedAllToShardedL
 
 from mlxc.runtime import blas
 from mlxc.runtime.model import cuda_attention, masks
-from mlxc.runtime.model.cache import QuantizedKV
+from mlxc.runtime.model.cache import QuantizedKV, StagedKV
 
 
 def relu2(x: mx.array) -> mx.array:
@@ -249,7 +249,7 @@ def attend(
     nothing (gpt-oss).
     """
     masks.check(mask, queries.shape[-2], keys.shape[-2])
-    quantized = isinstance(keys, QuantizedKV)
+    quantized = isinstance(keys, QuantizedKV | StagedKV)
     L, T = queries.shape[-2], keys.shape[-2]
     cpu = mx.default_device() == mx.cpu
     rows = _cpu_rows(queries, T) if cpu else 0  # queries a composed call takes (0: none)
@@ -261,6 +261,8 @@ def attend(
         mask = mask.array()
     if cuda_attention.applies(queries, values.shape[-1], mask, quantized):
         return cuda_attention.attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    if isinstance(keys, StagedKV):  # staged for that kernel (an additive mask stays with MLX)
+        keys, values, quantized = keys.dequantize(), values.dequantize(), False
     if quantized:
         if queries.shape[-2] <= QUANTIZED_MATMUL_QUERIES and packed_attention():
             return composed_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
