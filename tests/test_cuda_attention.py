@@ -135,8 +135,9 @@ def test_quantized(bits, group, D, T):
 @pytest.mark.parametrize("L,T,recent", [(1, 50, 7), (1, 2500, 32), (3, 300, 16)])
 def test_staged(bits, group, D, L, T, recent):
     """A quantised cache's staged tokens (``StagedKV``): packed keys, then the newest ones in
-    bf16, one pass (decode and a verification's causal rows); the oracle attends to the
-    dequantised packed keys followed by the staged ones."""
+    bf16, which the kernel rounds as ``mx.quantize`` stores them (decode and a verification's
+    causal rows): bit for bit the kernel's output on all the keys packed, and near the oracle
+    on their dequantised values."""
     from mlxc.runtime.model.cache import StagedKV
 
     B, Hq, Hkv = 2, 8, 2
@@ -146,10 +147,12 @@ def test_staged(bits, group, D, L, T, recent):
     keys = StagedKV(quant.quantize(k)[:, :, :P], k[:, :, P:])
     values = StagedKV(quant.quantize(v)[:, :, :P], v[:, :, P:])
     scale = D**-0.5
+    packed_k, packed_v = quant.quantize(k), quant.quantize(v)
     for mask in (None, "causal") if L > 1 else (None, _ragged_valid(B, T, 1, seed=3)):
         got = layers.attend(q, keys, values, scale=scale, mask=mask)
+        assert mx.array_equal(got, layers.attend(q, packed_k, packed_v, scale=scale, mask=mask))
         want_mask = masks.causal_array(L, T) if mask == "causal" else mask
-        _check(got, _oracle(q, keys.dequantize(), values.dequantize(), scale, want_mask))
+        _check(got, _oracle(q, packed_k.dequantize(), packed_v.dequantize(), scale, want_mask))
 
 
 @cuda_only

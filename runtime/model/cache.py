@@ -419,8 +419,9 @@ class QuantizedKV:
 class StagedKV:
     """A quantised cache's live keys or values while its newest tokens are staged in float
     (``QuantizedKVCache``): ``packed`` (``QuantizedKV`` ``[B, H, P, D]``, the older tokens),
-    then ``recent`` (float ``[B, H, n, D]``). mlxc's CUDA kernel reads both as they are
-    (``cuda_attention``); ``shape`` is the whole window's."""
+    then ``recent`` (float ``[B, H, n, D]``), which every reader takes as quantising would
+    store them: mlxc's CUDA kernel rounds them in registers (``cuda_attention``),
+    ``dequantize`` through ``mx.quantize``. ``shape`` is the whole window's."""
 
     def __init__(self, packed: QuantizedKV, recent: mx.array) -> None:
         self.packed = packed
@@ -432,8 +433,8 @@ class StagedKV:
         return (B, H, P + self.recent.shape[2], D)
 
     def dequantize(self) -> mx.array:
-        packed = self.packed.dequantize().astype(self.recent.dtype)
-        return mx.concatenate([packed, self.recent], axis=2)
+        recent = self.packed.quant.quantize(self.recent)
+        return mx.concatenate([self.packed.dequantize(), recent.dequantize()], axis=2)
 
 
 def dense(kv: mx.array | QuantizedKV | StagedKV | None) -> mx.array | None:
@@ -482,11 +483,11 @@ class QuantizedKVCache(QuantizedKVMixin, KVCache):
     packed buffers a stage at a time (``flush``): the step then writes two float slices, as the
     float cache does, where quantising its token costs two quantise kernels and six slice
     writes a layer, launches that bound a batch-one GPU step (``docs/performance.md``).
-    Attention reads the packed tokens, then the staged ones (``StagedKV``). Tokens are
-    quantised independently, so the packed buffers end up exactly as if each had been
-    quantised on arrival; only the newest tokens are seen unrounded until their flush. Any
-    other use of the buffers (a trim reaching the staged tokens, ``live``, a prefix block)
-    flushes first.
+    Attention reads the packed tokens, then the staged ones rounded as quantising stores them
+    (``StagedKV``). Tokens are quantised independently, so staging changes no result: what
+    attention reads and what the packed buffers end up holding are exactly what quantising each
+    token on arrival gives. Any other use of the buffers (a trim reaching the staged tokens,
+    ``live``, a prefix block) flushes first.
     """
 
     STAGE = 32  # at least cuda_attention.MAX_QUERIES: a verification forward stages whole

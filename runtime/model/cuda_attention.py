@@ -77,6 +77,40 @@ __device__ __forceinline__ void load_vec(const P* row, const S* scales, const S*
       out[j] = sc * static_cast<float>((w >> (j * BITS)) & ((1u << BITS) - 1u)) + bi;
   }
 }
+// One group of a float row as MLX's CUDA ``affine_quantize`` codes it (the same operations, in
+// the same order): the scale and bias it codes with, and those it stores (rounded to S), which
+// dequantisation reads. A quantised cache's staged tokens are read through it (``round``), so
+// they attend exactly as the packed tokens they later become.
+struct Rounding { float scale, bias, stored_scale, stored_bias; };
+template <typename T, typename S, int BITS, int GS>
+__device__ __forceinline__ Rounding rounding(const T* row, long long es, int g0) {
+  float lo = cuda::std::numeric_limits<float>::max(), hi = 0.f;  // MLX's maximum starts at 0
+  for (int j = 0; j < GS; ++j) {
+    const float x = static_cast<float>(row[(g0 + j) * es]);
+    lo = fminf(lo, x);
+    hi = fmaxf(hi, x);
+  }
+  constexpr float n_bins = (1 << BITS) - 1;
+  float scale = fmaxf((hi - lo) / n_bins, 1e-7f);
+  const bool side = fabsf(lo) > fabsf(hi);
+  scale = side ? scale : -scale;
+  const float edge = side ? lo : hi;
+  const float q0 = roundf(edge / scale);
+  const bool at_zero = q0 == 0.0f;
+  scale = at_zero ? scale : edge / q0;
+  const float bias = at_zero ? 0.f : edge;
+  return {scale, bias, static_cast<float>(static_cast<S>(scale)),
+      static_cast<float>(static_cast<S>(bias))};
+}
+// VE elements of a row, each coded and decoded as ``r`` says (see ``load_vec`` for the loads).
+template <typename T, int BITS, int VE>
+__device__ __forceinline__ void round_vec(const Rounding& r, float* x) {
+  constexpr float n_bins = (1 << BITS) - 1;
+  for (int j = 0; j < VE; ++j) {
+    const uint8_t q = fminf(roundf((x[j] - r.bias) / r.scale), n_bins);
+    x[j] = r.stored_scale * static_cast<float>(q) + r.stored_bias;
+  }
+}
 // A 4-d index with broadcasting: a dimension of size 1 has stride 0.
 __device__ __forceinline__ long long at4(
     const mlx::core::cu::Shape& shape, const mlx::core::cu::Strides& strides, int a, int b, int c, int d) {
@@ -109,7 +143,8 @@ _SOURCE = """
   const int Hq = q_shape[1], L = q_shape[2], Hkv = k_shape[1], Tp = k_shape[2];
   // Packed keys may be followed by recent ones in float (``k_recent``/``v_recent``
   // [B, Hkv, n, D], the queries' dtype): a quantised cache's newest tokens, not yet quantised
-  // (``cache.QuantizedKVCache``). A stand-in whose last dim is not D means none.
+  // (``cache.QuantizedKVCache``), read as quantising would store them (``rounding``). A
+  // stand-in whose last dim is not D means none.
   const int Tk = Tp + (BITS != 0 && k_recent_shape[3] == D ? k_recent_shape[2] : 0);
   const int G = Hq / Hkv, n_rows = G * L, tiles = (n_rows + R - 1) / R;
   const int tile = blockIdx.y % tiles, kvh = (blockIdx.y / tiles) % Hkv;
@@ -154,22 +189,31 @@ _SOURCE = """
       k_recent_strides[2] % VE == 0 && v_recent_strides[2] % VE == 0 &&
       (reinterpret_cast<uintptr_t>(krec) | reinterpret_cast<uintptr_t>(vrec)) %
           (VE * sizeof(T)) == 0;
-  // Element e0.. of key (or value) row t: packed below Tp, a recent float row from there.
+  // Elements e0.. of key (or value) row t: packed below Tp, a recent float row from there,
+  // rounded as quantising will store it. A lane walks its key's elements in order, so a key
+  // group's rounding is taken at its first element; a value row's lanes each take their own.
+  Rounding key_group;
   auto load_key = [&](int t, int e0, float* out) {
-    if (t < Tp)
+    if (t < Tp) {
       load_vec<KT, S, BITS, GS, VE>(krow + t * k_strides[2], ksc + t * k_scales_strides[2],
           kbi + t * k_biases_strides[2], e0, k_strides[3], k_scales_strides[3], vec, out);
-    else
-      load_vec<T, S, 0, GS, VE>(krec + (t - Tp) * k_recent_strides[2], ksc, kbi, e0,
-          k_recent_strides[3], 0, rvec, out);
+    } else if constexpr (BITS != 0) {
+      const T* row = krec + (t - Tp) * k_recent_strides[2];
+      if (e0 % GS == 0) key_group = rounding<T, S, BITS, GS>(row, k_recent_strides[3], e0);
+      load_vec<T, S, 0, GS, VE>(row, ksc, kbi, e0, k_recent_strides[3], 0, rvec, out);
+      round_vec<T, BITS, VE>(key_group, out);
+    }
   };
   auto load_value = [&](int t, int e0, float* out) {
-    if (t < Tp)
+    if (t < Tp) {
       load_vec<KT, S, BITS, GS, VE>(vrow + t * v_strides[2], vsc + t * v_scales_strides[2],
           vbi + t * v_biases_strides[2], e0, v_strides[3], v_scales_strides[3], vec, out);
-    else
-      load_vec<T, S, 0, GS, VE>(vrec + (t - Tp) * v_recent_strides[2], vsc, vbi, e0,
-          v_recent_strides[3], 0, rvec, out);
+    } else if constexpr (BITS != 0) {
+      const T* row = vrec + (t - Tp) * v_recent_strides[2];
+      const Rounding group = rounding<T, S, BITS, GS>(row, v_recent_strides[3], e0 / GS * GS);
+      load_vec<T, S, 0, GS, VE>(row, vsc, vbi, e0, v_recent_strides[3], 0, rvec, out);
+      round_vec<T, BITS, VE>(group, out);
+    }
   };
   // This lane's share of the value rows: row u0 + sub of each KPL, elements [ve, ve + VE).
   const int sub = lane / LPR, ve = (lane % LPR) * VE;
