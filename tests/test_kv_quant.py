@@ -43,6 +43,7 @@ from mlxc.runtime.model.cache import (
     QuantizedKVCache,
     QuantizedWindowedKVCache,
     StagedKV,
+    StagingMixin,
     WindowedKVCache,
     enforce_max_kv,
     make_caches,
@@ -299,9 +300,12 @@ def test_trims_and_windows_move_tokens_without_requantising(rng, window):
 def staging(monkeypatch):
     """Staging on whatever the device (on CUDA it is on by itself), in stages of 4 tokens:
     flushes every few steps. On the CPU ``attend`` reads staged keys dequantised
-    (``StagedKV.dequantize``: the staged tokens through ``mx.quantize``)."""
-    monkeypatch.setattr(kv_cache, "staging", lambda keys, values: True)
-    monkeypatch.setattr(QuantizedKVCache, "STAGE", 4)
+    (``StagedKV.dequantize``: the staged tokens through ``mx.quantize``). Yields the count of
+    staged writes (a cache asks ``staging`` last, once the rest allows it)."""
+    staged = []
+    monkeypatch.setattr(kv_cache, "staging", lambda keys, values: staged.append(1) or True)
+    monkeypatch.setattr(StagingMixin, "STAGE", 4)
+    return staged
 
 
 @pytest.mark.usefixtures("staging")
@@ -387,11 +391,26 @@ def test_kv_bytes_per_token(bits, group):
     assert batch.nbytes == ours.nbytes
 
 
+@pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("name", ["llama", "gpt_oss"])
-def test_batched_decode_equals_alone(models, name):
+def test_batched_decode_equals_alone(models, name, staged, request):
     """Rows of different lengths, trimmed with sinks before and while they decode, joining
-    and leaving (``mlxc verify``'s schedule) on quantised caches: each row's logits equal its
-    logits decoding alone. gpt_oss: windowed layers and attention sinks too."""
+    and leaving, a verification rewinding rows by different counts (``mlxc verify``'s
+    schedule) on quantised caches: each row's logits equal its logits decoding alone.
+    gpt_oss: windowed layers and attention sinks too. Staged (``StagingMixin``, CUDA's
+    default, forced here): the rows and the batch stage and flush at different steps, and
+    still agree."""
+    batch_staged = []
+    if staged:
+        request.getfixturevalue("staging")
+        stages = BatchQuantizedKVCache._stages
+        monkeypatch = request.getfixturevalue("monkeypatch")
+
+        def counted(self, keys, values):
+            batch_staged.append(stages(self, keys, values))
+            return batch_staged[-1]
+
+        monkeypatch.setattr(BatchQuantizedKVCache, "_stages", counted)
     model, quant = models[name], KVQuant(4, 32)
     kinds = {type(b) for b in BatchCache.like(make_caches(model, quant))}
     want = {BatchQuantizedKVCache} | (
@@ -402,6 +421,7 @@ def test_batched_decode_equals_alone(models, name):
         model, np.random.default_rng(0), ckpt.VOCAB_SIZE, None, None, quant
     )
     assert err <= verify.ATOL
+    assert sum(batch_staged) >= (10 if staged else 0)  # the batch's own steps staged
 
 
 # --- generate and serve ----------------------------------------------------------------------

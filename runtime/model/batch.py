@@ -47,6 +47,7 @@ from mlxc.runtime.model.cache import (
     QuantizedKV,
     QuantizedKVMixin,
     RewindError,
+    StagingMixin,
     buffer_tokens,
     check_trim,
     is_layer_cache,
@@ -421,13 +422,86 @@ class BatchWindowedKVCache(BatchKVCache):
         self.trim_front(np.maximum(self.row_live_len - (self.window - 1), 0))
 
 
-class BatchQuantizedKVCache(QuantizedKVMixin, BatchKVCache):
+class BatchQuantizedKVCache(StagingMixin, QuantizedKVMixin, BatchKVCache):
     """The rows of quantised full-KV layers (``QuantizedKVCache``): ``BatchKVCache``'s layout
-    (pads, sinks, gaps, compaction) on ``QuantizedKV`` buffers; no token is requantised."""
+    (pads, sinks, gaps, compaction) on ``QuantizedKV`` buffers; no token is requantised. Its
+    newest columns are staged in float where mlxc's CUDA kernel reads it (``StagingMixin``),
+    while no row has a tail (``rewind_rows``: its new tokens are scattered, not appended)."""
 
     def __init__(self, quant: KVQuant) -> None:
         super().__init__()
         self.quant = quant
+
+    def _clear(self) -> None:
+        super()._clear()
+        self._clear_staging()
+
+    def _advance(self, n: int) -> None:
+        self.width += n
+        self.offsets = self.offsets + n
+        self.appended += n
+
+    @property
+    def _packed_end(self) -> int:
+        return self.width - self.staged
+
+    def _stages(self, keys: mx.array, values: mx.array | None) -> bool:
+        return not self.tail.any() and super()._stages(keys, values)
+
+    def flush(self) -> None:
+        # The staged columns go where they are; a row's tail would scatter them again.
+        tail, self.tail = self.tail, np.zeros_like(self.tail)
+        try:
+            super().flush()
+        finally:
+            self.tail = tail
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        live = self.row_live_len
+        staged = np.clip(self.staged - self.tail, 0, live)  # each row's staged tokens
+        held = self.keys.nbytes + (0 if self.values is None else self.values.nbytes)
+        per_column = held // (self.keys.shape[0] * self.keys.shape[2])
+        total = int((live - staged).sum()) * per_column
+        return total + (int(staged.sum()) * self._staged_bytes() if self.staged else 0)
+
+    # Rows leaving take their staged columns along; anything else that moves columns or rows
+    # between buffers flushes first.
+    def keep_rows(self, rows: list[int]) -> None:
+        if self.staged and rows:
+            index = mx.array(rows)
+            self.recent_keys = self.recent_keys[index]
+            self.recent_values = self.recent_values[index]
+        self._packed_live = None
+        super().keep_rows(rows)
+
+    def _compact(self) -> None:
+        self.flush()
+        super()._compact()
+        self._packed_live = None
+
+    def extend(self, caches: list[KVCache]) -> None:
+        self.flush()
+        self._packed_live = None
+        super().extend(caches)
+
+    def append_batch(self, other: BatchKVCache) -> None:
+        self.flush()
+        other.flush()
+        self._packed_live = None
+        super().append_batch(other)
+
+    def place(self, slots: list[int], other: BatchKVCache) -> None:
+        self.flush()
+        other.flush()
+        self._packed_live = None
+        super().place(slots, other)
+
+    def row_prefix_block(self, b: int) -> list[mx.array] | None:
+        self.flush()
+        return super().row_prefix_block(b)
 
 
 class BatchQuantizedWindowedKVCache(QuantizedKVMixin, BatchWindowedKVCache):

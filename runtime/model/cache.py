@@ -475,30 +475,30 @@ class QuantizedKVMixin:
         return QuantizedKV(parts[:3], self.quant), values
 
 
-class QuantizedKVCache(QuantizedKVMixin, KVCache):
-    """Full KV (``KVCache``: trimmed by ``--max-kv-size``, sinks kept) stored quantised.
+class StagingMixin:
+    """Stages a quantised cache's newest tokens in float where mlxc's CUDA kernel reads its keys
+    (``staging``): a forward of a few tokens (a decode step, a verification) writes them into
+    float buffers of STAGE tokens, quantised into the packed buffers a stage at a time
+    (``flush``). The step then writes two float slices, as the float cache does, where
+    quantising its tokens costs two quantise kernels and six slice writes a layer, launches
+    that bound a small-batch GPU step (``docs/performance.md``). Attention reads the packed
+    tokens, then the staged ones rounded as quantising stores them (``StagedKV``); tokens are
+    quantised independently, so staging changes no result: what attention reads and what the
+    packed buffers end up holding are exactly what quantising each token on arrival gives.
 
-    Where mlxc's CUDA kernel reads the keys (``staging``), a forward of a few tokens (a decode
-    step, a verification) stages them in float buffers of STAGE tokens, quantised into the
-    packed buffers a stage at a time (``flush``): the step then writes two float slices, as the
-    float cache does, where quantising its token costs two quantise kernels and six slice
-    writes a layer, launches that bound a batch-one GPU step (``docs/performance.md``).
-    Attention reads the packed tokens, then the staged ones rounded as quantising stores them
-    (``StagedKV``). Tokens are quantised independently, so staging changes no result: what
-    attention reads and what the packed buffers end up holding are exactly what quantising each
-    token on arrival gives. Any other use of the buffers (a trim reaching the staged tokens,
-    ``live``, a prefix block) flushes first.
+    A kind supplies ``_advance(n)`` (move its counters over ``n`` tokens, negative to take them
+    back, writing nothing) and ``_packed_end`` (where the packed tokens end); whatever else
+    uses its buffers flushes first.
     """
 
-    STAGE = 32  # at least cuda_attention.MAX_QUERIES: a verification forward stages whole
+    STAGE = 32  # at least twice cuda_attention.MAX_QUERIES: a verification forward stages whole
+    quant: KVQuant
 
-    def __init__(self, quant: KVQuant) -> None:
-        super().__init__()
-        self.quant = quant
+    def _clear_staging(self) -> None:
         self.recent_keys: mx.array | None = None  # [B, H, STAGE, D], the staged tokens first
         self.recent_values: mx.array | None = None
         self.staged = 0  # the newest tokens held, in the recent buffers
-        self._packed_live: tuple[QuantizedKV, QuantizedKV] | None = None  # views; see _packed
+        self._packed_live: tuple[QuantizedKV, QuantizedKV] | None = None  # see _packed
 
     def update_and_fetch(
         self, keys: mx.array, values: mx.array | None = None
@@ -518,7 +518,7 @@ class QuantizedKVCache(QuantizedKVMixin, KVCache):
         self.recent_keys[:, :, start:end] = keys
         self.recent_values[:, :, start:end] = values
         self.staged = end
-        self.offset += n_new
+        self._advance(n_new)
         packed_keys, packed_values = self._packed()
         return (
             StagedKV(packed_keys, self.recent_keys[:, :, :end]),
@@ -531,16 +531,16 @@ class QuantizedKVCache(QuantizedKVMixin, KVCache):
             values is not None
             and keys.shape[2] <= self.STAGE // 2
             and self.keys is not None
-            and self.held > self.staged  # a packed token to go first
+            and self._packed_end > 0
             and staging(keys, values)
         )
 
     def flush(self) -> None:
-        """Quantise the staged tokens into the packed buffers."""
+        """Quantise the staged tokens into the packed buffers (the kind's own append)."""
         n = self.staged
         if n:
             self.staged = 0
-            self.offset -= n  # the base cache appends them at the packed end, offset included
+            self._advance(-n)
             super().update_and_fetch(self.recent_keys[:, :, :n], self.recent_values[:, :, :n])
             self._packed_live = None
 
@@ -548,13 +548,46 @@ class QuantizedKVCache(QuantizedKVMixin, KVCache):
         """The packed live keys and values: views kept from step to step (three slices each,
         host work a staged step would otherwise repeat) until the packed buffers change."""
         if self._packed_live is None:
-            n = self.held - self.staged
+            n = self._packed_end
             self._packed_live = (self.keys[:, :, :n], self.values[:, :, :n])
         return self._packed_live
 
+    def rewind(self, n: int) -> None:
+        super().rewind(n)
+        if int(n) > self.staged:
+            self._packed_live = None  # the packed end moves back too
+        self.staged = max(self.staged - int(n), 0)
+
+    def arrays(self) -> list[mx.array]:
+        recent = [self.recent_keys, self.recent_values] if self.staged else []
+        return super().arrays() + recent
+
+    def _staged_bytes(self) -> int:
+        """Bytes of one staged token of one row (keys and values)."""
+        return (self.recent_keys.nbytes + self.recent_values.nbytes) // (
+            self.recent_keys.shape[0] * self.STAGE
+        )
+
+
+class QuantizedKVCache(StagingMixin, QuantizedKVMixin, KVCache):
+    """Full KV (``KVCache``: trimmed by ``--max-kv-size``, sinks kept) stored quantised, its
+    newest tokens staged in float where mlxc's CUDA kernel reads it (``StagingMixin``)."""
+
+    def __init__(self, quant: KVQuant) -> None:
+        super().__init__()
+        self.quant = quant
+        self._clear_staging()
+
+    def _advance(self, n: int) -> None:
+        self.offset += n
+
+    @property
+    def _packed_end(self) -> int:
+        return self.held - self.staged
+
     def trim_front(self, n: int, keep: int = 0) -> int:
         n, staged = int(n), self.staged
-        if staged and self.held - staged - keep < n:  # the trim reaches the staged tokens
+        if staged and self._packed_end - keep < n:  # the trim reaches the staged tokens
             self.flush()
             staged = 0
         self.offset -= staged  # KVCache's trim, on the packed tokens
@@ -567,26 +600,13 @@ class QuantizedKVCache(QuantizedKVMixin, KVCache):
             self._packed_live = None
         return dropped
 
-    def rewind(self, n: int) -> None:
-        super().rewind(n)
-        if int(n) > self.staged:
-            self._packed_live = None  # the packed end moves back too
-        self.staged = max(self.staged - int(n), 0)
-
     @property
     def nbytes(self) -> int:
         if self.keys is None:
             return 0
         packed = self.keys.nbytes + (0 if self.values is None else self.values.nbytes)
-        total = packed // self.keys.shape[2] * (self.held - self.staged)
-        if self.staged:
-            recent = self.recent_keys.nbytes + self.recent_values.nbytes
-            total += recent // self.STAGE * self.staged
-        return total
-
-    def arrays(self) -> list[mx.array]:
-        recent = [self.recent_keys, self.recent_values] if self.staged else []
-        return super().arrays() + recent
+        total = packed // self.keys.shape[2] * self._packed_end
+        return total + (self._staged_bytes() * self.staged if self.staged else 0)
 
     def prefix_block(self, start: int) -> list[mx.array] | None:
         self.flush()
