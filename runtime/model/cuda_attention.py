@@ -16,8 +16,9 @@ forwards land there:
 ``attention`` is one kernel (two when the keys are split across blocks) for all three: rows
 and heads of any strides, GQA without broadcasting the keys, a boolean mask of any broadcast
 shape or a bottom-right causal one, attention sinks, and keys and values read either as floats
-or packed (4 or 8 bits, MLX's affine layout) and dequantised in registers. ``applies`` says
-when ``layers.attend`` takes it.
+or packed (4 or 8 bits, MLX's affine layout) and dequantised in registers, packed ones
+optionally followed by a quantised cache's staged float tokens, rounded as quantising stores
+them (``cache.StagingMixin``). ``applies`` says when ``layers.attend`` takes it.
 
 MLX compiles a custom kernel (NVRTC) the first time each variant runs in a process, a second or
 more each, and keeps no disk cache for them: a server that met them at its first ragged batch
