@@ -78,19 +78,14 @@ __device__ __forceinline__ void load_vec(const P* row, const S* scales, const S*
       out[j] = sc * static_cast<float>((w >> (j * BITS)) & ((1u << BITS) - 1u)) + bi;
   }
 }
-// One group of a float row as MLX's CUDA ``affine_quantize`` codes it (the same operations, in
-// the same order): the scale and bias it codes with, and those it stores (rounded to S), which
-// dequantisation reads. A quantised cache's staged tokens are read through it (``round``), so
-// they attend exactly as the packed tokens they later become.
+// A group of a float row as MLX's CUDA ``affine_quantize`` codes it, from the group's range
+// (``lo``: its minimum; ``hi``: its maximum, or 0 if larger, as MLX's starts at 0), by the
+// same operations in the same order: the scale and bias it codes with, and those it stores
+// (rounded to S), which dequantisation reads. A quantised cache's staged tokens are read
+// through it (``round_vec``), so they attend exactly as the packed tokens they become.
 struct Rounding { float scale, bias, stored_scale, stored_bias; };
-template <typename T, typename S, int BITS, int GS>
-__device__ __forceinline__ Rounding rounding(const T* row, long long es, int g0) {
-  float lo = cuda::std::numeric_limits<float>::max(), hi = 0.f;  // MLX's maximum starts at 0
-  for (int j = 0; j < GS; ++j) {
-    const float x = static_cast<float>(row[(g0 + j) * es]);
-    lo = fminf(lo, x);
-    hi = fmaxf(hi, x);
-  }
+template <typename S, int BITS>
+__device__ __forceinline__ Rounding rounding(float lo, float hi) {
   constexpr float n_bins = (1 << BITS) - 1;
   float scale = fmaxf((hi - lo) / n_bins, 1e-7f);
   const bool side = fabsf(lo) > fabsf(hi);
@@ -103,8 +98,17 @@ __device__ __forceinline__ Rounding rounding(const T* row, long long es, int g0)
   return {scale, bias, static_cast<float>(static_cast<S>(scale)),
       static_cast<float>(static_cast<S>(bias))};
 }
-// VE elements of a row, each coded and decoded as ``r`` says (see ``load_vec`` for the loads).
-template <typename T, int BITS, int VE>
+// The range's starting values, and one VE-element share of a group folded in.
+constexpr float RANGE_LO = cuda::std::numeric_limits<float>::max(), RANGE_HI = 0.f;
+template <int VE>
+__device__ __forceinline__ void widen(const float* x, float& lo, float& hi) {
+  for (int j = 0; j < VE; ++j) {
+    lo = fminf(lo, x[j]);
+    hi = fmaxf(hi, x[j]);
+  }
+}
+// VE elements of a row, each coded and decoded as ``r`` says.
+template <int BITS, int VE>
 __device__ __forceinline__ void round_vec(const Rounding& r, float* x) {
   constexpr float n_bins = (1 << BITS) - 1;
   for (int j = 0; j < VE; ++j) {
@@ -190,9 +194,10 @@ _SOURCE = """
       k_recent_strides[2] % VE == 0 && v_recent_strides[2] % VE == 0 &&
       (reinterpret_cast<uintptr_t>(krec) | reinterpret_cast<uintptr_t>(vrec)) %
           (VE * sizeof(T)) == 0;
-  // Elements e0.. of key (or value) row t: packed below Tp, a recent float row from there,
-  // rounded as quantising will store it. A lane walks its key's elements in order, so a key
-  // group's rounding is taken at its first element; a value row's lanes each take their own.
+  // Elements e0.. of key (or value) row t: packed below Tp, a recent float row from there.
+  // A lane walks its key's elements in order: a staged key's group is ranged (its VE-element
+  // loads, again from L1 after) and rounded at its first element. A staged value row's
+  // groups span GS / VE lanes, which range them together (the value pass, below).
   Rounding key_group;
   auto load_key = [&](int t, int e0, float* out) {
     if (t < Tp) {
@@ -200,21 +205,25 @@ _SOURCE = """
           kbi + t * k_biases_strides[2], e0, k_strides[3], k_scales_strides[3], vec, out);
     } else if constexpr (BITS != 0) {
       const T* row = krec + (t - Tp) * k_recent_strides[2];
-      if (e0 % GS == 0) key_group = rounding<T, S, BITS, GS>(row, k_recent_strides[3], e0);
+      if (e0 % GS == 0) {
+        float lo = RANGE_LO, hi = RANGE_HI;
+        for (int g = e0; g < e0 + GS; g += VE) {
+          load_vec<T, S, 0, GS, VE>(row, ksc, kbi, g, k_recent_strides[3], 0, rvec, out);
+          widen<VE>(out, lo, hi);
+        }
+        key_group = rounding<S, BITS>(lo, hi);
+      }
       load_vec<T, S, 0, GS, VE>(row, ksc, kbi, e0, k_recent_strides[3], 0, rvec, out);
-      round_vec<T, BITS, VE>(key_group, out);
+      round_vec<BITS, VE>(key_group, out);
     }
   };
-  auto load_value = [&](int t, int e0, float* out) {
-    if (t < Tp) {
+  auto load_value = [&](int t, int e0, float* out) {  // a staged row as it is, unrounded
+    if (t < Tp)
       load_vec<KT, S, BITS, GS, VE>(vrow + t * v_strides[2], vsc + t * v_scales_strides[2],
           vbi + t * v_biases_strides[2], e0, v_strides[3], v_scales_strides[3], vec, out);
-    } else if constexpr (BITS != 0) {
-      const T* row = vrec + (t - Tp) * v_recent_strides[2];
-      const Rounding group = rounding<T, S, BITS, GS>(row, v_recent_strides[3], e0 / GS * GS);
-      load_vec<T, S, 0, GS, VE>(row, vsc, vbi, e0, v_recent_strides[3], 0, rvec, out);
-      round_vec<T, BITS, VE>(group, out);
-    }
+    else
+      load_vec<T, S, 0, GS, VE>(vrec + (t - Tp) * v_recent_strides[2], vsc, vbi, e0,
+          v_recent_strides[3], 0, rvec, out);
   };
   // This lane's share of the value rows: row u0 + sub of each KPL, elements [ve, ve + VE).
   const int sub = lane / LPR, ve = (lane % LPR) * VE;
@@ -250,9 +259,23 @@ _SOURCE = """
 #pragma unroll
     for (int u0 = 0; u0 < 32; u0 += KPL) {
       const int u = u0 + sub, tu = t0 + u;
+      float vr[VE];
+      if (u < n_keys) load_value(tu, ve, vr);
+      if constexpr (BITS != 0) {
+        // Staged rows: each group's range across its GS / VE lanes (lanes of one row, aligned),
+        // by shuffles every lane of the warp takes part in.
+        const bool staged = u < n_keys && tu >= Tp;
+        if (__any_sync(0xffffffffu, staged)) {
+          float lo = RANGE_LO, hi = RANGE_HI;
+          if (staged) widen<VE>(vr, lo, hi);
+          for (int o = 1; o < GS / VE; o <<= 1) {
+            lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+            hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+          }
+          if (staged) round_vec<BITS, VE>(rounding<S, BITS>(lo, hi), vr);
+        }
+      }
       if (u < n_keys) {
-        float vr[VE];
-        load_value(tu, ve, vr);
         for (int r = 0; r < R; ++r) {
           const float p = ps[warp][r][u];
           for (int j = 0; j < VE; ++j) acc[r][j] += p * vr[j];

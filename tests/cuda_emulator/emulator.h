@@ -1,6 +1,6 @@
 // The CUDA constructs runtime/model/cuda_attention.py's kernels use, on a CPU: each thread of a
 // block is a std::thread, __syncwarp and __syncthreads are barriers, a shuffle goes through a
-// slot array between two barriers, __shared__ arrays are function statics (one block runs at a
+// slot array between two barriers (a vote too), __shared__ arrays are function statics (one block runs at a
 // time). Enough to run the kernels' logic in CI, which has no GPU (tests/test_cuda_emulated.py);
 // NVRTC, bf16 and timing stay with tests/test_cuda_attention.py on a CUDA machine.
 #include <algorithm>
@@ -37,6 +37,17 @@ inline float __shfl_xor_sync(unsigned, float x, int lane_mask) {
   const float y = shuffle_slot[w][lane ^ lane_mask];
   __syncwarp();
   return y;
+}
+static bool vote_slot[32][32];
+inline bool __any_sync(unsigned, bool p) {
+  const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncwarp();
+  vote_slot[w][lane] = p;
+  __syncwarp();
+  bool any = false;
+  for (int l = 0; l < 32; ++l) any = any || vote_slot[w][l];
+  __syncwarp();
+  return any;
 }
 inline float exp2f(float x) { return std::exp2(x); }
 using std::max;
