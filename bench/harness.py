@@ -73,15 +73,18 @@ def kv_bytes_per_token(cache: list) -> float:
 
     Every array of rank >= 3 on a layer cache (its ``arrays()``, quantised parts included; the
     peer's: its attributes) is taken to run along its second-last axis (keys/values
-    ``[B, H, T, D]``, MLA latents ``[B, 1, T, R]``).
+    ``[B, H, T, D]``, MLA latents ``[B, 1, T, R]``). A quantised cache's staging buffers
+    (``cache.StagingMixin``: its newest tokens, up to 32, in float on CUDA) are a fixed size
+    per layer, not per token: left out, as spare capacity is.
     """
     total = 0.0
     for c in cache:
         if c is None or not getattr(c, "holds_keys", True):
             continue  # recurrent state (mlxc's kind): a fixed size, not per token
         arrays = c.arrays() if hasattr(c, "arrays") else vars(c).values()
+        staging = {id(getattr(c, name, None)) for name in ("recent_keys", "recent_values")}
         for v in arrays:
-            if isinstance(v, mx.array) and v.ndim >= 3 and v.shape[-2] > 0:
+            if isinstance(v, mx.array) and v.ndim >= 3 and v.shape[-2] > 0 and id(v) not in staging:
                 total += v.nbytes / v.shape[-2]
     return total
 

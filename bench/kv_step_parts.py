@@ -10,7 +10,7 @@ median of ``--repeats``):
 * ``float, mlxc kernel`` (CUDA only): the float cache, but attention through mlxc's kernel
   (``runtime.model.cuda_attention``), which every 4-bit step takes: the kernel's cost alone;
 * ``kv4``: the 4-bit cache (on CUDA its newest tokens staged in float and quantised 32 at a
-  time, ``cache.QuantizedKVCache``);
+  time, ``cache.StagingMixin``);
 * ``kv4, unstaged`` (CUDA only): the 4-bit cache quantising each token on arrival, as it does
   off CUDA (and did everywhere before staging): what staging saves;
 * ``kv4, no quantise``: the 4-bit cache, with each new token's packed parts taken from

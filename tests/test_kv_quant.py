@@ -391,6 +391,30 @@ def test_kv_bytes_per_token(bits, group):
     assert batch.nbytes == ours.nbytes
 
 
+@pytest.mark.usefixtures("staging")
+def test_staged_tokens_counted_in_float_and_the_benchmark_per_token_unchanged():
+    """A staged token holds its float bytes until its flush (``nbytes``, one sequence and a
+    batch's rows); the staging buffers are a fixed size a layer, which the benchmarks' per-token
+    figure (``bench.harness.kv_bytes_per_token``) leaves out as it does spare capacity."""
+    from bench.harness import kv_bytes_per_token
+
+    quant = KVQuant(4, 64)
+    k = mx.random.normal((1, 8, 101, 128)).astype(mx.bfloat16)
+    ours, unstaged = QuantizedKVCache(quant), QuantizedKVCache(quant)
+    ours.update_and_fetch(k[:, :, :100], k[:, :, :100])
+    ours.update_and_fetch(k[:, :, 100:], k[:, :, 100:])  # staged
+    unstaged.update_and_fetch(k, k)
+    assert ours.staged == 1 and unstaged.staged == 0
+    float_token = 2 * 8 * 128 * 2
+    assert ours.nbytes == unstaged.nbytes // 101 * 100 + float_token
+    assert kv_bytes_per_token([ours]) == kv_bytes_per_token([unstaged])
+    batch = BatchQuantizedKVCache(quant)
+    batch.extend([unstaged])
+    batch.update_and_fetch(k[:, :, :1], k[:, :, :1])  # staged
+    assert batch.staged == 1
+    assert batch.nbytes == unstaged.nbytes + float_token
+
+
 @pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("name", ["llama", "gpt_oss"])
 def test_batched_decode_equals_alone(models, name, staged, request):

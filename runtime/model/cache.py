@@ -491,7 +491,8 @@ class StagingMixin:
     uses its buffers flushes first.
     """
 
-    STAGE = 32  # at least twice cuda_attention.MAX_QUERIES: a verification forward stages whole
+    # Forwards of up to STAGE / 2 tokens stage (the kernel's most queries: a verification's)
+    STAGE = 2 * cuda_attention.MAX_QUERIES
     quant: KVQuant
 
     def _clear_staging(self) -> None:
@@ -640,7 +641,7 @@ class QuantizedWindowedKVCache(QuantizedKVMixin, WindowedKVCache):
 
 
 def staging(keys: mx.array, values: mx.array) -> bool:
-    """Whether a quantised cache stages its newest tokens in float (``QuantizedKVCache``): where
+    """Whether a quantised cache stages its newest tokens in float (``StagingMixin``): where
     attention reads its keys through mlxc's CUDA kernel (a device with MLX's CUDA backend,
     head dims it is built for), which reads packed and staged tokens in one pass. Elsewhere
     each token is quantised on arrival."""
