@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -218,6 +219,12 @@ def markdown(report: dict) -> str:
             "Full load = the level's tokens/s until its first stream had no request left "
             "(`bench.serve_load`), while every stream had one, as the ceiling's batch always "
             "has: after it the level drains, its streams' last answers ending one by one."
+            + (
+                f" mlxc serve ran with `{report['mlxc_args']}`; the scheduler, the ceiling and "
+                "mlx_lm.server without."
+                if report.get("mlxc_args")
+                else ""
+            )
         ),
         "",
         (
@@ -387,6 +394,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--port", type=int, default=18300)
+    p.add_argument(
+        "--mlxc-args",
+        default="",
+        help="more flags for mlxc serve, e.g. '--kv-bits 4' (mlx_lm.server and the ceiling run "
+        "without them)",
+    )
     p.add_argument("--gpu", action="store_true", help="record the run as a GPU run")
     p.add_argument("--out", required=True, help="write OUT.json and OUT.md")
     args = p.parse_args(argv)
@@ -406,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         ours = measure(
             "mlxc",
             [py, "-m", "mlxc.cli", "serve", "--model", model, "--port", str(args.port)]
-            + ["--max-concurrency", str(max(args.levels))],
+            + ["--max-concurrency", str(max(args.levels)), *shlex.split(args.mlxc_args)],
             args.port,
             args,
             log_dir,
@@ -436,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens_spread": args.max_tokens_spread,
         "prompt_words": args.prompt_words,
         "requests_per_stream": args.requests_per_stream,
+        "mlxc_args": args.mlxc_args,
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
         "mlxc": ours,
         "mlx-lm": peer,
