@@ -30,6 +30,7 @@ H, E, K, I, HEADS, KV_HEADS, D, KEYS = 2048, 64, 8, 512, 32, 8, 64, 512
 def kinds(mx, nn) -> dict[str, Callable[[int], list]]:
     """``{kind: build(n) -> n independent results}``, their inputs made (and evaluated) here."""
     from mlxc.runtime.model import cuda_attention, layers, moe
+    from mlxc.runtime.model.cache import KVQuant, StagedKV
 
     dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
     rand = lambda *shape: mx.random.normal(shape).astype(dtype)
@@ -87,6 +88,9 @@ def kinds(mx, nn) -> dict[str, Callable[[int], list]]:
         ),
         "contiguous copy (a transposed 32 x 64)": each(lambda: mx.contiguous(qt)),
         "slice_update (a token into a cache buffer)": slice_updates,
+        "quantize (a token's keys, 4-bit, group 64: --kv-bits 4)": each(
+            lambda: mx.quantize(new, 64, 4)
+        ),
         "argpartition (top 8 of 64)": each(lambda: mx.argpartition(router, -K, axis=-1)),
         "take_along_axis (8 of 64)": each(lambda: mx.take_along_axis(router, chosen_ids, axis=-1)),
         "compiled MoE weighted sum (8 x 2,048)": each(lambda: moe._weighted_sum(chosen, weights)),
@@ -94,6 +98,18 @@ def kinds(mx, nn) -> dict[str, Callable[[int], list]]:
     if cuda_attention.available():
         table["mlxc CUDA attention kernel (1 query, 512 keys, a mask)"] = each(
             lambda: cuda_attention.attention(q, keys, values, scale=0.125, mask=mask)
+        )
+        # 4-bit keys as a quantised cache holds them: all packed, or its newest 16 staged
+        quant = KVQuant(4, 64)
+        pk, pv = quant.quantize(keys), quant.quantize(values)
+        sk = StagedKV(pk[:, :, : KEYS - 16], keys[:, :, KEYS - 16 :])
+        sv = StagedKV(pv[:, :, : KEYS - 16], values[:, :, KEYS - 16 :])
+        mx.eval(pk.parts, pv.parts)
+        table["mlxc CUDA attention kernel (4-bit keys, packed)"] = each(
+            lambda: cuda_attention.attention(q, pk, pv, scale=0.125, mask=None)
+        )
+        table["mlxc CUDA attention kernel (4-bit keys, 16 of them staged)"] = each(
+            lambda: cuda_attention.attention(q, sk, sv, scale=0.125, mask=None)
         )
     return table
 
