@@ -309,14 +309,19 @@ def staging(monkeypatch):
 
 
 @pytest.mark.usefixtures("staging")
-def test_staged_tokens_are_the_newest_and_flush_as_if_quantised_on_arrival(rng):
+@pytest.mark.parametrize("window", [None, 9])
+def test_staged_tokens_are_the_newest_and_flush_as_if_quantised_on_arrival(rng, window):
     """Against the float cache fed the same keys: each fetch is the packed tokens, exactly the
     float cache's oldest quantised, then the newest as they came, read (dequantised) as
     quantising all of them gives; a verification's rejected tokens rewind within the stage or
-    past it; trims with sinks inside and past the packed tokens; ``live`` flushes, leaving
-    what quantising every token on arrival leaves."""
+    past it; trims with sinks inside and past the packed tokens (a window: its own drops);
+    ``live`` flushes, leaving what quantising every token on arrival leaves."""
     quant = KVQuant(4, 32)
-    ours, theirs = QuantizedKVCache(quant), KVCache()
+    if window is None:
+        ours, theirs = QuantizedKVCache(quant), KVCache()
+    else:
+        ours, theirs = QuantizedWindowedKVCache(window, quant), WindowedKVCache(window)
+        ours.rewind_reserve = theirs.rewind_reserve = 2  # as speculation sets it
     staged_seen = flushed = 0
     # (new tokens, tokens rewound after): a prefill, steps, verifications of 3 rewinding 2 (in
     # the stage) and of 2 rewinding 2 (one past it, after the flush before them)
@@ -362,11 +367,12 @@ def test_staging_changes_no_logit(models, name):
     """Chunked prefill and decode, trimmed with sinks (``_schedule``), on staged 4-bit caches
     give the logits of caches that quantise each token on arrival, up to float rounding (the
     reads take other kernels: staged keys dequantised, the others packed), 1e-4 of the 0.2-0.4
-    relative error quantising puts on them. gpt_oss: windowed layers (never staged) too."""
+    relative error quantising puts on them. gpt_oss: windowed layers (window 8) too."""
     model = models[name]
     ids = np.random.default_rng(5).integers(0, ckpt.VOCAB_SIZE, sum(CHUNKS) + DECODE)
     staged, cache = _schedule(model, ids, KVQuant(4, 32))
-    assert any(c.staged for c in cache if isinstance(c, QuantizedKVCache))
+    kinds = {QuantizedKVCache} | ({QuantizedWindowedKVCache} if name == "gpt_oss" else set())
+    assert kinds == {type(c) for c in cache if c.staged}
     with pytest.MonkeyPatch.context() as m:
         m.setattr(kv_cache, "staging", lambda keys, values: False)
         unstaged, _ = _schedule(model, ids, KVQuant(4, 32))
@@ -424,17 +430,19 @@ def test_batched_decode_equals_alone(models, name, staged, request):
     gpt_oss: windowed layers and attention sinks too. Staged (``StagingMixin``, CUDA's
     default, forced here): the rows and the batch stage and flush at different steps, and
     still agree."""
-    batch_staged = []
+    batch_staged = []  # the batch kinds that staged, once a step
     if staged:
         request.getfixturevalue("staging")
-        stages = BatchQuantizedKVCache._stages
         monkeypatch = request.getfixturevalue("monkeypatch")
+        for kind in (BatchQuantizedKVCache, BatchQuantizedWindowedKVCache):
 
-        def counted(self, keys, values):
-            batch_staged.append(stages(self, keys, values))
-            return batch_staged[-1]
+            def counted(self, keys, values, stages=kind._stages):
+                if stages(self, keys, values):
+                    batch_staged.append(type(self))
+                    return True
+                return False
 
-        monkeypatch.setattr(BatchQuantizedKVCache, "_stages", counted)
+            monkeypatch.setattr(kind, "_stages", counted)
     model, quant = models[name], KVQuant(4, 32)
     kinds = {type(b) for b in BatchCache.like(make_caches(model, quant))}
     want = {BatchQuantizedKVCache} | (
@@ -445,7 +453,8 @@ def test_batched_decode_equals_alone(models, name, staged, request):
         model, np.random.default_rng(0), ckpt.VOCAB_SIZE, None, None, quant
     )
     assert err <= verify.ATOL
-    assert sum(batch_staged) >= (10 if staged else 0)  # the batch's own steps staged
+    if staged:  # the batch's own steps staged, in each kind
+        assert {k: batch_staged.count(k) >= 5 for k in want} == dict.fromkeys(want, True)
 
 
 # --- generate and serve ----------------------------------------------------------------------

@@ -422,15 +422,11 @@ class BatchWindowedKVCache(BatchKVCache):
         self.trim_front(np.maximum(self.row_live_len - (self.window - 1), 0))
 
 
-class BatchQuantizedKVCache(StagingMixin, QuantizedKVMixin, BatchKVCache):
-    """The rows of quantised full-KV layers (``QuantizedKVCache``): ``BatchKVCache``'s layout
-    (pads, sinks, gaps, compaction) on ``QuantizedKV`` buffers; no token is requantised. Its
-    newest columns are staged in float where mlxc's CUDA kernel reads it (``StagingMixin``),
-    while no row has a tail (``rewind_rows``: its new tokens are scattered, not appended)."""
-
-    def __init__(self, quant: KVQuant) -> None:
-        super().__init__()
-        self.quant = quant
+class BatchStaging(StagingMixin):
+    """``StagingMixin`` for a decode batch's quantised rows: the staged columns are the newest
+    of every row, which it stages while no row has a tail (``rewind_rows``: that row's new
+    tokens are scattered, not appended). Rows leaving take their staged columns along; whatever
+    else moves columns or rows between buffers flushes first."""
 
     def _clear(self) -> None:
         super()._clear()
@@ -467,8 +463,6 @@ class BatchQuantizedKVCache(StagingMixin, QuantizedKVMixin, BatchKVCache):
         total = int((live - staged).sum()) * per_column
         return total + (int(staged.sum()) * self._staged_bytes() if self.staged else 0)
 
-    # Rows leaving take their staged columns along; anything else that moves columns or rows
-    # between buffers flushes first.
     def keep_rows(self, rows: list[int]) -> None:
         if self.staged and rows:
             index = mx.array(rows)
@@ -504,12 +498,29 @@ class BatchQuantizedKVCache(StagingMixin, QuantizedKVMixin, BatchKVCache):
         return super().row_prefix_block(b)
 
 
-class BatchQuantizedWindowedKVCache(QuantizedKVMixin, BatchWindowedKVCache):
-    """The rows of quantised sliding-window layers (``QuantizedWindowedKVCache``)."""
+class BatchQuantizedKVCache(BatchStaging, QuantizedKVMixin, BatchKVCache):
+    """The rows of quantised full-KV layers (``QuantizedKVCache``): ``BatchKVCache``'s layout
+    (pads, sinks, gaps, compaction) on ``QuantizedKV`` buffers; no token is requantised. Its
+    newest columns are staged in float where mlxc's CUDA kernel reads it (``BatchStaging``)."""
+
+    def __init__(self, quant: KVQuant) -> None:
+        super().__init__()
+        self.quant = quant
+
+
+class BatchQuantizedWindowedKVCache(BatchStaging, QuantizedKVMixin, BatchWindowedKVCache):
+    """The rows of quantised sliding-window layers (``QuantizedWindowedKVCache``), staged as
+    ``BatchQuantizedKVCache``'s where the window is wider than a stage."""
 
     def __init__(self, window: int, quant: KVQuant) -> None:
         super().__init__(window)
         self.quant = quant
+
+    def _stages(self, keys: mx.array, values: mx.array | None) -> bool:
+        return self.window > self.STAGE and super()._stages(keys, values)
+
+    def _after_staging(self) -> None:
+        self._drop_unseen()
 
 
 def _per_part(fn, *buffers):

@@ -289,11 +289,14 @@ class WindowedKVCache(KVCache):
         held_keys, held_values = super().update_and_fetch(keys, values)
         live_keys = held_keys[..., -n:, :]
         live_values = None if held_values is None else held_values[..., -n:, :]
-        unseen = self.held - (self.window - 1) - self.rewind_reserve  # no later query sees them
-        if unseen >= self.slack:
-            # The returned arrays hold the old buffer: the slide below does not change them.
-            self.trim_front(unseen)
+        self._drop_unseen()  # the returned arrays hold the old buffer: its slide leaves them
         return live_keys, live_values
+
+    def _drop_unseen(self) -> None:
+        """Drop the tokens no later query sees, once there are ``slack`` of them."""
+        unseen = self.held - (self.window - 1) - self.rewind_reserve
+        if unseen >= self.slack:
+            self.trim_front(unseen)
 
     def rewind(self, n: int) -> None:
         n = int(n)
@@ -487,8 +490,9 @@ class StagingMixin:
     packed buffers end up holding are exactly what quantising each token on arrival gives.
 
     A kind supplies ``_advance(n)`` (move its counters over ``n`` tokens, negative to take them
-    back, writing nothing) and ``_packed_end`` (where the packed tokens end); whatever else
-    uses its buffers flushes first.
+    back, writing nothing) and ``_packed_end`` (where the packed tokens end); a windowed kind
+    also what a staged chunk's queries see (``_packed_window``) and its drops
+    (``_after_staging``). Whatever else uses its buffers flushes first.
     """
 
     # Forwards of up to STAGE / 2 tokens stage (the kernel's most queries: a verification's)
@@ -520,11 +524,20 @@ class StagingMixin:
         self.recent_values[:, :, start:end] = values
         self.staged = end
         self._advance(n_new)
-        packed_keys, packed_values = self._packed()
-        return (
+        packed_keys, packed_values = self._packed_window(n_new)
+        fetched = (
             StagedKV(packed_keys, self.recent_keys[:, :, :end]),
             StagedKV(packed_values, self.recent_values[:, :, :end]),
         )
+        self._after_staging()  # the views hold the buffers as they are now, whatever it moves
+        return fetched
+
+    def _packed_window(self, n_new: int) -> tuple[QuantizedKV, QuantizedKV]:
+        """The packed tokens a staged chunk of ``n_new`` attends to: every one (full KV)."""
+        return self._packed()
+
+    def _after_staging(self) -> None:
+        """What the kind does after an append besides writing it (a window's drops)."""
 
     def _stages(self, keys: mx.array, values: mx.array | None) -> bool:
         """Whether these new tokens are staged: a few, after packed ones, where it pays."""
@@ -570,14 +583,10 @@ class StagingMixin:
         )
 
 
-class QuantizedKVCache(StagingMixin, QuantizedKVMixin, KVCache):
-    """Full KV (``KVCache``: trimmed by ``--max-kv-size``, sinks kept) stored quantised, its
-    newest tokens staged in float where mlxc's CUDA kernel reads it (``StagingMixin``)."""
-
-    def __init__(self, quant: KVQuant) -> None:
-        super().__init__()
-        self.quant = quant
-        self._clear_staging()
+class SequenceStaging(StagingMixin):
+    """``StagingMixin`` for one sequence's caches (full and windowed KV): ``offset`` counts
+    the staged tokens, ``held - staged`` are packed; a trim of the packed tokens leaves the
+    staged ones be."""
 
     def _advance(self, n: int) -> None:
         self.offset += n
@@ -591,7 +600,7 @@ class QuantizedKVCache(StagingMixin, QuantizedKVMixin, KVCache):
         if staged and self._packed_end - keep < n:  # the trim reaches the staged tokens
             self.flush()
             staged = 0
-        self.offset -= staged  # KVCache's trim, on the packed tokens
+        self.offset -= staged  # the kind's trim, on the packed tokens
         try:
             dropped = super().trim_front(n, keep)
         finally:
@@ -621,18 +630,44 @@ class QuantizedKVCache(StagingMixin, QuantizedKVMixin, KVCache):
         self.flush()
         return super().live()
 
+
+class QuantizedKVCache(SequenceStaging, QuantizedKVMixin, KVCache):
+    """Full KV (``KVCache``: trimmed by ``--max-kv-size``, sinks kept) stored quantised, its
+    newest tokens staged in float where mlxc's CUDA kernel reads it (``StagingMixin``)."""
+
+    def __init__(self, quant: KVQuant) -> None:
+        super().__init__()
+        self.quant = quant
+        self._clear_staging()
+
     def batch_layer(self) -> LayerCache:
         from mlxc.runtime.model.batch import BatchQuantizedKVCache
 
         return BatchQuantizedKVCache(self.quant)
 
 
-class QuantizedWindowedKVCache(QuantizedKVMixin, WindowedKVCache):
-    """Windowed KV (``WindowedKVCache``: bounds itself to its window) stored quantised."""
+class QuantizedWindowedKVCache(SequenceStaging, QuantizedKVMixin, WindowedKVCache):
+    """Windowed KV (``WindowedKVCache``: bounds itself to its window) stored quantised, its
+    newest tokens staged in float where mlxc's CUDA kernel reads it and the window is wider
+    than a stage (``StagingMixin``)."""
 
     def __init__(self, window: int, quant: KVQuant) -> None:
         super().__init__(window)
         self.quant = quant
+        self._clear_staging()
+
+    def _stages(self, keys: mx.array, values: mx.array | None) -> bool:
+        return self.window > self.STAGE and super()._stages(keys, values)
+
+    def _packed_window(self, n_new: int) -> tuple[QuantizedKV, QuantizedKV]:
+        # WindowedKVCache's fetch: the live tokens before the chunk, then the chunk; with a
+        # window wider than a stage, the staged ones are its newest and packed ones precede.
+        seen = min(self.held - n_new, self.window - 1) + n_new - self.staged
+        end = self._packed_end
+        return self.keys[:, :, end - seen : end], self.values[:, :, end - seen : end]
+
+    def _after_staging(self) -> None:
+        self._drop_unseen()
 
     def batch_layer(self) -> LayerCache:
         from mlxc.runtime.model.batch import BatchQuantizedWindowedKVCache
