@@ -34,28 +34,36 @@ pytestmark = pytest.mark.skipif(
 
 
 def _case_source(files: dict, kt: str, D: int, R: int, bits: int, group: int, chunks: int, grid):
-    """C++ running the attention kernel (and the merge with ``chunks`` > 1) on ``files``."""
+    """C++ running the attention kernel (and the merge with ``chunks`` > 1) on ``files``,
+    each laid out as MLX's ``cuda_kernel`` lays out a kernel: concrete parameter types, the
+    template arguments as constants and type aliases at the top of a plain function (not a
+    C++ template, so an ``if constexpr`` discards nothing, as under NVRTC)."""
     types = dict(
         zip(ca._INPUTS, ["T", "KT", "KT", "S", "S", "S", "S", "T", "T", "bool", "T", "float"])
     )
+    concrete = {"T": "float", "KT": kt, "S": "float"}  # float32 runs (the emulator has no bf16)
     params = ", ".join(
-        f"const {types[n]}* {n}, const mlx::core::cu::Shape {n}_shape, "
+        f"const {concrete.get(types[n], types[n])}* {n}, const mlx::core::cu::Shape {n}_shape, "
         f"const mlx::core::cu::Strides {n}_strides"
         for n in ca._INPUTS
+    )
+    constants = (
+        f"using T = float; using KT = {kt}; using S = float; constexpr int D = {D}, R = {R}, "
+        f"BITS = {bits}, GS = {group}, WARPS = {ca.WARPS};"
     )
     lines = [
         f'#include "{HERE / "emulator.h"}"',
         ca._HEADER,
-        "template <typename T, typename KT, typename S, int D, int R, int BITS, int GS, int WARPS>",
-        f"void attention({params}, T* out, float* part_acc, float* part_max, float* part_sum) {{",
+        f"void attention({params}, float* out, float* part_acc, float* part_max, float* part_sum) {{",
+        constants,
         ca._SOURCE,
         "}",
-        "template <typename T, int D>",
         (
             "void merge(const float* part_acc, const float* part_max, "
-            "const mlx::core::cu::Shape part_max_shape, const float* part_sum, const T* sinks, "
-            "const float* flags, T* out) {"
+            "const mlx::core::cu::Shape part_max_shape, const float* part_sum, "
+            "const float* sinks, const float* flags, float* out) {"
         ),
+        f"using T = float; constexpr int D = {D};",
         ca._MERGE_SOURCE,
         "}",
         "int main() {",
@@ -79,9 +87,9 @@ def _case_source(files: dict, kt: str, D: int, R: int, bits: int, group: int, ch
     lines += [
         "std::vector<float> out({}), part_acc({}), part_max({}), part_sum({});".format(*out_sizes),
         (
-            f"launch({{{chunks}, {blocks}, 1}}, {ca.WARPS * 32}, [&] {{ attention<float, {kt}, "
-            f"float, {D}, {R}, {bits}, {group}, {ca.WARPS}>({', '.join(args)}, out.data(), "
-            "part_acc.data(), part_max.data(), part_sum.data()); });"
+            f"launch({{{chunks}, {blocks}, 1}}, {ca.WARPS * 32}, [&] {{ attention("
+            f"{', '.join(args)}, out.data(), part_acc.data(), part_max.data(), "
+            "part_sum.data()); });"
         ),
     ]
     if chunks > 1:
@@ -89,7 +97,7 @@ def _case_source(files: dict, kt: str, D: int, R: int, bits: int, group: int, ch
             f"mlx::core::cu::Shape part_max_shape{{{{{rows}, {chunks}}}}};",
             f"out.assign({rows * D}, 0.f);",
             (
-                f"launch({{1, {rows}, 1}}, {D}, [&] {{ merge<float, {D}>(part_acc.data(), "
+                f"launch({{1, {rows}, 1}}, {D}, [&] {{ merge(part_acc.data(), "
                 "part_max.data(), part_max_shape, part_sum.data(), sinks_buf.data(), "
                 "flags_buf.data(), out.data()); });"
             ),
