@@ -148,7 +148,7 @@ _SOURCE = """
   const int Hq = q_shape[1], L = q_shape[2], Hkv = k_shape[1], Tp = k_shape[2];
   // Packed keys may be followed by recent ones in float (``k_recent``/``v_recent``
   // [B, Hkv, n, D], the queries' dtype): a quantised cache's newest tokens, not yet quantised
-  // (``cache.QuantizedKVCache``), read as quantising would store them (``rounding``). A
+  // (``cache.StagingMixin``), read as quantising would store them (``rounding``). A
   // stand-in whose last dim is not D means none.
   const int Tk = Tp + (BITS != 0 && k_recent_shape[3] == D ? k_recent_shape[2] : 0);
   const int G = Hq / Hkv, n_rows = G * L, tiles = (n_rows + R - 1) / R;
@@ -445,7 +445,7 @@ def attention(
 ) -> mx.array:
     """``softmax(scale * q k^T + mask) v`` for ``queries [B, Hq, L, D]`` (L <= MAX_QUERIES)
     against ``keys``/``values`` ``[B, Hkv, T, D]``, float arrays, ``QuantizedKV`` or
-    ``StagedKV`` (packed, then recent float tokens: ``cache.QuantizedKVCache``); ``mask``:
+    ``StagedKV`` (packed, then recent tokens in the queries' dtype: ``cache.StagingMixin``); ``mask``:
     None, ``"causal"`` (queries last) or a boolean array broadcastable to ``[B, Hq, L, T]``.
     ``chunks``: blocks per (row, head) along the keys (default: by the shapes). Returns
     ``[B, Hq, L, D]`` in the queries' dtype."""
@@ -453,7 +453,7 @@ def attention(
     k_recent = v_recent = _dummy(queries.dtype, ndim=4)
     n_recent = 0
     if hasattr(keys, "recent"):  # a StagedKV: packed tokens, then the newest still in float
-        k_recent, v_recent = keys.recent.astype(queries.dtype), values.recent.astype(queries.dtype)
+        k_recent, v_recent = keys.recent, values.recent
         keys, values, n_recent = keys.packed, values.packed, k_recent.shape[2]
     quantized = not isinstance(keys, mx.array)
     if quantized:

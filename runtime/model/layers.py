@@ -249,6 +249,8 @@ def attend(
     nothing (gpt-oss).
     """
     masks.check(mask, queries.shape[-2], keys.shape[-2])
+    if isinstance(keys, StagedKV) and keys.recent.dtype != queries.dtype:
+        keys, values = keys.dequantize(), values.dequantize()  # the kernel reads the queries'
     quantized = isinstance(keys, QuantizedKV | StagedKV)
     L, T = queries.shape[-2], keys.shape[-2]
     cpu = mx.default_device() == mx.cpu
