@@ -17,9 +17,10 @@ median of ``--repeats``):
   zero arrays of the right shapes instead of ``mx.quantize`` (unstaged on CUDA): the
   quantisation's cost alone (the writes and the packed attention stay; the tokens are then
   garbage, the timing is not);
-* ``kv4, dequantised`` (CUDA only): the 4-bit cache, its live keys and values dequantised each
-  step for MLX's one-query kernel instead of read packed by mlxc's (what ``layers.attend`` does
-  for a prefill chunk): whether, at batch one, expanding the cache costs less than the kernel.
+* ``kv4, dequantised`` (CUDA only): the 4-bit cache (unstaged), its live keys and values
+  dequantised each step for MLX's one-query kernel instead of read packed by mlxc's (what
+  ``layers.attend`` does for a prefill chunk): whether, at batch one, expanding the cache costs
+  less than the kernel.
 
 Each variant's tokens/s comes from ``generate_tokens``'s own loop; the same steps are also run in
 a plain loop that splits a step into building its graph (host, Python) and evaluating it
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
             "kv4": variants["kv4"],
             "kv4, unstaged": (quant, {"u": 1}),
             "kv4, no quantise": (quant, {"q": 1, "u": 1}),
-            "kv4, dequantised": (quant, {"d": 1}),
+            "kv4, dequantised": (quant, {"d": 1, "u": 1}),
         }
 
     def patched(options):
