@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mlx import nn
 
-from mlxc.runtime.model.moe import Experts, MoE, convert_expert_weights, route
+from mlxc.runtime.model.moe import COMPILED_TOKENS, Experts, MoE, convert_expert_weights, route
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -260,27 +260,34 @@ def test_sigmoid_router_casts_its_weights_once():
 
 
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
-def test_the_one_token_step_is_the_block_compiled(scoring):
-    """Inputs of one token a row (decode) take the block compiled (``MoE._one_token_step``),
-    others the block as written; the two agree to the bit, at every batch size, and weights
-    loaded after the step was traced are the ones it uses."""
+def test_a_few_tokens_a_row_take_the_block_compiled(scoring):
+    """Inputs of up to ``COMPILED_TOKENS`` tokens a row (a decode step, a verification) take
+    the block compiled (``MoE._compiled_step``), longer ones the block as written; the two
+    agree to the bit, at every batch size and token count, and weights loaded after the step
+    was traced are the ones it uses."""
     mx.random.seed(4)
     moe = MoE(H, I, E, K, scoring=scoring, n_group=4, topk_group=2, shared_hidden=I)
     params = nn.utils.tree_flatten(moe.parameters())
     moe.update(nn.utils.tree_unflatten([(k, mx.random.normal(v.shape) * 0.3) for k, v in params]))
-    router = moe.gate.float32() if scoring == "sigmoid" else ()
-    for batch in (1, 3, 8):
-        x = mx.array(_input((batch, 1, H), batch))
-        got = moe(x)
-        assert "_step" in moe.__dict__
-        assert mx.array_equal(got, moe._forward(x, *router))
-    assert mx.array_equal(moe(x.reshape(2, 4, H)).reshape(8, 1, H), got)  # the uncompiled path
+    step, compiled = moe._compiled_step(), []
+    moe.__dict__["_step"] = lambda x, *router: compiled.append(x.shape) or step(x, *router)
+
+    def as_written(x):
+        return moe._forward(x, *(moe.gate.float32() if scoring == "sigmoid" else ()))
+
+    shapes = [(1, 1), (3, 1), (8, 1), (2, 4), (1, COMPILED_TOKENS), (1, COMPILED_TOKENS + 1)]
+    for batch, tokens in shapes:
+        x = mx.array(_input((batch, tokens, H), batch + tokens))
+        assert mx.array_equal(moe(x), as_written(x))
+    assert compiled == [(b, t, H) for b, t in shapes[:-1]]  # the longest ran as written
+    x = mx.array(_input((2, 4, H), 9))
+    got = moe(x)
     moe.update(
         nn.utils.tree_unflatten([(k, v * 2) for k, v in nn.utils.tree_flatten(moe.parameters())])
     )
     again = moe(x)
     assert not mx.allclose(again, got)
-    assert mx.array_equal(again, moe(x.reshape(2, 4, H)).reshape(8, 1, H))
+    assert mx.array_equal(again, as_written(x))
 
 
 def test_qwen2_moe_shared_expert_gate():

@@ -87,6 +87,9 @@ PROJS = ("gate_proj", "up_proj", "down_proj")
 # the sorted gather matmul: its cost per expert is fixed, the gather's per row. Measured on the
 # bench's small MoE models, crossing over at 10-28 (mistral4, qwen3_moe, gpt_oss).
 BY_EXPERT_ROWS = 16
+# Tokens a row up to which a MoE block runs compiled (``MoE._compiled_step``): a decode step's
+# one, a verification's K + 1 (as many queries as mlxc's CUDA attention kernel takes).
+COMPILED_TOKENS = 16
 
 
 # --- expert linears ------------------------------------------------------------------------
@@ -558,19 +561,21 @@ class MoE(nn.Module):
         # A sigmoid router's float32 weights go in as arguments: cast once and cached outside
         # the compiled step, which would otherwise cast them in its graph every step.
         router = self.gate.float32() if self.scoring == "sigmoid" else ()
-        if x.shape[-2] == 1 and self.sharding_group is None:
+        if x.shape[-2] <= COMPILED_TOKENS and self.sharding_group is None:
             tokens = math.prod(x.shape[:-1])
             if not self.experts.reads_host(tokens * self.top_k):
-                return self._one_token_step()(x, *router)
+                return self._compiled_step()(x, *router)
         return self._forward(x, *router)
 
-    def _one_token_step(self):
-        """``_forward`` compiled, for inputs of one token a row (a decode step, a batch of
-        them). A decode step is bound by the host (``docs/performance.md``): replayed from
-        its trace, the block's graph costs C++ time instead of Python's, and its element-wise
-        runs fuse (on an H200, glm4_moe_lite's step 9.3 -> 8.4 ms). The weights are inputs
-        of the trace (``inputs=self``), so weights loaded later are used; a trace per shape,
-        so per batch size: a decode step's shapes are few, a prompt's lengths are not."""
+    def _compiled_step(self):
+        """``_forward`` compiled, for inputs of a few tokens a row (``COMPILED_TOKENS``: a
+        decode step, a speculative verification of K + 1, a batch of them). Such a forward is
+        bound by the host (``docs/performance.md``): replayed from its trace, the block's graph
+        costs C++ time instead of Python's, and its element-wise runs fuse (on an H200,
+        glm4_moe_lite's decode step 9.3 -> 8.4 ms). The weights are inputs of the trace
+        (``inputs=self``), so weights loaded later are used; a trace per shape, so per batch
+        size and token count: a decode or verification's shapes are few, a prompt's lengths
+        (past COMPILED_TOKENS) are not."""
         step = self.__dict__.get("_step")
         if step is None:
             step = self.__dict__["_step"] = mx.compile(self._forward, inputs=self)
