@@ -10,6 +10,10 @@ kernel's launch is in its time, as in a forward), and attention over the prompt'
 mlxc's ``attend`` (the mask a verification uses: ``"causal"``, or None for one query). A ratio
 far above the rest names the kernel to fix.
 
+Each float projection is also timed as one matrix-vector product per row (``_as_rows``, the
+``*_as_rows`` rows): whether MLX's matrix-vector kernel, which it gives one row, beats the
+cuBLAS GEMM it gives several.
+
 On CUDA, where ``attend`` sends a verification's few queries to mlxc's kernel
 (``runtime.model.cuda_attention``), the whole forward and attention are also timed through
 ``layers.composed_attention`` instead (matmul, softmax, matmul: what a prefill chunk takes there):
@@ -99,6 +103,12 @@ def probe(model, prompt_len: int, queries: list[int], count: int, repeats: int) 
             )
             x = mx.random.normal((1, n, width)).astype(dtype)
             row[name + "_s"] = _per_call(lambda m=module, x=x: m(x), count, repeats)
+            if isinstance(module, nn.Linear):
+                if not mx.allclose(_as_rows(module, x), module(x), rtol=1e-2, atol=1e-2):
+                    raise RuntimeError(f"{name}: the product row by row differs from the layer's")
+                row[name + "_as_rows_s"] = _per_call(
+                    lambda m=module, x=x: _as_rows(m, x), count, repeats
+                )
         x = mx.random.normal((1, n, model.args.hidden_size)).astype(dtype)
         row["lm_head_s"] = _per_call(lambda x=x: head(x), count, repeats)
         q = mx.random.normal((1, attn.n_heads, n, attn.head_dim)).astype(dtype)
@@ -121,6 +131,22 @@ def probe(model, prompt_len: int, queries: list[int], count: int, repeats: int) 
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     return rows
+
+
+def _as_rows(linear, x):
+    """``linear(x)`` as one matrix-vector product per row: MLX's CUDA matmul folds a contiguous
+    batch of one-row products against one weight into a GEMM (``gemm_and_bias``), which
+    cuBLAS runs for a verification's few rows at 2.1-3.3x a row's time; rows a stride past
+    their width stay a batch, which its matrix-vector kernel takes (each row reading the
+    weight, from L2 after the first). Whether that costs a verification less."""
+    import mlx.core as mx
+
+    n, width = x.shape[-2], x.shape[-1]
+    rows = mx.pad(x.reshape(n, width), ((0, 0), (0, 8)))[:, None, :width]  # [n, 1, width]
+    out = rows @ linear.weight.T
+    if "bias" in linear:
+        out = out + linear.bias
+    return out.reshape(*x.shape[:-1], -1)
 
 
 def report(result: dict) -> str:
