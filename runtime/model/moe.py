@@ -80,6 +80,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
+from mlxc.runtime.model import cuda_attention
 from mlxc.runtime.model.layers import ACTIVATIONS, MLP, FusedSwiGLU, SwiGLU, glu
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -88,8 +89,8 @@ PROJS = ("gate_proj", "up_proj", "down_proj")
 # bench's small MoE models, crossing over at 10-28 (mistral4, qwen3_moe, gpt_oss).
 BY_EXPERT_ROWS = 16
 # Tokens a row up to which a MoE block runs compiled (``MoE._compiled_step``): a decode step's
-# one, a verification's K + 1 (as many queries as mlxc's CUDA attention kernel takes).
-COMPILED_TOKENS = 16
+# one, a verification's K + 1 (at most as many as mlxc's CUDA attention kernel takes).
+COMPILED_TOKENS = cuda_attention.MAX_QUERIES
 
 
 # --- expert linears ------------------------------------------------------------------------
