@@ -34,12 +34,15 @@ pytestmark = pytest.mark.skipif(
 
 
 def _case_source(files: dict, kt: str, D: int, R: int, bits: int, group: int, chunks: int, grid):
-    """C++ running the attention kernel (and the merge with ``chunks`` > 1) on ``files``,
-    each laid out as MLX's ``cuda_kernel`` lays out a kernel: concrete parameter types, the
-    template arguments as constants and type aliases at the top of a plain function (not a
-    C++ template, so an ``if constexpr`` discards nothing, as under NVRTC)."""
+    """C++ running the attention kernel on ``files``, laid out as MLX's ``cuda_kernel`` lays
+    out a kernel: concrete parameter types, the template arguments as constants and type
+    aliases at the top of a plain function (not a C++ template, so an ``if constexpr``
+    discards nothing, as under NVRTC)."""
     types = dict(
-        zip(ca._INPUTS, ["T", "KT", "KT", "S", "S", "S", "S", "T", "T", "bool", "T", "float"])
+        zip(
+            ca._INPUTS,
+            ["T", "KT", "KT", "S", "S", "S", "S", "T", "T", "bool", "T", "float", "uint32_t"],
+        )
     )
     concrete = {"T": "float", "KT": kt, "S": "float"}  # float32 runs (the emulator has no bf16)
     params = ", ".join(
@@ -54,17 +57,9 @@ def _case_source(files: dict, kt: str, D: int, R: int, bits: int, group: int, ch
     lines = [
         f'#include "{HERE / "emulator.h"}"',
         ca._HEADER,
-        f"void attention({params}, float* out, float* part_acc, float* part_max, float* part_sum) {{",
+        f"void attention({params}, float* out, float* part) {{",
         constants,
         ca._SOURCE,
-        "}",
-        (
-            "void merge(const float* part_acc, const float* part_max, "
-            "const mlx::core::cu::Shape part_max_shape, const float* part_sum, "
-            "const float* sinks, const float* flags, float* out) {"
-        ),
-        f"using T = float; constexpr int D = {D};",
-        ca._MERGE_SOURCE,
         "}",
         "int main() {",
     ]
@@ -81,28 +76,15 @@ def _case_source(files: dict, kt: str, D: int, R: int, bits: int, group: int, ch
         )
         args.append(f"{n}_buf.data() + {offset}, {n}_shape, {n}_strides")
     rows, blocks = grid
-    out_sizes = (
-        [rows * D, 1, 1, 1] if chunks == 1 else [1, rows * chunks * D, rows * chunks, rows * chunks]
-    )
     lines += [
-        "std::vector<float> out({}), part_acc({}), part_max({}), part_sum({});".format(*out_sizes),
+        f"std::vector<float> out({rows * D}), part({rows * chunks * (D + 2)});",
         (
             f"launch({{{chunks}, {blocks}, 1}}, {ca.WARPS * 32}, [&] {{ attention("
-            f"{', '.join(args)}, out.data(), part_acc.data(), part_max.data(), "
-            "part_sum.data()); });"
+            f"{', '.join(args)}, out.data(), part.data()); }});"
         ),
+        "std::ofstream(OUT, std::ios::binary).write((char*)out.data(), out.size() * 4);",
+        "}",
     ]
-    if chunks > 1:
-        lines += [
-            f"mlx::core::cu::Shape part_max_shape{{{{{rows}, {chunks}}}}};",
-            f"out.assign({rows * D}, 0.f);",
-            (
-                f"launch({{1, {rows}, 1}}, {D}, [&] {{ merge(part_acc.data(), "
-                "part_max.data(), part_max_shape, part_sum.data(), sinks_buf.data(), "
-                "flags_buf.data(), out.data()); });"
-            ),
-        ]
-    lines += ["std::ofstream(OUT, std::ios::binary).write((char*)out.data(), out.size() * 4);", "}"]
     return "\n".join(lines)
 
 
@@ -118,7 +100,7 @@ def _run(
             a.__array_interface__["data"][0] - base.__array_interface__["data"][0]
         ) // a.itemsize
         base.tofile(tmp / f"{n}.bin")
-        ctype = {"k": kt, "v": kt, "mask": "bool"}.get(n, "float")
+        ctype = {"k": kt, "v": kt, "mask": "bool", "counter": "uint32_t"}.get(n, "float")
         strides = [s // a.itemsize for s in a.strides]
         files[n] = (tmp / f"{n}.bin", offset, list(a.shape), strides, ctype)
     src = tmp / "case.cpp"
@@ -209,6 +191,7 @@ def test_kernel_matches_mlx(
     flags = np.array([scale, mask_kind, float(with_sinks), Hq, L], np.float32)
     inputs = [
         q, k, v, k_scales, k_biases, v_scales, v_biases, k_recent, v_recent, mask, sinks, flags,
+        np.zeros(blocks, np.uint32),  # the chunks' tickets
     ]  # fmt: skip
     arrays = dict(zip(ca._INPUTS, [none if a is None else a for a in inputs], strict=True))
     kt = "uint32_t" if bits else "float"

@@ -13,7 +13,7 @@ forwards land there:
 - a decode step on quantised keys and values (``--kv-bits``): MLX's CUDA ``quantized_matmul``
   is not used there (``layers.packed_attention``), so the live keys were dequantised per step.
 
-``attention`` is one kernel (two when the keys are split across blocks) for all three: rows
+``attention`` is one kernel for all three (keys split across blocks merged by the last of them): rows
 and heads of any strides, GQA without broadcasting the keys, a boolean mask of any broadcast
 shape or a bottom-right causal one, attention sinks, and keys and values read either as floats
 or packed (4 or 8 bits, MLX's affine layout) and dequantised in registers, packed ones
@@ -133,7 +133,10 @@ __device__ __forceinline__ long long at4(
 # shared memory; then the warp walks the 32 values KPL rows per load (each lane 16 bytes of a
 # row: independent loads in flight, not one dependent 4-byte load per row), its lanes adding
 # up their rows' shares once at the end. The warps' sums merge in shared memory. With one
-# chunk the block writes the output, else its partial sums.
+# chunk the block writes the output, else its partial sums, and the last of a block row's
+# chunks to finish merges them (a ticket counter per block row): one launch a call, not a
+# second kernel for the merge, as a decode step's host cost is per launch (a kernel call here
+# costs ~15 us of graph building and ~10 of encoding: ``bench.encode_costs``).
 # The queries per row, the mask kind, the sinks and the chunking are run-time values (``flags``:
 # scale, mask kind, sinks, heads, queries): every variant is a JIT compile of a second or more,
 # so only what shapes registers (dtypes, head dim, rows per tile, packing) is a template argument.
@@ -170,6 +173,8 @@ _SOURCE = """
     for (int j = 0; j < VE; ++j) acc[r][j] = 0.f;
     m[r] = NEG_INF; s[r] = 0.f;
   }
+  // Row r's place in the output, [B, Hq, L] flattened.
+  auto out_row = [&](int r) { return (static_cast<long long>(b) * Hq + rh[r]) * L + rl[r]; };
   for (int i = threadIdx.x; i < R * D; i += blockDim.x) {
     const int r = i / D, e = i % D;
     qs[r][e] = static_cast<float>(
@@ -298,6 +303,16 @@ _SOURCE = """
       for (int j = 0; j < VE; ++j) wacc[warp][r][ve + j] = acc[r][j];
   }
   __syncthreads();
+  // Row r's output (sinks folded in) from its maximum, sum and element e's weighted sum.
+  auto write_out = [&](int r, int e, float M, float tot, float a) {
+    if (has_sinks) {
+      const float sk = static_cast<float>(sinks[rh[r]]) * LOG2E;
+      const float M2 = fmaxf(M, sk);
+      const float f = exp2f(M - M2);  // 0 when no key was attended to
+      a *= f; tot = tot * f + exp2f(sk - M2);
+    }
+    out[out_row(r) * D + e] = static_cast<T>(tot > 0.f ? a / tot : 0.f);
+  };
   for (int i = threadIdx.x; i < R * D; i += blockDim.x) {
     const int r = i / D, e = i % D;
     if (tile * R + r >= n_rows) continue;
@@ -310,55 +325,46 @@ _SOURCE = """
       tot += ws[w][r] * f;
       a += wacc[w][r][e] * f;
     }
-    // The output's row: [B, Hq, L] flattened.
-    const long long row = (static_cast<long long>(b) * Hq + rh[r]) * L + rl[r];
-    if (n_chunks > 1) {
-      part_acc[(row * n_chunks + chunk) * D + e] = a;
-      if (e == 0) { part_max[row * n_chunks + chunk] = M; part_sum[row * n_chunks + chunk] = tot; }
-      continue;
+    if (n_chunks == 1) {
+      write_out(r, e, M, tot, a);
+    } else {  // this chunk's share: [row, chunk] holds D weighted sums, the maximum, the sum
+      float* p = part + (out_row(r) * n_chunks + chunk) * (D + 2);
+      p[e] = a;
+      if (e == 0) { p[D] = M; p[D + 1] = tot; }
     }
-    if (has_sinks) {
-      const float sk = static_cast<float>(sinks[rh[r]]) * LOG2E;
-      const float M2 = fmaxf(M, sk);
-      const float f = exp2f(M - M2);  // 0 when no key was attended to
-      a *= f; tot = tot * f + exp2f(sk - M2);
+  }
+  if (n_chunks == 1) return;
+  // The last of a block row's chunks to finish merges them all: each thread's shares made
+  // visible to the device, then one ticket per block (``counter``: zeros, one per block row).
+  __threadfence();
+  __syncthreads();
+  __shared__ bool last;
+  if (threadIdx.x == 0)
+    last = atomicAdd(const_cast<uint32_t*>(counter) + blockIdx.y, 1u) == n_chunks - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < R * D; i += blockDim.x) {
+    const int r = i / D, e = i % D;
+    if (tile * R + r >= n_rows) continue;
+    const float* p = part + out_row(r) * n_chunks * (D + 2);
+    float M = NEG_INF;  // other blocks' shares: read from L2 (__ldcg), not this SM's L1
+    for (int c = 0; c < n_chunks; ++c) M = fmaxf(M, __ldcg(p + c * (D + 2) + D));
+    float tot = 0.f, a = 0.f;
+    for (int c = 0; c < n_chunks; ++c) {
+      const float mc = __ldcg(p + c * (D + 2) + D);
+      if (mc == NEG_INF) continue;
+      const float f = exp2f(mc - M);
+      tot += __ldcg(p + c * (D + 2) + D + 1) * f;
+      a += __ldcg(p + c * (D + 2) + e) * f;
     }
-    out[row * D + e] = static_cast<T>(tot > 0.f ? a / tot : 0.f);
+    write_out(r, e, M, tot, a);
   }
-"""
-
-# One block per (row, query head, query), one thread per output element: the chunks' partial
-# sums merged.
-_MERGE_SOURCE = """
-  constexpr float LOG2E = 1.4426950408889634f;
-  const float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
-  const int n_chunks = part_max_shape[1];
-  const long long row = blockIdx.y;
-  const int e = threadIdx.x;
-  const int heads = static_cast<int>(flags[3]), L = static_cast<int>(flags[4]);
-  float M = NEG_INF;
-  for (int c = 0; c < n_chunks; ++c) M = fmaxf(M, part_max[row * n_chunks + c]);
-  float tot = 0.f, a = 0.f;
-  for (int c = 0; c < n_chunks; ++c) {
-    const float mc = part_max[row * n_chunks + c];
-    if (mc == NEG_INF) continue;
-    const float f = exp2f(mc - M);
-    tot += part_sum[row * n_chunks + c] * f;
-    a += part_acc[(row * n_chunks + c) * D + e] * f;
-  }
-  if (flags[2] != 0.f) {
-    const int h = (row / L) % heads;
-    const float sk = static_cast<float>(sinks[h]) * LOG2E;
-    const float M2 = fmaxf(M, sk);
-    const float f = exp2f(M - M2);
-    a *= f; tot = tot * f + exp2f(sk - M2);
-  }
-  out[row * D + e] = static_cast<T>(tot > 0.f ? a / tot : 0.f);
 """
 
 _INPUTS = [
     "q", "k", "v", "k_scales", "k_biases", "v_scales", "v_biases", "k_recent", "v_recent",
-    "mask", "sinks", "flags",
+    "mask", "sinks", "flags", "counter",
 ]  # fmt: skip
 
 
@@ -367,21 +373,10 @@ def _kernel():
     return mx.fast.cuda_kernel(
         name="mlxc_attention",
         input_names=_INPUTS,
-        output_names=["out", "part_acc", "part_max", "part_sum"],
+        output_names=["out", "part"],
         source=_SOURCE,
         header=_HEADER,
         ensure_row_contiguous=False,
-    )
-
-
-@functools.cache
-def _merge_kernel():
-    return mx.fast.cuda_kernel(
-        name="mlxc_attention_merge",
-        input_names=["part_acc", "part_max", "part_sum", "sinks", "flags"],
-        output_names=["out"],
-        source=_MERGE_SOURCE,
-        ensure_row_contiguous=True,
     )
 
 
@@ -480,30 +475,21 @@ def attention(
     n_chunks = chunks or _chunks(blocks, n_keys)
     rows = B * Hq * L
     template = _template(queries.dtype, k.dtype, scale_dtype, D, R, bits, group)
-    # With one chunk the block writes ``out``; with more, the partial sums (the other
-    # outputs are then one-element stand-ins, allocated and never written).
+    # With one chunk a block writes its rows' output; with more, each its chunk's share
+    # (``part``), and the last of a block row's chunks to finish merges them (``counter``:
+    # its tickets).
     if n_chunks == 1:
-        shapes = [(B, Hq, L, D), (1,), (1,), (1,)]
+        part, counter = (1,), _dummy(mx.uint32)
     else:
-        shapes = [(1,), (rows, n_chunks, D), (rows, n_chunks), (rows, n_chunks)]
-    out, part_acc, part_max, part_sum = _kernel()(
+        part, counter = (rows, n_chunks, D + 2), mx.zeros((blocks,), mx.uint32)
+    out, _ = _kernel()(
         inputs=[queries, k, v, k_scales, k_biases, v_scales, v_biases]
-        + [k_recent, v_recent, mask, sink_arr, flags],
+        + [k_recent, v_recent, mask, sink_arr, flags, counter],
         template=template,
         grid=(n_chunks * WARPS * 32, blocks, 1),
         threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=shapes,
-        output_dtypes=[queries.dtype, mx.float32, mx.float32, mx.float32],
-    )
-    if n_chunks == 1:
-        return out
-    (out,) = _merge_kernel()(
-        inputs=[part_acc, part_max, part_sum, sink_arr, flags],
-        template=[("T", queries.dtype), ("D", D)],
-        grid=(D, rows, 1),
-        threadgroup=(D, 1, 1),
-        output_shapes=[(B, Hq, L, D)],
-        output_dtypes=[queries.dtype],
+        output_shapes=[(B, Hq, L, D), part],
+        output_dtypes=[queries.dtype, mx.float32],
     )
     return out
 
@@ -555,8 +541,7 @@ def _warm(dtype: mx.Dtype, head_dim: int, rows: int, quant) -> None:
     outs = []
     for keys in (k, None if quant is None else quant.quantize(k)):
         if keys is not None:
-            for chunks in (1, 2):  # both the one-block write and the merge
-                outs.append(attention(q, keys, keys, scale=1.0, mask=None, chunks=chunks))
+            outs.append(attention(q, keys, keys, scale=1.0, mask=None, chunks=2))
     mx.eval(outs)
 
 

@@ -1,8 +1,9 @@
-// The CUDA constructs runtime/model/cuda_attention.py's kernels use, on a CPU: each thread of a
+// The CUDA constructs runtime/model/cuda_attention.py's kernel uses, on a CPU: each thread of a
 // block is a std::thread, __syncwarp and __syncthreads are barriers, a shuffle goes through a
-// slot array between two barriers (a vote too), __shared__ arrays are function statics (one block runs at a
-// time). Enough to run the kernels' logic in CI, which has no GPU (tests/test_cuda_emulated.py);
-// NVRTC, bf16 and timing stay with tests/test_cuda_attention.py on a CUDA machine.
+// slot array between two barriers (a vote too), __shared__ arrays are function statics; blocks
+// run one at a time, so an atomic add is a plain one and fences are no-ops. Enough to run the
+// kernel's logic in CI, which has no GPU (tests/test_cuda_emulated.py); NVRTC, bf16, memory
+// ordering across blocks and timing stay with tests/test_cuda_attention.py on a CUDA machine.
 #include <algorithm>
 #include <barrier>
 #include <cmath>
@@ -12,6 +13,7 @@
 #include <limits>
 #include <memory>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #define __device__
@@ -50,6 +52,10 @@ inline bool __any_sync(unsigned, bool p) {
   return any;
 }
 inline float exp2f(float x) { return std::exp2(x); }
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return std::exchange(*p, *p + v); }
+inline void __threadfence() {}
+template <typename X>
+inline X __ldcg(const X* p) { return *p; }
 using std::max;
 using std::min;
 namespace cuda { namespace std { using ::std::numeric_limits; } }
@@ -63,7 +69,7 @@ inline void launch(Dim3 grid, int threads, const std::function<void()>& body) {
   gridDim = grid;
   blockDim = {threads, 1, 1};
   for (int by = 0; by < grid.y; ++by) {
-    for (int bx = 0; bx < grid.x; ++bx) {
+    for (int bx = grid.x - 1; bx >= 0; --bx) {  // backwards: no block may count on coming last
       blockIdx = {bx, by, 0};
       std::barrier<> block(threads);
       block_barrier = &block;
