@@ -13,12 +13,13 @@ forwards land there:
 - a decode step on quantised keys and values (``--kv-bits``): MLX's CUDA ``quantized_matmul``
   is not used there (``layers.packed_attention``), so the live keys were dequantised per step.
 
-``attention`` is one kernel for all three (keys split across blocks merged by the last of them): rows
-and heads of any strides, GQA without broadcasting the keys, a boolean mask of any broadcast
-shape or a bottom-right causal one, attention sinks, and keys and values read either as floats
-or packed (4 or 8 bits, MLX's affine layout) and dequantised in registers, packed ones
-optionally followed by a quantised cache's staged float tokens, rounded as quantising stores
-them (``cache.StagingMixin``). ``applies`` says when ``layers.attend`` takes it.
+``attention`` is one kernel launch for all three (keys split across blocks, merged by the last
+of them to finish): rows and heads of any strides, GQA without broadcasting the keys, a boolean
+mask of any broadcast shape or a bottom-right causal one, attention sinks, and keys and values
+read either as floats or packed (4 or 8 bits, MLX's affine layout) and dequantised in registers,
+packed ones optionally followed by a quantised cache's staged float tokens, rounded as
+quantising stores them (``cache.StagingMixin``). ``applies`` says when ``layers.attend`` takes
+it.
 
 MLX compiles a custom kernel (NVRTC) the first time each variant runs in a process, a second or
 more each, and keeps no disk cache for them: a server that met them at its first ragged batch
