@@ -117,6 +117,10 @@ __device__ __forceinline__ void round_vec(const Rounding& r, float* x) {
     x[j] = r.stored_scale * static_cast<float>(q) + r.stored_bias;
   }
 }
+// A value another block of this launch wrote: a volatile load, from L2, not this SM's L1.
+__device__ __forceinline__ float load_uncached(const float* p) {
+  return *reinterpret_cast<const volatile float*>(p);
+}
 // A 4-d index with broadcasting: a dimension of size 1 has stride 0.
 __device__ __forceinline__ long long at4(
     const mlx::core::cu::Shape& shape, const mlx::core::cu::Strides& strides, int a, int b, int c, int d) {
@@ -349,15 +353,15 @@ _SOURCE = """
     const int r = i / D, e = i % D;
     if (tile * R + r >= n_rows) continue;
     const float* p = part + out_row(r) * n_chunks * (D + 2);
-    float M = NEG_INF;  // other blocks' shares: read from L2 (__ldcg), not this SM's L1
-    for (int c = 0; c < n_chunks; ++c) M = fmaxf(M, __ldcg(p + c * (D + 2) + D));
+    float M = NEG_INF;  // other blocks' shares (``load_uncached``)
+    for (int c = 0; c < n_chunks; ++c) M = fmaxf(M, load_uncached(p + c * (D + 2) + D));
     float tot = 0.f, a = 0.f;
     for (int c = 0; c < n_chunks; ++c) {
-      const float mc = __ldcg(p + c * (D + 2) + D);
+      const float mc = load_uncached(p + c * (D + 2) + D);
       if (mc == NEG_INF) continue;
       const float f = exp2f(mc - M);
-      tot += __ldcg(p + c * (D + 2) + D + 1) * f;
-      a += __ldcg(p + c * (D + 2) + e) * f;
+      tot += load_uncached(p + c * (D + 2) + D + 1) * f;
+      a += load_uncached(p + c * (D + 2) + e) * f;
     }
     write_out(r, e, M, tot, a);
   }

@@ -54,8 +54,6 @@ inline bool __any_sync(unsigned, bool p) {
 inline float exp2f(float x) { return std::exp2(x); }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return std::exchange(*p, *p + v); }
 inline void __threadfence() {}
-template <typename X>
-inline X __ldcg(const X* p) { return *p; }
 using std::max;
 using std::min;
 namespace cuda { namespace std { using ::std::numeric_limits; } }
