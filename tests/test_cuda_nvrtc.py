@@ -1,0 +1,125 @@
+"""NVIDIA's runtime compiler (NVRTC) accepts ``runtime.model.cuda_attention``'s kernel, in CI.
+
+``test_cuda_emulated.py`` compiles the kernel's source with g++ against an emulator, which
+takes C++ that NVRTC may not (and the reverse: CUDA's intrinsics, its execution spaces), and
+``test_cuda_attention.py`` needs a GPU, which CI has none of. NVRTC itself needs no GPU: it
+comes as a pip package (``nvidia-cuda-nvrtc``, in the test extra on Linux x86-64, with the CUDA
+and libcu++ headers the kernel includes). Here the source is laid out as MLX 0.32's
+``mx.fast.cuda_kernel`` lays it out (its default header, one parameter per input plus its shape
+and strides where the source names them, the template arguments as constants at the top of
+the function, the body inside ``mlx::core::cu``) and compiled for the H100/H200's sm_90a with
+MLX's options. MLX's own device header is not shipped outside its CUDA wheel; a stand-in
+declares the two types the kernel takes from it (``Shape``, ``Strides``, as MLX defines them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mlxc.runtime.model import cuda_attention as ca
+
+
+def _cuda_root() -> Path | None:
+    """The pip-installed CUDA 13 tree (``nvidia/cu13``: NVRTC, headers), if any."""
+    spec = importlib.util.find_spec("nvidia")
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        root = Path(base) / "cu13"
+        if (root / "lib" / "libnvrtc.so.13").exists() and (root / "include" / "cccl").exists():
+            return root
+    return None
+
+
+CUDA = _cuda_root()
+pytestmark = pytest.mark.skipif(
+    CUDA is None, reason="no NVRTC (the test extra installs nvidia-cuda-nvrtc on Linux x86-64)"
+)
+
+# What the kernel takes from MLX's "mlx/backend/cuda/device/utils.cuh" (MAX_NDIM is 10 there).
+MLX_UTILS = """
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#include <cuda/std/limits>
+namespace mlx::core::cu {
+using Shape = cuda::std::array<int32_t, 10>;
+using Strides = cuda::std::array<int64_t, 10>;
+}
+"""
+CUDA_TYPES = {
+    mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float",
+    mx.uint32: "uint32_t", mx.bool_: "bool",
+}  # fmt: skip
+
+
+def _kernel_source(inputs, outputs, template) -> str:
+    """The kernel as MLX's ``cuda_kernel`` builds it for these input/output dtypes and template
+    arguments (``build_kernel`` in MLX's ``backend/cuda/custom_kernel.cpp``)."""
+    lines = [
+        '#include "mlx/backend/cuda/device/utils.cuh"',
+        "#include <cooperative_groups.h>",
+        ca._HEADER,
+        "namespace mlx::core::cu {",
+        "namespace cg = cooperative_groups;",
+        "__global__ void custom_kernel_mlxc_attention(",
+    ]
+    params = []
+    for name, dtype in inputs:
+        params.append(f"const {CUDA_TYPES[dtype]}* {name}")
+        if f"{name}_shape" in ca._SOURCE:
+            params.append(f"const __grid_constant__ Shape {name}_shape")
+        if f"{name}_strides" in ca._SOURCE:
+            params.append(f"const __grid_constant__ Strides {name}_strides")
+    params += [f"{CUDA_TYPES[dtype]}* {name}" for name, dtype in outputs]
+    lines.append(",\n".join(params) + ") {")
+    for name, value in template:
+        if isinstance(value, mx.Dtype):
+            lines.append(f"using {name} = {CUDA_TYPES[value]};")
+        else:
+            lines.append(f"constexpr int {name} = {value};")
+    lines += [ca._SOURCE, "}", "}  // namespace mlx::core::cu"]
+    return "\n".join(lines)
+
+
+def _compile(source: str) -> tuple[int, str]:
+    """NVRTC's result code and log for ``source``, compiled as MLX compiles a custom kernel."""
+    nvrtc = ctypes.CDLL(str(CUDA / "lib" / "libnvrtc.so.13"))
+    prog = ctypes.c_void_p()
+    headers = (ctypes.c_char_p * 1)(MLX_UTILS.encode())
+    names = (ctypes.c_char_p * 1)(b"mlx/backend/cuda/device/utils.cuh")
+    assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"k.cu", 1, headers, names) == 0  # fmt: skip
+    options = [
+        b"--device-as-default-execution-space",  # MLX's: the kernel's lambdas need it
+        b"--gpu-architecture=sm_90a",
+        f"--include-path={CUDA / 'include'}".encode(),
+        f"--include-path={CUDA / 'include' / 'cccl'}".encode(),
+    ]
+    result = nvrtc.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))  # fmt: skip
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+    return result, log.value.decode(errors="replace")
+
+
+# Every branch compiles in each variant (the template arguments are constants in a plain
+# function, not a C++ template): the dtypes and packings a model reaches, at both head dims.
+VARIANTS = [(mx.bfloat16, 0, 128, 8), (mx.bfloat16, 4, 64, 4), (mx.float16, 8, 128, 1)]
+
+
+@pytest.mark.parametrize("dtype, bits, head_dim, rows", VARIANTS)
+def test_nvrtc_compiles_the_kernel(dtype, bits, head_dim, rows):
+    key = mx.uint32 if bits else dtype
+    dtypes = [dtype, key, key, dtype, dtype, dtype, dtype, dtype, dtype, mx.bool_, dtype]
+    inputs = list(zip(ca._INPUTS, [*dtypes, mx.float32, mx.uint32], strict=True))
+    outputs = [("out", dtype), ("part", mx.float32)]
+    template = ca._template(dtype, key, dtype, head_dim, rows, bits, 64 if bits else 1)
+    result, log = _compile(_kernel_source(inputs, outputs, template))
+    assert result == 0, log[-4000:]
+    assert "warning" not in log, log[-4000:]
