@@ -1,11 +1,11 @@
-"""``runtime.model.cuda_attention``'s kernels run on the CPU, in CI, against MLX's attention.
+"""``runtime.model.cuda_attention``'s kernel runs on the CPU, in CI, against MLX's attention.
 
-The kernels are CUDA source that only MLX's CUDA backend compiles, and CI has no GPU, so
-``test_cuda_attention.py`` skips there. Here the same source strings are compiled by the host's
+The kernel is CUDA source (``cuda_attention.cuh``) that only MLX's CUDA backend runs, and CI has
+no GPU, so ``test_cuda_attention.py`` skips there. Here the same source is compiled by the host's
 C++ compiler against ``cuda_emulator/emulator.h`` (each CUDA thread a std::thread, barriers for
 ``__syncwarp``/``__syncthreads``, shuffles through memory) and run block by block, in float32
 (the emulator has no bf16: the loads of other dtypes differ only in their type). What this
-checks is the kernels' logic: the split of keys across lanes, warps and chunks, the online
+checks is the kernel's logic: the split of keys across lanes, warps and chunks, the online
 softmax and its merges, GQA rows, masks, sinks, strided and packed keys (MLX's own
 ``mx.quantize`` layout). The oracle is MLX's ``scaled_dot_product_attention`` on the same
 float32 (or dequantised) inputs; float32 summation order differs, hence 1e-4.
@@ -35,9 +35,9 @@ pytestmark = pytest.mark.skipif(
 
 def _case_source(files: dict, kt: str, D: int, R: int, bits: int, group: int, chunks: int, grid):
     """C++ running the attention kernel on ``files``, laid out as MLX's ``cuda_kernel`` lays
-    out a kernel: concrete parameter types, the template arguments as constants and type
-    aliases at the top of a plain function (not a C++ template, so an ``if constexpr``
-    discards nothing, as under NVRTC)."""
+    out a kernel: ``cuda_attention.cuh`` #included, then a function of concrete parameter types
+    with the template arguments as constants and type aliases at its top, whose body (the
+    module's ``_SOURCE``) calls the kernel's template."""
     types = dict(
         zip(
             ca._INPUTS,

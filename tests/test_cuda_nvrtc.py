@@ -5,10 +5,10 @@ takes C++ that NVRTC may not (and the reverse: CUDA's intrinsics, its execution 
 ``test_cuda_attention.py`` needs a GPU, which CI has none of. NVRTC itself needs no GPU: it
 comes as a pip package (``nvidia-cuda-nvrtc``, in the test extra on Linux x86-64, with the CUDA
 and libcu++ headers the kernel includes). Here the source is laid out as MLX 0.32's
-``mx.fast.cuda_kernel`` lays it out (its default header, one parameter per input plus its shape
-and strides where the source names them, the template arguments as constants at the top of
-the function, the body inside ``mlx::core::cu``) and compiled for the H100/H200's sm_90a with
-MLX's options. MLX's own device header is not shipped outside its CUDA wheel; a stand-in
+``mx.fast.cuda_kernel`` lays it out (its default header, then ``cuda_attention.cuh`` #included
+by its absolute path, one parameter per input plus its shape and strides where the source
+names them, the template arguments as constants at the top of the function, the body inside
+``mlx::core::cu``) and compiled for the H100/H200's sm_90a with MLX's options. MLX's own device header is not shipped outside its CUDA wheel; a stand-in
 declares the two types the kernel takes from it (``Shape``, ``Strides``, as MLX defines them).
 """
 
@@ -108,9 +108,12 @@ def _compile(source: str) -> tuple[int, str]:
     return result, log.value.decode(errors="replace")
 
 
-# Every branch compiles in each variant (the template arguments are constants in a plain
-# function, not a C++ template): the dtypes and packings a model reaches, at both head dims.
-VARIANTS = [(mx.bfloat16, 0, 128, 8), (mx.bfloat16, 4, 64, 4), (mx.float16, 8, 128, 1)]
+# The kernel is a C++ template (``mlxc::attention``): a variant compiles its own branches only.
+# Float keys and 4- and 8-bit packed ones, in each activation dtype, at both head dims.
+VARIANTS = [
+    (mx.bfloat16, 0, 128, 8), (mx.bfloat16, 4, 64, 4), (mx.float16, 8, 128, 1),
+    (mx.float32, 0, 64, 2), (mx.float32, 4, 128, 1),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype, bits, head_dim, rows", VARIANTS)

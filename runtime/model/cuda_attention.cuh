@@ -1,0 +1,344 @@
+// mlxc's CUDA attention kernel for a few queries per row (runtime/model/cuda_attention.py says
+// where it runs and why). MLX's mx.fast.cuda_kernel builds each call's kernel from a source
+// string it assembles and hashes on every call; the kernel's source that string holds is one
+// call of ``mlxc::attention`` below, and this file is #included by its absolute path, so a
+// call costs the host a ~1 KB string, not this file. Included after MLX's device header
+// (Shape, Strides, cuda::std::numeric_limits, the half types).
+#pragma once
+
+namespace mlxc {
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+__device__ __forceinline__ float warp_max(float x) {
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+// VE elements of a row from element e0 (a multiple of VE), as floats. Float rows: one 16-byte
+// load where the head dim is contiguous and aligned (``vec``), else one element at a time.
+// Packed rows (MLX's affine layout: values low bits first in uint32 words, a scale and a bias
+// per GS elements): one word, VE = 32 / BITS elements of one group.
+template <typename P, typename S, int BITS, int GS, int VE>
+__device__ __forceinline__ void load_vec(const P* row, const S* scales, const S* biases,
+    int e0, long long es, long long gs_stride, bool vec, float* out) {
+  if constexpr (BITS == 0) {
+    if (vec) {
+      struct alignas(VE * sizeof(P)) Vec { P x[VE]; };
+      const Vec v = *reinterpret_cast<const Vec*>(row + e0);
+      for (int j = 0; j < VE; ++j) out[j] = static_cast<float>(v.x[j]);
+    } else {
+      for (int j = 0; j < VE; ++j) out[j] = static_cast<float>(row[(e0 + j) * es]);
+    }
+  } else {
+    const uint32_t w = reinterpret_cast<const uint32_t*>(row)[e0 * BITS / 32];
+    const int g = e0 / GS;
+    const float sc = static_cast<float>(scales[g * gs_stride]);
+    const float bi = static_cast<float>(biases[g * gs_stride]);
+    for (int j = 0; j < VE; ++j)
+      out[j] = sc * static_cast<float>((w >> (j * BITS)) & ((1u << BITS) - 1u)) + bi;
+  }
+}
+// A group of a float row as MLX's CUDA ``affine_quantize`` codes it, from the group's range
+// (``lo``: its minimum; ``hi``: its maximum, or 0 if larger, as MLX's starts at 0), by the
+// same operations in the same order: the scale and bias it codes with, and those it stores
+// (rounded to S), which dequantisation reads. A quantised cache's staged tokens are read
+// through it (``round_vec``), so they attend exactly as the packed tokens they become.
+struct Rounding { float scale, bias, stored_scale, stored_bias; };
+template <typename S, int BITS>
+__device__ __forceinline__ Rounding rounding(float lo, float hi) {
+  constexpr float n_bins = (1 << BITS) - 1;
+  float scale = fmaxf((hi - lo) / n_bins, 1e-7f);
+  const bool side = fabsf(lo) > fabsf(hi);
+  scale = side ? scale : -scale;
+  const float edge = side ? lo : hi;
+  const float q0 = roundf(edge / scale);
+  const bool at_zero = q0 == 0.0f;
+  scale = at_zero ? scale : edge / q0;
+  const float bias = at_zero ? 0.f : edge;
+  return {scale, bias, static_cast<float>(static_cast<S>(scale)),
+      static_cast<float>(static_cast<S>(bias))};
+}
+// The range's starting values, and one VE-element share of a group folded in.
+constexpr float RANGE_LO = cuda::std::numeric_limits<float>::max(), RANGE_HI = 0.f;
+template <int VE>
+__device__ __forceinline__ void widen(const float* x, float& lo, float& hi) {
+  for (int j = 0; j < VE; ++j) {
+    lo = fminf(lo, x[j]);
+    hi = fmaxf(hi, x[j]);
+  }
+}
+// VE elements of a row, each coded and decoded as ``r`` says.
+template <int BITS, int VE>
+__device__ __forceinline__ void round_vec(const Rounding& r, float* x) {
+  constexpr float n_bins = (1 << BITS) - 1;
+  for (int j = 0; j < VE; ++j) {
+    const uint8_t q = fminf(roundf((x[j] - r.bias) / r.scale), n_bins);
+    x[j] = r.stored_scale * static_cast<float>(q) + r.stored_bias;
+  }
+}
+// A value another block of this launch wrote: a volatile load, from L2, not this SM's L1.
+__device__ __forceinline__ float load_uncached(const float* p) {
+  return *reinterpret_cast<const volatile float*>(p);
+}
+// A 4-d index with broadcasting: a dimension of size 1 has stride 0.
+__device__ __forceinline__ long long at4(
+    const mlx::core::cu::Shape& shape, const mlx::core::cu::Strides& strides, int a, int b, int c, int d) {
+  return (shape[0] == 1 ? 0 : a * strides[0]) + (shape[1] == 1 ? 0 : b * strides[1]) +
+      (shape[2] == 1 ? 0 : c * strides[2]) + (shape[3] == 1 ? 0 : d * strides[3]);
+}
+
+// One block per (row, KV head, tile of R query rows, chunk of keys). A KV head's query rows
+// (its G = Hq / Hkv heads times L queries) share each key and value the block loads: GQA
+// reads the cache once per KV head, not once per query head. The tile's queries sit in shared
+// memory. WARPS warps take 32 keys at a time, a key per lane: each lane scores its key against
+// every row (no reduction across lanes per key), the warp takes one maximum per row for the 32
+// (online softmax, rescaled once per 32 keys, not per key), and writes the probabilities to
+// shared memory; then the warp walks the 32 values KPL rows per load (each lane 16 bytes of a
+// row: independent loads in flight, not one dependent 4-byte load per row), its lanes adding
+// up their rows' shares once at the end. The warps' sums merge in shared memory. With one
+// chunk the block writes the output, else its partial sums, and the last of a block row's
+// chunks to finish merges them (a ticket counter per block row): one launch a call, not a
+// second kernel for the merge, as a decode step's host cost is per launch (a kernel call here
+// costs ~15 us of graph building and ~10 of encoding: ``bench.encode_costs``).
+// The queries per row, the mask kind, the sinks and the chunking are run-time values (``flags``:
+// scale, mask kind, sinks, heads, queries): every variant is a JIT compile of a second or more,
+// so only what shapes registers (dtypes, head dim, rows per tile, packing) is a template argument.
+template <typename T, typename KT, typename S, int D, int R, int BITS, int GS, int WARPS,
+    typename SK>
+__device__ __forceinline__ void attention(
+    const T* q, const mlx::core::cu::Shape& q_shape, const mlx::core::cu::Strides& q_strides,
+    const KT* k, const mlx::core::cu::Shape& k_shape, const mlx::core::cu::Strides& k_strides,
+    const KT* v, const mlx::core::cu::Strides& v_strides,
+    const S* k_scales, const mlx::core::cu::Strides& k_scales_strides,
+    const S* k_biases, const mlx::core::cu::Strides& k_biases_strides,
+    const S* v_scales, const mlx::core::cu::Strides& v_scales_strides,
+    const S* v_biases, const mlx::core::cu::Strides& v_biases_strides,
+    const T* k_recent, const mlx::core::cu::Shape& k_recent_shape,
+    const mlx::core::cu::Strides& k_recent_strides,
+    const T* v_recent, const mlx::core::cu::Strides& v_recent_strides,
+    const bool* mask, const mlx::core::cu::Shape& mask_shape,
+    const mlx::core::cu::Strides& mask_strides,
+    const SK* sinks, const float* flags, const uint32_t* counter, T* out, float* part) {
+  // A load takes VE elements of a row (16 bytes of floats, one word of packed values). For
+  // the values, LPR lanes cover a row's D elements and a warp loads KPL rows at once.
+  constexpr int VE = BITS == 0 ? 16 / sizeof(KT) : 32 / BITS;
+  constexpr int LPR = D / VE, KPL = 32 / LPR;
+  constexpr float LOG2E = 1.4426950408889634f;
+  const float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
+  const int chunk = blockIdx.x, n_chunks = gridDim.x;
+  const int Hq = q_shape[1], L = q_shape[2], Hkv = k_shape[1], Tp = k_shape[2];
+  // Packed keys may be followed by recent ones in float (``k_recent``/``v_recent``
+  // [B, Hkv, n, D], the queries' dtype): a quantised cache's newest tokens, not yet quantised
+  // (``cache.StagingMixin``), read as quantising would store them (``rounding``). A
+  // stand-in whose last dim is not D means none.
+  const int Tk = Tp + (BITS != 0 && k_recent_shape[3] == D ? k_recent_shape[2] : 0);
+  const int G = Hq / Hkv, n_rows = G * L, tiles = (n_rows + R - 1) / R;
+  const int tile = blockIdx.y % tiles, kvh = (blockIdx.y / tiles) % Hkv;
+  const int b = blockIdx.y / (tiles * Hkv);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float sc = flags[0] * LOG2E;
+  const int mask_kind = static_cast<int>(flags[1]);  // 0 none, 1 causal, 2 boolean array
+  const bool has_sinks = flags[2] != 0.f;
+
+  // Row r of the tile: query head h = kvh * G + g, query l (rows past n_rows idle).
+  __shared__ float qs[R][D];
+  __shared__ float ps[WARPS][R][32];
+  int rh[R], rl[R];
+  float m[R], s[R], acc[R][VE];
+  for (int r = 0; r < R; ++r) {
+    const int rr = min(tile * R + r, n_rows - 1);
+    rh[r] = kvh * G + rr / L; rl[r] = rr % L;
+    for (int j = 0; j < VE; ++j) acc[r][j] = 0.f;
+    m[r] = NEG_INF; s[r] = 0.f;
+  }
+  // Row r's place in the output, [B, Hq, L] flattened.
+  auto out_row = [&](int r) { return (static_cast<long long>(b) * Hq + rh[r]) * L + rl[r]; };
+  for (int i = threadIdx.x; i < R * D; i += blockDim.x) {
+    const int r = i / D, e = i % D;
+    qs[r][e] = static_cast<float>(
+        q[b * q_strides[0] + rh[r] * q_strides[1] + rl[r] * q_strides[2] + e * q_strides[3]]) * sc;
+  }
+  __syncthreads();
+  const int per_chunk = (Tk + n_chunks - 1) / n_chunks;
+  const int start = chunk * per_chunk, end = min(Tk, start + per_chunk);
+  const auto* krow = k + b * k_strides[0] + kvh * k_strides[1];
+  const auto* vrow = v + b * v_strides[0] + kvh * v_strides[1];
+  const auto* ksc = k_scales + b * k_scales_strides[0] + kvh * k_scales_strides[1];
+  const auto* kbi = k_biases + b * k_biases_strides[0] + kvh * k_biases_strides[1];
+  const auto* vsc = v_scales + b * v_scales_strides[0] + kvh * v_scales_strides[1];
+  const auto* vbi = v_biases + b * v_biases_strides[0] + kvh * v_biases_strides[1];
+  const auto* krec = k_recent + b * k_recent_strides[0] + kvh * k_recent_strides[1];
+  const auto* vrec = v_recent + b * v_recent_strides[0] + kvh * v_recent_strides[1];
+  // Float rows with a contiguous head dim on 16-byte boundaries (every cache's): vector loads.
+  const bool vec = BITS == 0 && k_strides[3] == 1 && v_strides[3] == 1 &&
+      k_strides[2] % VE == 0 && v_strides[2] % VE == 0 &&
+      (reinterpret_cast<uintptr_t>(krow) | reinterpret_cast<uintptr_t>(vrow)) % 16 == 0;
+  const bool rvec = k_recent_strides[3] == 1 && v_recent_strides[3] == 1 &&
+      k_recent_strides[2] % VE == 0 && v_recent_strides[2] % VE == 0 &&
+      (reinterpret_cast<uintptr_t>(krec) | reinterpret_cast<uintptr_t>(vrec)) %
+          (VE * sizeof(T)) == 0;
+  // Elements e0.. of key (or value) row t: packed below Tp, a recent float row from there.
+  // A lane walks its key's elements in order: a staged key's group is ranged (its VE-element
+  // loads, again from L1 after) and rounded at its first element. A staged value row's
+  // groups span GS / VE lanes, which range them together (the value pass, below).
+  Rounding key_group;
+  auto load_key = [&](int t, int e0, float* out) {
+    if (t < Tp) {
+      load_vec<KT, S, BITS, GS, VE>(krow + t * k_strides[2], ksc + t * k_scales_strides[2],
+          kbi + t * k_biases_strides[2], e0, k_strides[3], k_scales_strides[3], vec, out);
+    } else if constexpr (BITS != 0) {
+      const T* row = krec + (t - Tp) * k_recent_strides[2];
+      if (e0 % GS == 0) {
+        float lo = RANGE_LO, hi = RANGE_HI;
+        for (int g = e0; g < e0 + GS; g += VE) {
+          load_vec<T, S, 0, GS, VE>(row, ksc, kbi, g, k_recent_strides[3], 0, rvec, out);
+          widen<VE>(out, lo, hi);
+        }
+        key_group = rounding<S, BITS>(lo, hi);
+      }
+      load_vec<T, S, 0, GS, VE>(row, ksc, kbi, e0, k_recent_strides[3], 0, rvec, out);
+      round_vec<BITS, VE>(key_group, out);
+    }
+  };
+  auto load_value = [&](int t, int e0, float* out) {  // a staged row as it is, unrounded
+    if (t < Tp)
+      load_vec<KT, S, BITS, GS, VE>(vrow + t * v_strides[2], vsc + t * v_scales_strides[2],
+          vbi + t * v_biases_strides[2], e0, v_strides[3], v_scales_strides[3], vec, out);
+    else
+      load_vec<T, S, 0, GS, VE>(vrec + (t - Tp) * v_recent_strides[2], vsc, vbi, e0,
+          v_recent_strides[3], 0, rvec, out);
+  };
+  // This lane's share of the value rows: row u0 + sub of each KPL, elements [ve, ve + VE).
+  const int sub = lane / LPR, ve = (lane % LPR) * VE;
+  for (int t0 = start + warp * 32; t0 < end; t0 += WARPS * 32) {
+    const int t = t0 + lane;  // this lane's key
+    float d[R];
+    for (int r = 0; r < R; ++r) d[r] = 0.f;
+    if (t < end) {
+      for (int e0 = 0; e0 < D; e0 += VE) {
+        float kr[VE];
+        load_key(t, e0, kr);
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < VE; ++j) d[r] += qs[r][e0 + j] * kr[j];
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      bool use = t < end;
+      if (use && mask_kind == 1) use = t <= Tk - L + rl[r];
+      else if (use && mask_kind == 2) use = mask[at4(mask_shape, mask_strides, b, rh[r], rl[r], t)];
+      const float x = use ? d[r] : NEG_INF;
+      const float mn = fmaxf(m[r], warp_max(x));
+      // A row that has attended to nothing yet keeps m = -inf and sums of zero.
+      const float p = mn == NEG_INF ? 0.f : exp2f(x - mn);
+      const float f = mn == NEG_INF ? 1.f : exp2f(m[r] - mn);
+      s[r] = s[r] * f + p;  // this lane's share; summed across the warp at the end
+      for (int j = 0; j < VE; ++j) acc[r][j] *= f;
+      m[r] = mn;
+      ps[warp][r][lane] = p;
+    }
+    __syncwarp();
+    // KPL value rows per warp load, independent of each other: the loads overlap.
+    const int n_keys = min(32, end - t0);
+#pragma unroll
+    for (int u0 = 0; u0 < 32; u0 += KPL) {
+      const int u = u0 + sub, tu = t0 + u;
+      float vr[VE];
+      if (u < n_keys) load_value(tu, ve, vr);
+      if constexpr (BITS != 0) {
+        // Staged rows: each group's range across its GS / VE lanes (lanes of one row, aligned),
+        // by shuffles every lane of the warp takes part in.
+        const bool staged = u < n_keys && tu >= Tp;
+        if (__any_sync(0xffffffffu, staged)) {
+          float lo = RANGE_LO, hi = RANGE_HI;
+          if (staged) widen<VE>(vr, lo, hi);
+          for (int o = 1; o < GS / VE; o <<= 1) {
+            lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+            hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+          }
+          if (staged) round_vec<BITS, VE>(rounding<S, BITS>(lo, hi), vr);
+        }
+      }
+      if (u < n_keys) {
+        for (int r = 0; r < R; ++r) {
+          const float p = ps[warp][r][u];
+          for (int j = 0; j < VE; ++j) acc[r][j] += p * vr[j];
+        }
+      }
+    }
+    __syncwarp();
+  }
+  for (int r = 0; r < R; ++r) {
+    s[r] = warp_sum(s[r]);
+    // The KPL lanes that share elements [ve, ve + VE) add up their rows' sums.
+    for (int o = LPR; o < 32; o <<= 1)
+      for (int j = 0; j < VE; ++j) acc[r][j] += __shfl_xor_sync(0xffffffffu, acc[r][j], o);
+  }
+
+  __shared__ float wm[WARPS][R], ws[WARPS][R], wacc[WARPS][R][D];
+  for (int r = 0; r < R; ++r) {
+    if (lane == 0) { wm[warp][r] = m[r]; ws[warp][r] = s[r]; }
+    if (lane < LPR)
+      for (int j = 0; j < VE; ++j) wacc[warp][r][ve + j] = acc[r][j];
+  }
+  __syncthreads();
+  // Row r's output (sinks folded in) from its maximum, sum and element e's weighted sum.
+  auto write_out = [&](int r, int e, float M, float tot, float a) {
+    if (has_sinks) {
+      const float sk = static_cast<float>(sinks[rh[r]]) * LOG2E;
+      const float M2 = fmaxf(M, sk);
+      const float f = exp2f(M - M2);  // 0 when no key was attended to
+      a *= f; tot = tot * f + exp2f(sk - M2);
+    }
+    out[out_row(r) * D + e] = static_cast<T>(tot > 0.f ? a / tot : 0.f);
+  };
+  for (int i = threadIdx.x; i < R * D; i += blockDim.x) {
+    const int r = i / D, e = i % D;
+    if (tile * R + r >= n_rows) continue;
+    float M = NEG_INF;
+    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, wm[w][r]);
+    float tot = 0.f, a = 0.f;
+    for (int w = 0; w < WARPS; ++w) {
+      if (wm[w][r] == NEG_INF) continue;  // this warp saw no key the row may attend to
+      const float f = exp2f(wm[w][r] - M);
+      tot += ws[w][r] * f;
+      a += wacc[w][r][e] * f;
+    }
+    if (n_chunks == 1) {
+      write_out(r, e, M, tot, a);
+    } else {  // this chunk's share: [row, chunk] holds D weighted sums, the maximum, the sum
+      float* p = part + (out_row(r) * n_chunks + chunk) * (D + 2);
+      p[e] = a;
+      if (e == 0) { p[D] = M; p[D + 1] = tot; }
+    }
+  }
+  if (n_chunks == 1) return;
+  // The last of a block row's chunks to finish merges them all: each thread's shares made
+  // visible to the device, then one ticket per block (``counter``: zeros, one per block row).
+  __threadfence();
+  __syncthreads();
+  __shared__ bool last;
+  if (threadIdx.x == 0)
+    last = atomicAdd(const_cast<uint32_t*>(counter) + blockIdx.y, 1u) == n_chunks - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < R * D; i += blockDim.x) {
+    const int r = i / D, e = i % D;
+    if (tile * R + r >= n_rows) continue;
+    const float* p = part + out_row(r) * n_chunks * (D + 2);
+    float M = NEG_INF;  // other blocks' shares (``load_uncached``)
+    for (int c = 0; c < n_chunks; ++c) M = fmaxf(M, load_uncached(p + c * (D + 2) + D));
+    float tot = 0.f, a = 0.f;
+    for (int c = 0; c < n_chunks; ++c) {
+      const float mc = load_uncached(p + c * (D + 2) + D);
+      if (mc == NEG_INF) continue;
+      const float f = exp2f(mc - M);
+      tot += load_uncached(p + c * (D + 2) + D + 1) * f;
+      a += load_uncached(p + c * (D + 2) + e) * f;
+    }
+    write_out(r, e, M, tot, a);
+  }
+}
+
+}  // namespace mlxc
