@@ -156,7 +156,7 @@ def attention(
     ``chunks``: blocks per (row, head) along the keys (default: by the shapes). Returns
     ``[B, Hq, L, D]`` in the queries' dtype."""
     B, Hq, L, D = queries.shape
-    k_recent = v_recent = _dummy(queries.dtype, ndim=4)
+    k_recent = v_recent = _dummy(queries.dtype, 4)
     n_recent = 0
     if hasattr(keys, "recent"):  # a StagedKV: packed tokens, then the newest still in float
         k_recent, v_recent = keys.recent, values.recent
@@ -177,7 +177,7 @@ def attention(
         mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
     else:
         kind = 1 if mask == "causal" else 0
-        mask = _dummy(mx.bool_, ndim=4)
+        mask = _dummy(mx.bool_, 4)
     sink_arr = _dummy(queries.dtype) if sinks is None else sinks
     flags = _flags(scale, kind, sinks is not None, Hq, L)
     rows_per_kv = Hq // n_kv * L
@@ -217,8 +217,9 @@ def _flags(scale: float, mask_kind: int, sinks: bool, heads: int, queries: int) 
     return mx.array([scale, mask_kind, float(sinks), heads, queries], mx.float32)
 
 
+@functools.cache
 def _template(dtype, key_dtype, scale_dtype, head_dim: int, rows: int, bits: int, group: int):
-    """The main kernel's template arguments: one compiled variant per distinct list."""
+    """The kernel's template arguments: one compiled variant per distinct list."""
     return [
         ("T", dtype),
         ("KT", key_dtype),
