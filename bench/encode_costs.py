@@ -111,6 +111,30 @@ def kinds(mx, nn) -> dict[str, Callable[[int], list]]:
         table["mlxc CUDA attention kernel (4-bit keys, 16 of them staged)"] = each(
             lambda: cuda_attention.attention(q, sk, sv, scale=0.125, mask=None)
         )
+        # The same call with the kernel's code inline in the source MLX assembles and hashes
+        # per call, as before s25 (cuda_attention.cuh's text as the header, not its #include)
+        inline = mx.fast.cuda_kernel(
+            name="mlxc_attention_inline",
+            input_names=cuda_attention._INPUTS,
+            output_names=["out", "part"],
+            source=cuda_attention._SOURCE,
+            header=cuda_attention.KERNEL_FILE.read_text(),
+            ensure_row_contiguous=False,
+        )
+
+        def with_code_inline(n: int) -> list:
+            kernel, cuda_attention._kernel = cuda_attention._kernel, lambda: inline
+            try:
+                return [
+                    cuda_attention.attention(q, sk, sv, scale=0.125, mask=None) for _ in range(n)
+                ]
+            finally:
+                cuda_attention._kernel = kernel
+
+        size = len(cuda_attention.KERNEL_FILE.read_text()) / 1024
+        table[f"mlxc CUDA attention kernel (same, its code inline: {size:.0f} KB)"] = (
+            with_code_inline
+        )
     return table
 
 
