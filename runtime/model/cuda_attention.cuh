@@ -1,9 +1,9 @@
 // mlxc's CUDA attention kernel for a few queries per row (runtime/model/cuda_attention.py says
 // where it runs and why). MLX's mx.fast.cuda_kernel builds each call's kernel from a source
-// string it assembles and hashes on every call; the kernel's source that string holds is one
-// call of ``mlxc::attention`` below, and this file is #included by its absolute path, so a
-// call costs the host a ~1 KB string, not this file. Included after MLX's device header
-// (Shape, Strides, cuda::std::numeric_limits, the half types).
+// string it assembles and hashes on every call; the string holds one call of
+// ``mlxc::attention`` below, and this file is #included by its absolute path, so a call costs
+// the host a ~1.6 KB string (with MLX's parameter list), not this file's text. Included after
+// MLX's device header (Shape, Strides, cuda::std::numeric_limits, the half types).
 #pragma once
 
 namespace mlxc {
@@ -99,8 +99,8 @@ __device__ __forceinline__ long long at4(
 // up their rows' shares once at the end. The warps' sums merge in shared memory. With one
 // chunk the block writes the output, else its partial sums, and the last of a block row's
 // chunks to finish merges them (a ticket counter per block row): one launch a call, not a
-// second kernel for the merge, as a decode step's host cost is per launch (a kernel call here
-// costs ~15 us of graph building and ~10 of encoding: ``bench.encode_costs``).
+// second kernel for the merge, as a small decode step's time is its launches' host cost
+// (``bench.encode_costs``).
 // The queries per row, the mask kind, the sinks and the chunking are run-time values (``flags``:
 // scale, mask kind, sinks, heads, queries): every variant is a JIT compile of a second or more,
 // so only what shapes registers (dtypes, head dim, rows per tile, packing) is a template argument.
