@@ -188,7 +188,7 @@ def test_kernel_matches_mlx(
 
     R = ca._rows(Hq // Hkv * L)
     blocks = B * Hkv * -(-(Hq // Hkv * L) // R)
-    flags = np.array([scale, mask_kind, float(with_sinks), Hq, L], np.float32)
+    flags = np.array([scale, mask_kind, float(with_sinks)], np.float32)
     inputs = [
         q, k, v, k_scales, k_biases, v_scales, v_biases, k_recent, v_recent, mask, sinks, flags,
         np.zeros(blocks, np.uint32),  # the chunks' tickets

@@ -102,7 +102,7 @@ __device__ __forceinline__ long long at4(
 // second kernel for the merge, as a small decode step's time is its launches' host cost
 // (``bench.encode_costs``).
 // The queries per row, the mask kind, the sinks and the chunking are run-time values (``flags``:
-// scale, mask kind, sinks, heads, queries): every variant is a JIT compile of a second or more,
+// scale, mask kind, sinks): every variant is a JIT compile of a second or more,
 // so only what shapes registers (dtypes, head dim, rows per tile, packing) is a template argument.
 template <typename T, typename KT, typename S, int D, int R, int BITS, int GS, int WARPS,
     typename SK>

@@ -179,7 +179,7 @@ def attention(
         kind = 1 if mask == "causal" else 0
         mask = _dummy(mx.bool_, 4)
     sink_arr = _dummy(queries.dtype) if sinks is None else sinks
-    flags = _flags(scale, kind, sinks is not None, Hq, L)
+    flags = _flags(scale, kind, sinks is not None)
     rows_per_kv = Hq // n_kv * L
     R = _rows(rows_per_kv)
     blocks = B * n_kv * math.ceil(rows_per_kv / R)
@@ -212,9 +212,9 @@ def _dummy(dtype: mx.Dtype, ndim: int = 1) -> mx.array:
 
 
 @functools.lru_cache(maxsize=256)
-def _flags(scale: float, mask_kind: int, sinks: bool, heads: int, queries: int) -> mx.array:
-    """The kernels' run-time values, one small array per attention configuration."""
-    return mx.array([scale, mask_kind, float(sinks), heads, queries], mx.float32)
+def _flags(scale: float, mask_kind: int, sinks: bool) -> mx.array:
+    """The kernel's run-time values, one small array per attention configuration."""
+    return mx.array([scale, mask_kind, float(sinks)], mx.float32)
 
 
 @functools.cache
@@ -250,11 +250,8 @@ def _warm(dtype: mx.Dtype, head_dim: int, rows: int, quant) -> None:
     # One KV head of ``rows`` query heads, one query each: a block of exactly ``rows`` rows.
     q = mx.zeros((1, rows, 1, head_dim), dtype)
     k = mx.zeros((1, 1, 128, head_dim), dtype)
-    outs = []
-    for keys in (k, None if quant is None else quant.quantize(k)):
-        if keys is not None:
-            outs.append(attention(q, keys, keys, scale=1.0, mask=None, chunks=2))
-    mx.eval(outs)
+    kinds = [k] if quant is None else [k, quant.quantize(k)]  # float keys, and packed ones
+    mx.eval([attention(q, keys, keys, scale=1.0, mask=None, chunks=2) for keys in kinds])
 
 
 def _attention_shapes(model) -> set[tuple[int, int, int]]:
