@@ -11,6 +11,9 @@ median of ``--repeats``):
   (``runtime.model.cuda_attention``), which every 4-bit step takes: the kernel's cost alone;
 * ``kv4``: the 4-bit cache (on CUDA its newest tokens staged in float and quantised 32 at a
   time, ``cache.StagingMixin``);
+* ``kv4, one chunk`` (CUDA only): the 4-bit cache with the kernel's keys in one chunk a block
+  (no partial sums to merge, so no tickets to zero each call): whether, at batch one, the host
+  work a chunked call adds costs more than the parallel chunks save on the device;
 * ``kv4, unstaged`` (CUDA only): the 4-bit cache quantising each token on arrival, as it does
   off CUDA (and did everywhere before staging): what staging saves;
 * ``kv4, no quantise``: the 4-bit cache, with each new token's packed parts taken from
@@ -69,10 +72,11 @@ def main(argv: list[str] | None = None) -> None:
     ids = prompt(args.prompt, model.args.vocab_size, 1)
     quant = kv.KVQuant(4, 64)
     cuda_attention.warm(model, (1,), quant)
-    real_quantize, real_applies, real_staging = (
+    real_quantize, real_applies, real_staging, real_chunks = (
         kv.KVQuant.quantize,
         cuda_attention.applies,
         kv.staging,
+        cuda_attention._chunks,
     )
 
     @functools.cache
@@ -97,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
             "float": variants["float"],
             "float, mlxc kernel": (None, {"k": 1}),
             "kv4": variants["kv4"],
+            "kv4, one chunk": (quant, {"c": 1}),
             "kv4, unstaged": (quant, {"u": 1}),
             "kv4, no quantise": (quant, {"q": 1, "u": 1}),
             "kv4, dequantised": (quant, {"d": 1, "u": 1}),
@@ -108,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
         cuda_attention.applies = (
             through_kernel if "k" in options else float_only if "d" in options else real_applies
         )
+        cuda_attention._chunks = (lambda blocks, key_rounds: 1) if "c" in options else real_chunks
+        cuda_attention._launch.cache_clear()  # launches planned under the other _chunks
 
     def own_loop(kv_quant) -> float:
         times = []

@@ -13,6 +13,7 @@ float32 (or dequantised) inputs; float32 summation order differs, hence 1e-4.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -203,4 +204,73 @@ def test_kernel_matches_mlx(
         sinks=None if sinks is None else mx.array(sinks), stream=mx.cpu,
     )  # fmt: skip
     err = np.abs(got.reshape(B, Hq, L, D) - np.array(want)).max()
+    assert err < TOL, f"max error {err}"
+
+
+def _emulated_kernel(tmp: Path):
+    """A stand-in for MLX's ``cuda_kernel`` call that runs the emulated kernel on the arrays,
+    template and launch ``cuda_attention.attention`` hands it (float32 only)."""
+
+    def call(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        t = dict(template)
+        assert t["T"] == mx.float32 and t["WARPS"] == ca.WARPS
+        assert threadgroup == (ca.WARPS * 32, 1, 1) and output_dtypes[0] == mx.float32
+        arrays = {n: np.array(a) for n, a in zip(ca._INPUTS, inputs, strict=True)}
+        kt = "uint32_t" if t["BITS"] else "float"
+        chunks, blocks = grid[0] // threadgroup[0], grid[1]
+        if chunks > 1:  # the tickets the merge counts on start at zero, one a block row
+            assert arrays["counter"].shape == (blocks,) and not arrays["counter"].any()
+            assert output_shapes[1] == (math.prod(output_shapes[0][:3]), chunks, t["D"] + 2)
+        rows = math.prod(output_shapes[0][:3])
+        got = _run(tmp, arrays, kt, t["D"], t["R"], t["BITS"], t["GS"], chunks, (rows, blocks))
+        return mx.array(got.reshape(output_shapes[0])), None
+
+    return call
+
+
+@pytest.mark.parametrize(
+    "B, Hq, Hkv, L, T, D, bits, mask_kind, with_sinks, recent",
+    [
+        (2, 8, 2, 1, 300, 64, 0, "ragged", False, 0),  # a decode batch: chunks merged
+        (1, 4, 4, 4, 200, 64, 0, "causal array", False, 0),  # an [L, T] mask, raised to 4-d
+        (1, 8, 2, 1, 270, 64, 4, "none", False, 9),  # one stream on a staged 4-bit cache
+        (2, 4, 2, 3, 150, 128, 8, "causal", True, 0),  # a verification on 8-bit keys, sinks
+    ],
+)
+def test_attention_call_matches_mlx(
+    tmp_path, monkeypatch, B, Hq, Hkv, L, T, D, bits, mask_kind, with_sinks, recent
+):
+    """``attention`` itself, its launch included (rows per block, chunks, tickets, the mask's
+    rank, the flags), run by the emulator in place of MLX's kernel call."""
+    from mlxc.runtime.model.cache import KVQuant, StagedKV
+
+    monkeypatch.setattr(ca, "_kernel", lambda: _emulated_kernel(tmp_path))
+    rng = np.random.default_rng(T + L)
+    q, k, v = (
+        mx.array(rng.standard_normal(shape, np.float32))
+        for shape in [(B, Hq, L, D), (B, Hkv, T, D), (B, Hkv, T, D)]
+    )
+    keys, values, k_ref, v_ref = k, v, k, v
+    if bits:
+        quant = KVQuant(bits, 64)
+        packed = T - recent
+        keys, values = (quant.quantize(x[:, :, :packed]) for x in (k, v))
+        if recent:
+            keys, values = StagedKV(keys, k[:, :, packed:]), StagedKV(values, v[:, :, packed:])
+        k_ref, v_ref = keys.dequantize(), values.dequantize()
+    column, query = np.arange(T)[None, :], np.arange(L)[:, None]
+    mask, oracle_mask = mask_kind if mask_kind == "causal" else None, mask_kind
+    if mask_kind == "ragged":
+        pad = rng.integers(0, T // 3, B)[:, None, None, None]
+        mask = oracle_mask = mx.array((column[None, None] >= pad) & (column <= T - L + query))
+    elif mask_kind == "causal array":
+        mask = oracle_mask = mx.array(column <= T - L + query)
+    elif mask_kind == "none":
+        oracle_mask = None
+    sinks = mx.array(rng.standard_normal(Hq).astype(np.float32)) if with_sinks else None
+    got = ca.attention(q, keys, values, scale=D**-0.5, mask=mask, sinks=sinks)
+    want = mx.fast.scaled_dot_product_attention(
+        q, k_ref, v_ref, scale=D**-0.5, mask=oracle_mask, sinks=sinks, stream=mx.cpu
+    )
+    err = mx.abs(got - want).max().item()
     assert err < TOL, f"max error {err}"

@@ -131,12 +131,13 @@ def _rows(rows_per_kv_head: int) -> int:
     return 1 << (min(rows_per_kv_head, MAX_ROWS) - 1).bit_length()
 
 
-def _chunks(blocks: int, n_keys: int) -> int:
+def _chunks(blocks: int, key_rounds: int) -> int:
     """Chunks of keys per block of rows: about 512 blocks in all (about four per SM of an H200;
     more chunks than that cost their partial sums and the merge more than they hide: 64 rows
     of 512-1,024 keys ran 20-25% faster as one chunk than as four, one row fastest at 5-16),
-    no fewer keys per block than its warps take in one round (WARPS x 32)."""
-    return max(1, min(math.ceil(512 / blocks), math.ceil(n_keys / (WARPS * 32))))
+    no fewer keys per block than its warps take in one round (``key_rounds``: the keys over
+    WARPS x 32)."""
+    return max(1, min(math.ceil(512 / blocks), key_rounds))
 
 
 def attention(
@@ -154,55 +155,69 @@ def attention(
     ``StagedKV`` (packed, then recent tokens in the queries' dtype: ``cache.StagingMixin``); ``mask``:
     None, ``"causal"`` (queries last) or a boolean array broadcastable to ``[B, Hq, L, T]``.
     ``chunks``: blocks per (row, head) along the keys (default: by the shapes). Returns
-    ``[B, Hq, L, D]`` in the queries' dtype."""
+    ``[B, Hq, L, D]`` in the queries' dtype.
+
+    Called by every attention layer of a step on a host-bound device, so it does as little
+    Python as it can: what follows from the shapes comes from ``_launch``, cached."""
     B, Hq, L, D = queries.shape
-    k_recent = v_recent = _dummy(queries.dtype, 4)
+    dtype = queries.dtype
+    k_recent = v_recent = _dummy(dtype, 4)
     n_recent = 0
     if hasattr(keys, "recent"):  # a StagedKV: packed tokens, then the newest still in float
         k_recent, v_recent = keys.recent, values.recent
         keys, values, n_recent = keys.packed, values.packed, k_recent.shape[2]
-    quantized = not isinstance(keys, mx.array)
-    if quantized:
+    if isinstance(keys, mx.array):
+        k, v = keys, values
+        k_scales = k_biases = v_scales = v_biases = _dummy(dtype)
+        bits, group, scale_dtype = 0, 1, dtype
+    else:
         k, k_scales, k_biases = keys.parts
         v, v_scales, v_biases = values.parts
         bits, group = keys.quant.bits, keys.quant.group_size
         scale_dtype = k_scales.dtype
-    else:
-        k, v = keys, values
-        k_scales = k_biases = v_scales = v_biases = _dummy(queries.dtype)
-        bits, group, scale_dtype = 0, 1, queries.dtype
-    n_kv, n_keys = k.shape[1], k.shape[2] + n_recent
+    _, n_kv, n_packed, _ = k.shape
     if isinstance(mask, mx.array):
         kind = 2
-        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        if mask.ndim < 4:
+            mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
     else:
         kind = 1 if mask == "causal" else 0
         mask = _dummy(mx.bool_, 4)
-    sink_arr = _dummy(queries.dtype) if sinks is None else sinks
-    flags = _flags(scale, kind, sinks is not None)
-    rows_per_kv = Hq // n_kv * L
-    R = _rows(rows_per_kv)
-    blocks = B * n_kv * math.ceil(rows_per_kv / R)
-    n_chunks = chunks or _chunks(blocks, n_keys)
-    rows = B * Hq * L
-    template = _template(queries.dtype, k.dtype, scale_dtype, D, R, bits, group)
+    key_rounds = -(-(n_packed + n_recent) // (WARPS * 32))
+    tickets, launch = _launch(
+        B, Hq, L, D, n_kv, key_rounds, dtype, k.dtype, scale_dtype, bits, group, chunks
+    )
     # With one chunk a block writes its rows' output; with more, each its chunk's share
     # (``part``), and the last of a block row's chunks to finish merges them (``counter``:
-    # its tickets).
-    if n_chunks == 1:
-        part, counter = (1,), _dummy(mx.uint32)
-    else:
-        part, counter = (rows, n_chunks, D + 2), mx.zeros((blocks,), mx.uint32)
+    # its tickets, zeroed per call).
+    counter = mx.zeros((tickets,), mx.uint32) if tickets else _dummy(mx.uint32)
+    sink_arr = _dummy(dtype) if sinks is None else sinks
+    flags = _flags(scale, kind, sinks is not None)
     out, _ = _kernel()(
         inputs=[queries, k, v, k_scales, k_biases, v_scales, v_biases]
         + [k_recent, v_recent, mask, sink_arr, flags, counter],
-        template=template,
-        grid=(n_chunks * WARPS * 32, blocks, 1),
-        threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(B, Hq, L, D), part],
-        output_dtypes=[queries.dtype, mx.float32],
+        **launch,
     )
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch(B, Hq, L, D, n_kv, key_rounds, dtype, key_dtype, scale_dtype, bits, group, chunks):
+    """A call's launch from its shapes: the tickets its chunks need (0 for one chunk) and the
+    kernel call's keyword arguments (template, grid, block, outputs)."""
+    rows_per_kv = Hq // n_kv * L
+    R = _rows(rows_per_kv)
+    blocks = B * n_kv * math.ceil(rows_per_kv / R)
+    n_chunks = chunks or _chunks(blocks, key_rounds)
+    part = (1,) if n_chunks == 1 else (B * Hq * L, n_chunks, D + 2)
+    launch = {
+        "template": _template(dtype, key_dtype, scale_dtype, D, R, bits, group),
+        "grid": (n_chunks * WARPS * 32, blocks, 1),
+        "threadgroup": (WARPS * 32, 1, 1),
+        "output_shapes": [(B, Hq, L, D), part],
+        "output_dtypes": [dtype, mx.float32],
+    }
+    return (blocks if n_chunks > 1 else 0), launch
 
 
 @functools.cache
