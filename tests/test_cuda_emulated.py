@@ -118,6 +118,7 @@ CASES = [
     # B, Hq, Hkv, L, T, D, bits, group, mask kind, sinks, chunks, strided head dim, recent
     (1, 8, 2, 1, 300, 64, 0, 1, "ragged", False, 3, False, 0),  # a decode batch row, GQA 4
     (2, 4, 4, 1, 70, 128, 0, 1, "ragged", False, 1, False, 0),  # one block per row, no merge
+    (1, 4, 1, 1, 600, 64, 0, 1, "ragged", False, 40, False, 0),  # many chunks, masked ones
     (2, 8, 2, 3, 200, 64, 0, 1, "causal", False, 2, False, 0),  # a verification, 12 rows a head
     (2, 8, 2, 4, 90, 64, 0, 1, "ragged", False, 2, False, 0),  # per-query rows of a tailed batch
     (1, 8, 2, 1, 150, 64, 0, 1, "ragged", True, 2, True, 0),  # sinks, element-wise loads
@@ -205,6 +206,15 @@ def test_kernel_matches_mlx(
     )  # fmt: skip
     err = np.abs(got.reshape(B, Hq, L, D) - np.array(want)).max()
     assert err < TOL, f"max error {err}"
+
+
+def test_the_chunk_limit_is_the_kernels():
+    """The merge holds MAX_CHUNKS chunks' sums in shared memory: Python plans no more."""
+    source = ca.KERNEL_FILE.read_text()
+    assert f"constexpr int MAX_CHUNKS = {ca.MAX_CHUNKS};" in source
+    assert ca._chunks(1, 10_000) == ca.MAX_CHUNKS
+    with pytest.raises(ValueError, match="chunks"):
+        ca._launch(1, 8, 1, 64, 2, 4, mx.float32, mx.float32, mx.float32, 0, 1, ca.MAX_CHUNKS + 1)
 
 
 def _emulated_kernel(tmp: Path):

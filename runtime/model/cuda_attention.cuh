@@ -7,6 +7,10 @@
 #pragma once
 
 namespace mlxc {
+// The most chunks a row's keys split into (``cuda_attention.MAX_CHUNKS``): the merge keeps
+// each chunk's maximum and sum of a tile's rows in shared memory.
+constexpr int MAX_CHUNKS = 64;
+
 __device__ __forceinline__ float warp_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
@@ -76,10 +80,6 @@ __device__ __forceinline__ void round_vec(const Rounding& r, float* x) {
     const uint8_t q = fminf(roundf((x[j] - r.bias) / r.scale), n_bins);
     x[j] = r.stored_scale * static_cast<float>(q) + r.stored_bias;
   }
-}
-// A value another block of this launch wrote: a volatile load, from L2, not this SM's L1.
-__device__ __forceinline__ float load_uncached(const float* p) {
-  return *reinterpret_cast<const volatile float*>(p);
 }
 // A 4-d index with broadcasting: a dimension of size 1 has stride 0.
 __device__ __forceinline__ long long at4(
@@ -323,19 +323,31 @@ __device__ __forceinline__ void attention(
   __syncthreads();
   if (!last) return;
   __threadfence();
+  // The merge reads what other blocks wrote, from L2 (``__ldcg``: this SM's L1 may hold none
+  // of it, but nothing stale either), in independent loads: first every chunk's maximum and
+  // sum of the tile's rows into shared memory, one round of loads for the block, then each
+  // (row, element) its chunks' weighted sums, loads that need not wait on one another.
+  __shared__ float cm[R][MAX_CHUNKS], cs[R][MAX_CHUNKS];
+  for (int i = threadIdx.x; i < R * n_chunks; i += blockDim.x) {
+    const int r = i / n_chunks, c = i % n_chunks;
+    const float* p = part + (out_row(r) * n_chunks + c) * (D + 2);
+    cm[r][c] = __ldcg(p + D);
+    cs[r][c] = __ldcg(p + D + 1);
+  }
+  __syncthreads();
   for (int i = threadIdx.x; i < R * D; i += blockDim.x) {
     const int r = i / D, e = i % D;
     if (tile * R + r >= n_rows) continue;
-    const float* p = part + out_row(r) * n_chunks * (D + 2);
-    float M = NEG_INF;  // other blocks' shares (``load_uncached``)
-    for (int c = 0; c < n_chunks; ++c) M = fmaxf(M, load_uncached(p + c * (D + 2) + D));
+    const float* p = part + out_row(r) * n_chunks * (D + 2) + e;
+    float M = NEG_INF;
+    for (int c = 0; c < n_chunks; ++c) M = fmaxf(M, cm[r][c]);
     float tot = 0.f, a = 0.f;
+#pragma unroll 4
     for (int c = 0; c < n_chunks; ++c) {
-      const float mc = load_uncached(p + c * (D + 2) + D);
-      if (mc == NEG_INF) continue;
-      const float f = exp2f(mc - M);
-      tot += load_uncached(p + c * (D + 2) + D + 1) * f;
-      a += load_uncached(p + c * (D + 2) + e) * f;
+      // A chunk that saw no key the row may attend to holds m = -inf and zero sums.
+      const float f = cm[r][c] == NEG_INF ? 0.f : exp2f(cm[r][c] - M);
+      tot += cs[r][c] * f;
+      a += __ldcg(p + c * (D + 2)) * f;
     }
     write_out(r, e, M, tot, a);
   }

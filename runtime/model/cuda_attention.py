@@ -131,13 +131,18 @@ def _rows(rows_per_kv_head: int) -> int:
     return 1 << (min(rows_per_kv_head, MAX_ROWS) - 1).bit_length()
 
 
+# The most chunks a row's keys split into (``MAX_CHUNKS`` in ``cuda_attention.cuh``, whose
+# merge holds each chunk's maximum and sum in shared memory).
+MAX_CHUNKS = 64
+
+
 def _chunks(blocks: int, key_rounds: int) -> int:
     """Chunks of keys per block of rows: about 512 blocks in all (about four per SM of an H200;
     more chunks than that cost their partial sums and the merge more than they hide: 64 rows
     of 512-1,024 keys ran 20-25% faster as one chunk than as four, one row fastest at 5-16),
     no fewer keys per block than its warps take in one round (``key_rounds``: the keys over
-    WARPS x 32)."""
-    return max(1, min(math.ceil(512 / blocks), key_rounds))
+    WARPS x 32), at most MAX_CHUNKS."""
+    return max(1, min(math.ceil(512 / blocks), key_rounds, MAX_CHUNKS))
 
 
 def attention(
@@ -205,6 +210,8 @@ def attention(
 def _launch(B, Hq, L, D, n_kv, key_rounds, dtype, key_dtype, scale_dtype, bits, group, chunks):
     """A call's launch from its shapes: the tickets its chunks need (0 for one chunk) and the
     kernel call's keyword arguments (template, grid, block, outputs)."""
+    if chunks is not None and not 1 <= chunks <= MAX_CHUNKS:
+        raise ValueError(f"chunks must be 1 to {MAX_CHUNKS}, not {chunks}")
     rows_per_kv = Hq // n_kv * L
     R = _rows(rows_per_kv)
     blocks = B * n_kv * math.ceil(rows_per_kv / R)
