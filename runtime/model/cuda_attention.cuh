@@ -81,6 +81,12 @@ __device__ __forceinline__ void round_vec(const Rounding& r, float* x) {
     x[j] = r.stored_scale * static_cast<float>(q) + r.stored_bias;
   }
 }
+// A value another block of this launch wrote: a volatile load, from L2, not this SM's L1, and
+// one the compiler keeps after the fence that orders it (an asm load such as CUDA's ldcg
+// declares no memory access, so it could move above that fence).
+__device__ __forceinline__ float load_uncached(const float* p) {
+  return *reinterpret_cast<const volatile float*>(p);
+}
 // A 4-d index with broadcasting: a dimension of size 1 has stride 0.
 __device__ __forceinline__ long long at4(
     const mlx::core::cu::Shape& shape, const mlx::core::cu::Strides& strides, int a, int b, int c, int d) {
@@ -323,16 +329,17 @@ __device__ __forceinline__ void attention(
   __syncthreads();
   if (!last) return;
   __threadfence();
-  // The merge reads what other blocks wrote, from L2 (``__ldcg``: this SM's L1 may hold none
-  // of it, but nothing stale either), in independent loads: first every chunk's maximum and
-  // sum of the tile's rows into shared memory, one round of loads for the block, then each
-  // (row, element) its chunks' weighted sums, loads that need not wait on one another.
+  // The merge reads what other blocks wrote (``load_uncached``) in loads independent of one
+  // another, so they overlap: first every chunk's maximum and sum of the tile's rows into
+  // shared memory, one round of loads for the block, then each (row, element) its chunks'
+  // weighted sums. (Chains of such loads, each waiting on the one before, were the likeliest
+  // cause of a chunked call's ~30 us fixed device time on an H100: ``docs/performance.md``.)
   __shared__ float cm[R][MAX_CHUNKS], cs[R][MAX_CHUNKS];
   for (int i = threadIdx.x; i < R * n_chunks; i += blockDim.x) {
     const int r = i / n_chunks, c = i % n_chunks;
     const float* p = part + (out_row(r) * n_chunks + c) * (D + 2);
-    cm[r][c] = __ldcg(p + D);
-    cs[r][c] = __ldcg(p + D + 1);
+    cm[r][c] = load_uncached(p + D);
+    cs[r][c] = load_uncached(p + D + 1);
   }
   __syncthreads();
   for (int i = threadIdx.x; i < R * D; i += blockDim.x) {
@@ -347,7 +354,7 @@ __device__ __forceinline__ void attention(
       // A chunk that saw no key the row may attend to holds m = -inf and zero sums.
       const float f = cm[r][c] == NEG_INF ? 0.f : exp2f(cm[r][c] - M);
       tot += cs[r][c] * f;
-      a += __ldcg(p + c * (D + 2)) * f;
+      a += load_uncached(p + c * (D + 2)) * f;
     }
     write_out(r, e, M, tot, a);
   }

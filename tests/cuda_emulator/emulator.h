@@ -54,7 +54,6 @@ inline bool __any_sync(unsigned, bool p) {
 inline float exp2f(float x) { return std::exp2(x); }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return std::exchange(*p, *p + v); }
 inline void __threadfence() {}
-inline float __ldcg(const float* p) { return *p; }  // a load that skips L1: one memory here
 using std::max;
 using std::min;
 namespace cuda { namespace std { using ::std::numeric_limits; } }
