@@ -113,12 +113,13 @@ def kinds(mx, nn) -> dict[str, Callable[[int], list]]:
         )
         # The same call with the kernel's code inline in the source MLX assembles and hashes
         # per call, as before s25 (cuda_attention.cuh's text as the header, not its #include)
+        code = cuda_attention.KERNEL_FILE.read_text()
         inline = mx.fast.cuda_kernel(
             name="mlxc_attention_inline",
             input_names=cuda_attention._INPUTS,
             output_names=["out", "part"],
             source=cuda_attention._SOURCE,
-            header=cuda_attention.KERNEL_FILE.read_text(),
+            header=code,
             ensure_row_contiguous=False,
         )
 
@@ -131,8 +132,7 @@ def kinds(mx, nn) -> dict[str, Callable[[int], list]]:
             finally:
                 cuda_attention._kernel = kernel
 
-        size = len(cuda_attention.KERNEL_FILE.read_text()) / 1024
-        table[f"mlxc CUDA attention kernel (same, its code inline: {size:.0f} KB)"] = (
+        table[f"mlxc CUDA attention kernel (same, its code inline: {len(code) / 1024:.0f} KB)"] = (
             with_code_inline
         )
     return table

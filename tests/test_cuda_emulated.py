@@ -228,10 +228,10 @@ def _emulated_kernel(tmp: Path):
         arrays = {n: np.array(a) for n, a in zip(ca._INPUTS, inputs, strict=True)}
         kt = "uint32_t" if t["BITS"] else "float"
         chunks, blocks = grid[0] // threadgroup[0], grid[1]
+        rows = math.prod(output_shapes[0][:3])
         if chunks > 1:  # the tickets the merge counts on start at zero, one a block row
             assert arrays["counter"].shape == (blocks,) and not arrays["counter"].any()
-            assert output_shapes[1] == (math.prod(output_shapes[0][:3]), chunks, t["D"] + 2)
-        rows = math.prod(output_shapes[0][:3])
+            assert output_shapes[1] == (rows, chunks, t["D"] + 2)
         got = _run(tmp, arrays, kt, t["D"], t["R"], t["BITS"], t["GS"], chunks, (rows, blocks))
         return mx.array(got.reshape(output_shapes[0])), None
 
@@ -269,18 +269,18 @@ def test_attention_call_matches_mlx(
             keys, values = StagedKV(keys, k[:, :, packed:]), StagedKV(values, v[:, :, packed:])
         k_ref, v_ref = keys.dequantize(), values.dequantize()
     column, query = np.arange(T)[None, :], np.arange(L)[:, None]
-    mask, oracle_mask = mask_kind if mask_kind == "causal" else None, mask_kind
+    mask = None
     if mask_kind == "ragged":
         pad = rng.integers(0, T // 3, B)[:, None, None, None]
-        mask = oracle_mask = mx.array((column[None, None] >= pad) & (column <= T - L + query))
+        mask = mx.array((column[None, None] >= pad) & (column <= T - L + query))
     elif mask_kind == "causal array":
-        mask = oracle_mask = mx.array(column <= T - L + query)
-    elif mask_kind == "none":
-        oracle_mask = None
+        mask = mx.array(column <= T - L + query)
+    elif mask_kind == "causal":
+        mask = "causal"
     sinks = mx.array(rng.standard_normal(Hq).astype(np.float32)) if with_sinks else None
     got = ca.attention(q, keys, values, scale=D**-0.5, mask=mask, sinks=sinks)
     want = mx.fast.scaled_dot_product_attention(
-        q, k_ref, v_ref, scale=D**-0.5, mask=oracle_mask, sinks=sinks, stream=mx.cpu
+        q, k_ref, v_ref, scale=D**-0.5, mask=mask, sinks=sinks, stream=mx.cpu
     )
     err = mx.abs(got - want).max().item()
     assert err < TOL, f"max error {err}"

@@ -8,8 +8,9 @@ and libcu++ headers the kernel includes). Here the source is laid out as MLX 0.3
 ``mx.fast.cuda_kernel`` lays it out (its default header, then ``cuda_attention.cuh`` #included
 by its absolute path, one parameter per input plus its shape and strides where the source
 names them, the template arguments as constants at the top of the function, the body inside
-``mlx::core::cu``) and compiled for the H100/H200's sm_90a with MLX's options. MLX's own device header is not shipped outside its CUDA wheel; a stand-in
-declares the two types the kernel takes from it (``Shape``, ``Strides``, as MLX defines them).
+``mlx::core::cu``) and compiled for the H100/H200's sm_90a with MLX's options. MLX's own device
+header is not shipped outside its CUDA wheel; a stand-in declares the two types the kernel
+takes from it (``Shape``, ``Strides``, as MLX defines them).
 """
 
 from __future__ import annotations
