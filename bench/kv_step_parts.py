@@ -12,8 +12,8 @@ median of ``--repeats``):
 * ``kv4``: the 4-bit cache (on CUDA its newest tokens staged in float and quantised 32 at a
   time, ``cache.StagingMixin``);
 * ``kv4, one chunk`` (CUDA only): the 4-bit cache with the kernel's keys in one chunk a block
-  (no partial sums to merge, so no tickets to zero each call): whether, at batch one, the host
-  work a chunked call adds costs more than the parallel chunks save on the device;
+  (no partial sums to merge): whether, at batch one, the work a chunked call adds costs more
+  than the parallel chunks save on the device;
 * ``kv4, unstaged`` (CUDA only): the 4-bit cache quantising each token on arrival, as it does
   off CUDA (and did everywhere before staging): what staging saves;
 * ``kv4, no quantise``: the 4-bit cache, with each new token's packed parts taken from

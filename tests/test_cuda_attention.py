@@ -80,6 +80,21 @@ def test_ragged_decode(B, Hq, Hkv, T, D):
 
 
 @cuda_only
+def test_independent_calls_in_one_graph():
+    """Calls of one shape whose data do not depend on each other, evaluated together: MLX may
+    run such kernels at once, and each chunked call counts on tickets the one before left
+    zeroed (``attention``), which also orders them. Then again, on the tickets left over."""
+    B, Hq, Hkv, T, D = 3, 8, 2, 1000, 64
+    cases = [_inputs(B, Hq, Hkv, 1, T, D, seed=s) for s in range(6)]
+    mask = _ragged_valid(B, T, 1, seed=5)
+    for _ in range(2):
+        outs = [cuda_attention.attention(q, k, v, scale=0.125, mask=mask) for q, k, v in cases]
+        mx.eval(outs)
+        for out, (q, k, v) in zip(outs, cases, strict=True):
+            _check(out, _oracle(q, k, v, 0.125, mask))
+
+
+@cuda_only
 @pytest.mark.parametrize("L", [2, 3, 9, 16])
 @pytest.mark.parametrize("T", [20, 700])
 def test_verify_causal(L, T):

@@ -104,7 +104,7 @@ __device__ __forceinline__ long long at4(
 // row: independent loads in flight, not one dependent 4-byte load per row), its lanes adding
 // up their rows' shares once at the end. The warps' sums merge in shared memory. With one
 // chunk the block writes the output, else its partial sums, and the last of a block row's
-// chunks to finish merges them (a ticket counter per block row): one launch a call, not a
+// chunks to finish merges them (a ticket per block row): one launch a call, not a
 // second kernel for the merge, as a small decode step's time is its launches' host cost
 // (``bench.encode_costs``).
 // The queries per row, the mask kind, the sinks and the chunking are run-time values (``flags``:
@@ -125,7 +125,8 @@ __device__ __forceinline__ void attention(
     const T* v_recent, const mlx::core::cu::Strides& v_recent_strides,
     const bool* mask, const mlx::core::cu::Shape& mask_shape,
     const mlx::core::cu::Strides& mask_strides,
-    const SK* sinks, const float* flags, const uint32_t* counter, T* out, float* part) {
+    const SK* sinks, const float* flags, const uint32_t* tickets,
+    const mlx::core::cu::Shape& tickets_shape, T* out, float* part, uint32_t* next_tickets) {
   // A load takes VE elements of a row (16 bytes of floats, one word of packed values). For
   // the values, LPR lanes cover a row's D elements and a warp loads KPL rows at once.
   constexpr int VE = BITS == 0 ? 16 / sizeof(KT) : 32 / BITS;
@@ -319,13 +320,17 @@ __device__ __forceinline__ void attention(
     }
   }
   if (n_chunks == 1) return;
+  // The next chunked call's tickets, zeroed (``next_tickets``, a buffer apart from the ones
+  // this launch counts on), shared out among the blocks of chunk 0.
+  if (chunk == 0 && threadIdx.x == 0)
+    for (int i = blockIdx.y; i < tickets_shape[0]; i += gridDim.y) next_tickets[i] = 0u;
   // The last of a block row's chunks to finish merges them all: each thread's shares made
-  // visible to the device, then one ticket per block (``counter``: zeros, one per block row).
+  // visible to the device, then one ticket per block (``tickets``: zeros, one per block row).
   __threadfence();
   __syncthreads();
   __shared__ bool last;
   if (threadIdx.x == 0)
-    last = atomicAdd(const_cast<uint32_t*>(counter) + blockIdx.y, 1u) == n_chunks - 1;
+    last = atomicAdd(const_cast<uint32_t*>(tickets) + blockIdx.y, 1u) == n_chunks - 1;
   __syncthreads();
   if (!last) return;
   __threadfence();

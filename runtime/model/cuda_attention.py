@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -70,13 +71,14 @@ _SOURCE = """
       k_strides, v, v_strides, k_scales, k_scales_strides, k_biases, k_biases_strides,
       v_scales, v_scales_strides, v_biases, v_biases_strides, k_recent, k_recent_shape,
       k_recent_strides, v_recent, v_recent_strides, mask, mask_shape, mask_strides, sinks,
-      flags, counter, out, part);
+      flags, tickets, tickets_shape, out, part, next_tickets);
 """
 
 _INPUTS = [
     "q", "k", "v", "k_scales", "k_biases", "v_scales", "v_biases", "k_recent", "v_recent",
-    "mask", "sinks", "flags", "counter",
+    "mask", "sinks", "flags", "tickets",
 ]  # fmt: skip
+_OUTPUTS = ["out", "part", "next_tickets"]
 
 
 @functools.cache
@@ -84,7 +86,7 @@ def _kernel():
     return mx.fast.cuda_kernel(
         name="mlxc_attention",
         input_names=_INPUTS,
-        output_names=["out", "part"],
+        output_names=_OUTPUTS,
         source=_SOURCE,
         header=_HEADER,
         ensure_row_contiguous=False,
@@ -192,39 +194,53 @@ def attention(
     tickets, launch = _launch(
         B, Hq, L, D, n_kv, key_rounds, dtype, k.dtype, scale_dtype, bits, group, chunks
     )
-    # With one chunk a block writes its rows' output; with more, each its chunk's share
-    # (``part``), and the last of a block row's chunks to finish merges them (``counter``:
-    # its tickets, zeroed per call).
-    counter = mx.zeros((tickets,), mx.uint32) if tickets else _dummy(mx.uint32)
     sink_arr = _dummy(dtype) if sinks is None else sinks
     flags = _flags(scale, kind, sinks is not None)
-    out, _ = _kernel()(
-        inputs=[queries, k, v, k_scales, k_biases, v_scales, v_biases]
-        + [k_recent, v_recent, mask, sink_arr, flags, counter],
-        **launch,
-    )
+    inputs = [queries, k, v, k_scales, k_biases, v_scales, v_biases]
+    inputs += [k_recent, v_recent, mask, sink_arr, flags]
+    if not tickets:  # one chunk: a block writes its rows' output
+        return _kernel()(inputs=[*inputs, _dummy(mx.uint32)], **launch)[0]
+    # More: each block its chunk's share (``part``), and the last of a block row's chunks to
+    # finish merges them, counted by tickets the previous call of this size left zeroed.
+    with _TICKETS_LOCK:  # two calls on one set of tickets, unordered, would miscount both
+        zeroed = _ZEROED_TICKETS.pop(tickets, None)
+        if zeroed is None:
+            zeroed = mx.zeros((tickets,), mx.uint32)
+        out, _, _ZEROED_TICKETS[tickets] = _kernel()(inputs=[*inputs, zeroed], **launch)
     return out
+
+
+# Zeroed tickets for the next chunked call, by size: each call zeroes the next call's as its
+# kernel runs (``next_tickets``), not with a kernel of its own (a zeros array a call: that
+# extra graph node cost ~0.1 of a decode step's time on an H200, s27). Being the next call's
+# input, they also order the calls that count on them, which MLX would otherwise run in
+# parallel where their data does not depend on each other. (So ``attention`` is not for
+# inside ``mx.compile``: a traced call would leave a placeholder here.)
+_ZEROED_TICKETS: dict[int, mx.array] = {}
+_TICKETS_LOCK = threading.Lock()
 
 
 @functools.lru_cache(maxsize=1024)
 def _launch(B, Hq, L, D, n_kv, key_rounds, dtype, key_dtype, scale_dtype, bits, group, chunks):
-    """A call's launch from its shapes: the tickets its chunks need (0 for one chunk) and the
-    kernel call's keyword arguments (template, grid, block, outputs)."""
+    """A call's launch from its shapes: the tickets its chunks need (0 for one chunk; else
+    one a block row, as a power of two, so that few sizes are kept) and the kernel call's
+    keyword arguments (template, grid, block, outputs)."""
     if chunks is not None and not 1 <= chunks <= MAX_CHUNKS:
         raise ValueError(f"chunks must be 1 to {MAX_CHUNKS}, not {chunks}")
     rows_per_kv = Hq // n_kv * L
     R = _rows(rows_per_kv)
     blocks = B * n_kv * math.ceil(rows_per_kv / R)
     n_chunks = chunks or _chunks(blocks, key_rounds)
+    tickets = 0 if n_chunks == 1 else 1 << (blocks - 1).bit_length()
     part = (1,) if n_chunks == 1 else (B * Hq * L, n_chunks, D + 2)
     launch = {
         "template": _template(dtype, key_dtype, scale_dtype, D, R, bits, group),
         "grid": (n_chunks * WARPS * 32, blocks, 1),
         "threadgroup": (WARPS * 32, 1, 1),
-        "output_shapes": [(B, Hq, L, D), part],
-        "output_dtypes": [dtype, mx.float32],
+        "output_shapes": [(B, Hq, L, D), part, (max(tickets, 1),)],
+        "output_dtypes": [dtype, mx.float32, mx.uint32],
     }
-    return (blocks if n_chunks > 1 else 0), launch
+    return tickets, launch
 
 
 @functools.cache
