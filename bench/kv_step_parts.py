@@ -9,8 +9,12 @@ median of ``--repeats``):
 * ``float``: the float cache, as ``mlxc generate`` runs it (MLX's own one-query attention);
 * ``float, mlxc kernel`` (CUDA only): the float cache, but attention through mlxc's kernel
   (``runtime.model.cuda_attention``), which every 4-bit step takes: the kernel's cost alone;
+* ``float, mlxc kernel, fresh tickets`` (CUDA only): as the one before, each chunked call's
+  tickets zeroed by a kernel of their own (an ``mx.zeros``, as before s27), not left zeroed by
+  the call before: what that extra kernel a call costs;
 * ``kv4``: the 4-bit cache (on CUDA its newest tokens staged in float and quantised 32 at a
   time, ``cache.StagingMixin``);
+* ``kv4, fresh tickets`` (CUDA only): the same, for the 4-bit cache;
 * ``kv4, one chunk`` (CUDA only): the 4-bit cache with the kernel's keys in one chunk a block
   (no partial sums to merge): whether, at batch one, the work a chunked call adds costs more
   than the parallel chunks save on the device;
@@ -72,12 +76,22 @@ def main(argv: list[str] | None = None) -> None:
     ids = prompt(args.prompt, model.args.vocab_size, 1)
     quant = kv.KVQuant(4, 64)
     cuda_attention.warm(model, (1,), quant)
-    real_quantize, real_applies, real_staging, real_chunks = (
+    real_quantize, real_applies, real_staging, real_chunks, real_tickets = (
         kv.KVQuant.quantize,
         cuda_attention.applies,
         kv.staging,
         cuda_attention._chunks,
+        cuda_attention._ZEROED_TICKETS,
     )
+
+    class FreshTickets(dict):
+        """Keeps no call's zeroed tickets: each chunked call zeroes its own."""
+
+        def pop(self, key, default=None):
+            return default
+
+        def __setitem__(self, key, value):
+            pass
 
     @functools.cache
     def zero_parts(shape, dtype, bits, group):
@@ -100,7 +114,9 @@ def main(argv: list[str] | None = None) -> None:
         variants = {
             "float": variants["float"],
             "float, mlxc kernel": (None, {"k": 1}),
+            "float, mlxc kernel, fresh tickets": (None, {"k": 1, "z": 1}),
             "kv4": variants["kv4"],
+            "kv4, fresh tickets": (quant, {"z": 1}),
             "kv4, one chunk": (quant, {"c": 1}),
             "kv4, unstaged": (quant, {"u": 1}),
             "kv4, no quantise": (quant, {"q": 1, "u": 1}),
@@ -114,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
             through_kernel if "k" in options else float_only if "d" in options else real_applies
         )
         cuda_attention._chunks = (lambda blocks, key_rounds: 1) if "c" in options else real_chunks
+        cuda_attention._ZEROED_TICKETS = FreshTickets() if "z" in options else real_tickets
         cuda_attention._launch.cache_clear()  # launches planned under the other _chunks
 
     def own_loop(kv_quant) -> float:
