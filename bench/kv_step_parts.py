@@ -10,8 +10,8 @@ median of ``--repeats``):
 * ``float, mlxc kernel`` (CUDA only): the float cache, but attention through mlxc's kernel
   (``runtime.model.cuda_attention``), which every 4-bit step takes: the kernel's cost alone;
 * ``float, mlxc kernel, fresh tickets`` (CUDA only): as the one before, each chunked call's
-  tickets zeroed by a kernel of their own (an ``mx.zeros``, as before s27), not left zeroed by
-  the call before: what that extra kernel a call costs;
+  tickets zeroed by a kernel of their own (an ``mx.zeros``, as before s27), not sliced from
+  zeros shared by many calls (``cuda_attention.Tickets``): what that extra kernel a call costs;
 * ``kv4``: the 4-bit cache (on CUDA its newest tokens staged in float and quantised 32 at a
   time, ``cache.StagingMixin``);
 * ``kv4, fresh tickets`` (CUDA only): the same, for the 4-bit cache;
@@ -81,17 +81,14 @@ def main(argv: list[str] | None = None) -> None:
         cuda_attention.applies,
         kv.staging,
         cuda_attention._chunks,
-        cuda_attention._ZEROED_TICKETS,
+        cuda_attention.TICKETS,
     )
 
-    class FreshTickets(dict):
-        """Keeps no call's zeroed tickets: each chunked call zeroes its own."""
+    class FreshTickets:
+        """Each chunked call's tickets zeroed by a kernel of their own."""
 
-        def pop(self, key, default=None):
-            return default
-
-        def __setitem__(self, key, value):
-            pass
+        def take(self, n):
+            return mx.zeros((n,), mx.uint32)
 
     @functools.cache
     def zero_parts(shape, dtype, bits, group):
@@ -130,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
             through_kernel if "k" in options else float_only if "d" in options else real_applies
         )
         cuda_attention._chunks = (lambda blocks, key_rounds: 1) if "c" in options else real_chunks
-        cuda_attention._ZEROED_TICKETS = FreshTickets() if "z" in options else real_tickets
+        cuda_attention.TICKETS = FreshTickets() if "z" in options else real_tickets
         cuda_attention._launch.cache_clear()  # launches planned under the other _chunks
 
     def own_loop(kv_quant) -> float:

@@ -82,8 +82,9 @@ def test_ragged_decode(B, Hq, Hkv, T, D):
 @cuda_only
 def test_independent_calls_in_one_graph():
     """Calls of one shape whose data do not depend on each other, evaluated together: MLX may
-    run such kernels at once, and each chunked call counts on tickets the one before left
-    zeroed (``attention``), which also orders them. Then again, on the tickets left over."""
+    run such kernels at once, so each chunked call counts on tickets of its own, sliced from
+    zeros shared with others (``Tickets``). Twice: the second round's slices follow the
+    first's."""
     B, Hq, Hkv, T, D = 3, 8, 2, 1000, 64
     cases = [_inputs(B, Hq, Hkv, 1, T, D, seed=s) for s in range(6)]
     mask = _ragged_valid(B, T, 1, seed=5)

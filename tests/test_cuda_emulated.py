@@ -58,7 +58,7 @@ def _case_source(files: dict, kt: str, D: int, R: int, bits: int, group: int, ch
     lines = [
         f'#include "{HERE / "emulator.h"}"',
         ca._HEADER,
-        f"void attention({params}, float* out, float* part, uint32_t* next_tickets) {{",
+        f"void attention({params}, float* out, float* part) {{",
         constants,
         ca._SOURCE,
         "}",
@@ -77,18 +77,13 @@ def _case_source(files: dict, kt: str, D: int, R: int, bits: int, group: int, ch
         )
         args.append(f"{n}_buf.data() + {offset}, {n}_shape, {n}_strides")
     rows, blocks = grid
-    n_tickets = files["tickets"][2][0]
     lines += [
         f"std::vector<float> out({rows * D}), part({rows * chunks * (D + 2)});",
-        f"std::vector<uint32_t> next_tickets({n_tickets}, 0xffffffffu);  // not yet zeroed",
         (
             f"launch({{{chunks}, {blocks}, 1}}, {ca.WARPS * 32}, [&] {{ attention("
-            f"{', '.join(args)}, out.data(), part.data(), next_tickets.data()); }});"
+            f"{', '.join(args)}, out.data(), part.data()); }});"
         ),
-        *(
-            f"std::ofstream({path}, std::ios::binary).write((char*){v}.data(), {v}.size() * 4);"
-            for path, v in (("OUT", "out"), ("TICKETS", "next_tickets"))
-        ),
+        "std::ofstream(OUT, std::ios::binary).write((char*)out.data(), out.size() * 4);",
         "}",
     ]
     return "\n".join(lines)
@@ -97,8 +92,7 @@ def _case_source(files: dict, kt: str, D: int, R: int, bits: int, group: int, ch
 def _run(
     tmp: Path, arrays: dict, kt: str, D: int, R: int, bits: int, group: int, chunks: int, grid
 ):
-    """Compile and run one case; ``arrays``: name -> numpy array (views keep their strides).
-    Returns the output, flat, and the tickets the kernel leaves for the next call."""
+    """Compile and run one case; ``arrays``: name -> numpy array (views keep their strides)."""
     files = {}
     for n, a in arrays.items():
         base = a if a.base is None else a.base
@@ -110,17 +104,14 @@ def _run(
         ctype = {"k": kt, "v": kt, "mask": "bool", "tickets": "uint32_t"}.get(n, "float")
         strides = [s // a.itemsize for s in a.strides]
         files[n] = (tmp / f"{n}.bin", offset, list(a.shape), strides, ctype)
-    src, exe = tmp / "case.cpp", tmp / "case"
-    out, tickets = tmp / "out.bin", tmp / "tickets.bin"
-    source = _case_source(files, kt, D, R, bits, group, chunks, grid)
-    if not (exe.exists() and src.read_text() == source):  # a case run again: built already
-        src.write_text(source)
-        build = [CXX, "-std=c++20", "-O1", "-w", "-pthread", f'-DOUT="{out}"']
-        build += [f'-DTICKETS="{tickets}"', str(src), "-o", str(exe)]
-        done = subprocess.run(build, check=False, capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-4000:]
+    src = tmp / "case.cpp"
+    src.write_text(_case_source(files, kt, D, R, bits, group, chunks, grid))
+    exe, out = tmp / "case", tmp / "out.bin"
+    build = [CXX, "-std=c++20", "-O1", "-w", "-pthread", f'-DOUT="{out}"', str(src), "-o", str(exe)]
+    done = subprocess.run(build, check=False, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
     subprocess.run([str(exe)], check=True, timeout=120)
-    return np.fromfile(out, np.float32), np.fromfile(tickets, np.uint32)
+    return np.fromfile(out, np.float32)
 
 
 CASES = [
@@ -202,13 +193,11 @@ def test_kernel_matches_mlx(
     flags = np.array([scale, mask_kind, float(with_sinks)], np.float32)
     inputs = [
         q, k, v, k_scales, k_biases, v_scales, v_biases, k_recent, v_recent, mask, sinks, flags,
-        np.zeros(blocks + 3, np.uint32),  # the chunks' tickets (more than the block rows)
+        np.zeros(blocks, np.uint32),  # the chunks' tickets
     ]  # fmt: skip
     arrays = dict(zip(ca._INPUTS, [none if a is None else a for a in inputs], strict=True))
     kt = "uint32_t" if bits else "float"
-    got, next_tickets = _run(tmp_path, arrays, kt, D, R, bits, group, chunks, (B * Hq * L, blocks))
-    if chunks > 1:  # the next call's tickets, every one, zeroed
-        assert next_tickets.shape == (blocks + 3,) and not next_tickets.any()
+    got = _run(tmp_path, arrays, kt, D, R, bits, group, chunks, (B * Hq * L, blocks))
 
     want = mx.fast.scaled_dot_product_attention(
         mx.array(q), mx.array(k_ref), mx.array(v_ref), scale=scale,
@@ -228,10 +217,26 @@ def test_the_chunk_limit_is_the_kernels():
         ca._launch(1, 8, 1, 64, 2, 4, mx.float32, mx.float32, mx.float32, 0, 1, ca.MAX_CHUNKS + 1)
 
 
-def _emulated_kernel(tmp: Path, calls: list):
+def test_each_call_takes_tickets_of_its_own(monkeypatch):
+    """Chunked calls count on zeroed tickets: each takes a slice of a zeros array no other
+    call was given (MLX may run two calls at once), and a new array when it runs out."""
+    monkeypatch.setattr(ca.Tickets, "SIZE", 8)
+    tickets = ca.Tickets()
+    first = tickets.take(3)
+    zeros = tickets._zeros
+    second = tickets.take(5)  # fills the array: [0, 3) and [3, 8)
+    assert tickets._zeros is zeros and tickets._used == 8
+    third = tickets.take(2)  # no room left: a new array
+    assert tickets._zeros is not zeros and tickets._used == 2
+    big = tickets.take(20)  # more than SIZE: an array of its own size
+    assert tickets._zeros.shape == (20,) and tickets._used == 20
+    for t, n in ((first, 3), (second, 5), (third, 2), (big, 20)):
+        assert t.shape == (n,) and t.dtype == mx.uint32 and not t.any().item()
+
+
+def _emulated_kernel(tmp: Path):
     """A stand-in for MLX's ``cuda_kernel`` call that runs the emulated kernel on the arrays,
-    template and launch ``cuda_attention.attention`` hands it (float32 only); each chunked
-    call's tickets in and out go into ``calls``."""
+    template and launch ``cuda_attention.attention`` hands it (float32 only)."""
 
     def call(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
         t = dict(template)
@@ -241,18 +246,11 @@ def _emulated_kernel(tmp: Path, calls: list):
         kt = "uint32_t" if t["BITS"] else "float"
         chunks, blocks = grid[0] // threadgroup[0], grid[1]
         rows = math.prod(output_shapes[0][:3])
-        if chunks > 1:  # the tickets the merge counts on: zeros, at least one a block row
-            tickets = arrays["tickets"]
-            assert tickets.shape == output_shapes[2] and blocks <= len(tickets) < 2 * blocks
-            assert not tickets.any()
+        if chunks > 1:  # the tickets the merge counts on start at zero, one a block row
+            assert arrays["tickets"].shape == (blocks,) and not arrays["tickets"].any()
             assert output_shapes[1] == (rows, chunks, t["D"] + 2)
-        got, next_tickets = _run(
-            tmp, arrays, kt, t["D"], t["R"], t["BITS"], t["GS"], chunks, (rows, blocks)
-        )
-        next_tickets = mx.array(next_tickets)
-        if chunks > 1:
-            calls.append((inputs[-1], next_tickets))
-        return mx.array(got.reshape(output_shapes[0])), None, next_tickets
+        got = _run(tmp, arrays, kt, t["D"], t["R"], t["BITS"], t["GS"], chunks, (rows, blocks))
+        return mx.array(got.reshape(output_shapes[0])), None
 
     return call
 
@@ -270,13 +268,10 @@ def test_attention_call_matches_mlx(
     tmp_path, monkeypatch, B, Hq, Hkv, L, T, D, bits, mask_kind, with_sinks, recent
 ):
     """``attention`` itself, its launch included (rows per block, chunks, tickets, the mask's
-    rank, the flags), run by the emulator in place of MLX's kernel call; twice, the second
-    call counting on the tickets the first left zeroed."""
+    rank, the flags), run by the emulator in place of MLX's kernel call."""
     from mlxc.runtime.model.cache import KVQuant, StagedKV
 
-    calls = []
-    monkeypatch.setattr(ca, "_kernel", lambda: _emulated_kernel(tmp_path, calls))
-    monkeypatch.setattr(ca, "_ZEROED_TICKETS", {})
+    monkeypatch.setattr(ca, "_kernel", lambda: _emulated_kernel(tmp_path))
     rng = np.random.default_rng(T + L)
     q, k, v = (
         mx.array(rng.standard_normal(shape, np.float32))
@@ -300,12 +295,9 @@ def test_attention_call_matches_mlx(
     elif mask_kind == "causal":
         mask = "causal"
     sinks = mx.array(rng.standard_normal(Hq).astype(np.float32)) if with_sinks else None
+    got = ca.attention(q, keys, values, scale=D**-0.5, mask=mask, sinks=sinks)
     want = mx.fast.scaled_dot_product_attention(
         q, k_ref, v_ref, scale=D**-0.5, mask=mask, sinks=sinks, stream=mx.cpu
     )
-    for _ in range(2):
-        got = ca.attention(q, keys, values, scale=D**-0.5, mask=mask, sinks=sinks)
-        err = mx.abs(got - want).max().item()
-        assert err < TOL, f"max error {err}"
-    (_, first_left), (second_took, _) = calls  # every case here splits its keys
-    assert second_took is first_left
+    err = mx.abs(got - want).max().item()
+    assert err < TOL, f"max error {err}"

@@ -125,8 +125,7 @@ __device__ __forceinline__ void attention(
     const T* v_recent, const mlx::core::cu::Strides& v_recent_strides,
     const bool* mask, const mlx::core::cu::Shape& mask_shape,
     const mlx::core::cu::Strides& mask_strides,
-    const SK* sinks, const float* flags, const uint32_t* tickets,
-    const mlx::core::cu::Shape& tickets_shape, T* out, float* part, uint32_t* next_tickets) {
+    const SK* sinks, const float* flags, const uint32_t* tickets, T* out, float* part) {
   // A load takes VE elements of a row (16 bytes of floats, one word of packed values). For
   // the values, LPR lanes cover a row's D elements and a warp loads KPL rows at once.
   constexpr int VE = BITS == 0 ? 16 / sizeof(KT) : 32 / BITS;
@@ -320,12 +319,9 @@ __device__ __forceinline__ void attention(
     }
   }
   if (n_chunks == 1) return;
-  // The next chunked call's tickets, zeroed (``next_tickets``, a buffer apart from the ones
-  // this launch counts on), shared out among the blocks of chunk 0.
-  if (chunk == 0 && threadIdx.x == 0)
-    for (int i = blockIdx.y; i < tickets_shape[0]; i += gridDim.y) next_tickets[i] = 0u;
   // The last of a block row's chunks to finish merges them all: each thread's shares made
-  // visible to the device, then one ticket per block (``tickets``: zeros, one per block row).
+  // visible to the device, then one ticket per block (``tickets``: zeros, one per block row,
+  // this launch's own).
   __threadfence();
   __syncthreads();
   __shared__ bool last;

@@ -71,14 +71,14 @@ _SOURCE = """
       k_strides, v, v_strides, k_scales, k_scales_strides, k_biases, k_biases_strides,
       v_scales, v_scales_strides, v_biases, v_biases_strides, k_recent, k_recent_shape,
       k_recent_strides, v_recent, v_recent_strides, mask, mask_shape, mask_strides, sinks,
-      flags, tickets, tickets_shape, out, part, next_tickets);
+      flags, tickets, out, part);
 """
 
 _INPUTS = [
     "q", "k", "v", "k_scales", "k_biases", "v_scales", "v_biases", "k_recent", "v_recent",
     "mask", "sinks", "flags", "tickets",
 ]  # fmt: skip
-_OUTPUTS = ["out", "part", "next_tickets"]
+_OUTPUTS = ["out", "part"]
 
 
 @functools.cache
@@ -191,56 +191,72 @@ def attention(
         kind = 1 if mask == "causal" else 0
         mask = _dummy(mx.bool_, 4)
     key_rounds = -(-(n_packed + n_recent) // (WARPS * 32))
-    tickets, launch = _launch(
+    n_tickets, launch = _launch(
         B, Hq, L, D, n_kv, key_rounds, dtype, k.dtype, scale_dtype, bits, group, chunks
     )
     sink_arr = _dummy(dtype) if sinks is None else sinks
     flags = _flags(scale, kind, sinks is not None)
-    inputs = [queries, k, v, k_scales, k_biases, v_scales, v_biases]
-    inputs += [k_recent, v_recent, mask, sink_arr, flags]
-    if not tickets:  # one chunk: a block writes its rows' output
-        return _kernel()(inputs=[*inputs, _dummy(mx.uint32)], **launch)[0]
-    # More: each block its chunk's share (``part``), and the last of a block row's chunks to
-    # finish merges them, counted by tickets the previous call of this size left zeroed.
-    with _TICKETS_LOCK:  # two calls on one set of tickets, unordered, would miscount both
-        zeroed = _ZEROED_TICKETS.pop(tickets, None)
-        if zeroed is None:
-            zeroed = mx.zeros((tickets,), mx.uint32)
-        out, _, _ZEROED_TICKETS[tickets] = _kernel()(inputs=[*inputs, zeroed], **launch)
+    # With one chunk a block writes its rows' output; with more, each its chunk's share
+    # (``part``), and the last of a block row's chunks to finish merges them, counting on
+    # zeroed tickets of the call's own.
+    tickets = TICKETS.take(n_tickets) if n_tickets else _dummy(mx.uint32)
+    out, _ = _kernel()(
+        inputs=[queries, k, v, k_scales, k_biases, v_scales, v_biases]
+        + [k_recent, v_recent, mask, sink_arr, flags, tickets],
+        **launch,
+    )
     return out
 
 
-# Zeroed tickets for the next chunked call, by size: each call zeroes the next call's as its
-# kernel runs (``next_tickets``), not with a kernel of its own (a zeros array a call: that
-# extra graph node cost ~0.1 of a decode step's time on an H200, s27). Being the next call's
-# input, they also order the calls that count on them, which MLX would otherwise run in
-# parallel where their data does not depend on each other. (So ``attention`` is not for
-# inside ``mx.compile``: a traced call would leave a placeholder here.)
-_ZEROED_TICKETS: dict[int, mx.array] = {}
-_TICKETS_LOCK = threading.Lock()
+class Tickets:
+    """Zeroed tickets for chunked calls, each call its own slice of a shared zeros array,
+    zeroed once for many calls: a zeros array a call was a kernel a call, whose graph node,
+    encoding and launch cost a decode step on an H200 ~0.1 of its time (s27). Slices, never
+    handed out twice: MLX runs kernels whose data do not depend on each other at once, and
+    two launches counting on the same tickets would miscount both. No call's tickets depend
+    on another call (as tickets one call left zeroed for the next would), so a forward that
+    fails takes no other with it."""
+
+    SIZE = 1 << 16  # tickets a zeros array holds: ~8 decode steps of 64 rows, 8 KV heads
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # two threads must not take the same slice
+        self._zeros: mx.array | None = None
+        self._size = self._used = 0
+
+    def take(self, n: int) -> mx.array:
+        """``n`` zeroed tickets no other call has."""
+        with self._lock:
+            if self._used + n > self._size:
+                self._size, self._used = max(self.SIZE, n), 0
+                self._zeros = mx.zeros((self._size,), mx.uint32)
+            start = self._used
+            self._used += n
+            return self._zeros[start : self._used]
+
+
+TICKETS = Tickets()
 
 
 @functools.lru_cache(maxsize=1024)
 def _launch(B, Hq, L, D, n_kv, key_rounds, dtype, key_dtype, scale_dtype, bits, group, chunks):
-    """A call's launch from its shapes: the tickets its chunks need (0 for one chunk; else
-    one a block row, as a power of two, so that few sizes are kept) and the kernel call's
-    keyword arguments (template, grid, block, outputs)."""
+    """A call's launch from its shapes: the tickets its chunks need (0 for one chunk) and the
+    kernel call's keyword arguments (template, grid, block, outputs)."""
     if chunks is not None and not 1 <= chunks <= MAX_CHUNKS:
         raise ValueError(f"chunks must be 1 to {MAX_CHUNKS}, not {chunks}")
     rows_per_kv = Hq // n_kv * L
     R = _rows(rows_per_kv)
     blocks = B * n_kv * math.ceil(rows_per_kv / R)
     n_chunks = chunks or _chunks(blocks, key_rounds)
-    tickets = 0 if n_chunks == 1 else 1 << (blocks - 1).bit_length()
     part = (1,) if n_chunks == 1 else (B * Hq * L, n_chunks, D + 2)
     launch = {
         "template": _template(dtype, key_dtype, scale_dtype, D, R, bits, group),
         "grid": (n_chunks * WARPS * 32, blocks, 1),
         "threadgroup": (WARPS * 32, 1, 1),
-        "output_shapes": [(B, Hq, L, D), part, (max(tickets, 1),)],
-        "output_dtypes": [dtype, mx.float32, mx.uint32],
+        "output_shapes": [(B, Hq, L, D), part],
+        "output_dtypes": [dtype, mx.float32],
     }
-    return tickets, launch
+    return (blocks if n_chunks > 1 else 0), launch
 
 
 @functools.cache
