@@ -217,7 +217,7 @@ class Tickets:
     on another call (as tickets one call left zeroed for the next would), so a forward that
     fails takes no other with it."""
 
-    SIZE = 1 << 16  # tickets a zeros array holds: ~8 decode steps of 64 rows, 8 KV heads
+    SIZE = 1 << 16  # a zeros array: ~8 decode steps of 64 rows, 8 KV heads, 16 layers
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # two threads must not take the same slice
