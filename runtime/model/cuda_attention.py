@@ -212,7 +212,7 @@ class Tickets:
     """Zeroed tickets for chunked calls, each call its own slice of a shared zeros array,
     zeroed once for many calls: a zeros array a call was a kernel a call, whose graph node,
     encoding and launch cost a decode step on an H200 ~0.1 of its time (s27). Slices, never
-    handed out twice: MLX runs kernels whose data do not depend on each other at once, and
+    handed out twice: MLX may run kernels whose data do not depend on each other at once, and
     two launches counting on the same tickets would miscount both. No call's tickets depend
     on another call (as tickets one call left zeroed for the next would), so a forward that
     fails takes no other with it."""
