@@ -5,9 +5,9 @@ logits in one launched pair of processes (``tp_worker.py``): launch costs are pa
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,33 +20,11 @@ import checkpoints as ckpt
 import test_server
 from test_server import Server, free_port
 
+from bench.tp_compare import free_ports
 from mlxc.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
-
-
-def free_ports(n: int) -> int:
-    """A port p with p .. p + n - 1 free on loopback (the ring backend takes one per rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + n > 65535:
-            continue
-        try:
-            socks = []
-            for p in range(port, port + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return port
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
 
 
 def launch(*command: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -242,3 +220,25 @@ def test_lockstep_fails_a_request_it_cannot_hand_to_the_other_ranks():
     assert lockstep.cancelled == {"req-2"}
     assert len(events) == 1 and isinstance(events[0], Failed)
     assert lockstep.admit(lambda: None, []) is None and lockstep.cancelled == set()
+
+
+def test_tp_compare_reports_sharded_logits_and_speed(tmp_path):
+    """``bench.tp_compare`` on the CPU: a one-process run and a two-rank run of one checkpoint,
+    the sharded logits within float32 rounding of the unsharded ones, and both runs timed."""
+    if not LAUNCH.exists():
+        pytest.skip(f"mlx.launch is not installed next to {sys.executable}")
+    from bench import tp_compare
+
+    out = tmp_path / "tp"
+    tp_compare.main(
+        ["--device", "cpu", "--size", "small", "--archs", "llama", "--prefill", "24"]
+        + ["--decode-tokens", "4", "--logits-prompt", "12", "--repeats", "1"]
+        + ["--work-dir", str(tmp_path), "--out", str(out)]
+    )
+    row = json.loads(out.with_suffix(".json").read_text())["rows"]["llama"]
+    assert row["dtype"] == "float32" and row["bf16_floor"] is None
+    assert 0 < row["logits_diff"] <= tp_compare.FLOAT32_TOL and row["logits_ok"]
+    cell = row["levels"]["24"]
+    assert cell["1"]["decode_tps"] > 0 and cell["2"]["decode_tps"] > 0
+    assert cell["2"]["peak_bytes"] < cell["1"]["peak_bytes"]  # a rank holds a share
+    assert "| llama | float32 | 24 |" in out.with_suffix(".md").read_text()
