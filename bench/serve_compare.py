@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -124,15 +125,22 @@ def _compiled(before: int | None, after: int | None) -> int | None:
     return None if before is None or after is None else after - before
 
 
-def measure(name: str, command: list[str], port: int, args, log_dir: Path, cwd: str) -> dict:
+def measure(
+    name: str, command: list[str], port: int, args, log_dir: Path, cwd: str, cpu: bool = True
+) -> dict:
     """Start one server, load it at every level, stop it; the serve_load report.
 
-    ``cwd``: away from a source checkout, whose ``mlxc/`` would shadow the installed package."""
+    ``cwd``: away from a source checkout, whose ``mlxc/`` would shadow the installed package.
+    ``cpu``: report the server process's CPU time by thread (not for ``mlx.launch``, whose own
+    process is the launcher). The server runs in a session of its own, so that stopping it
+    reaches every process it started (a launcher's ranks)."""
     url = f"http://127.0.0.1:{port}"
     log = log_dir / f"{Path(args.out).name}.{name}.log"
     print(f"[{name}] {' '.join(command)}  (log: {log})", file=sys.stderr, flush=True)
     with open(log, "wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
+        proc = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True
+        )
     try:
         _wait_ready(url, proc, args.startup_timeout)
         levels = []
@@ -156,11 +164,12 @@ def measure(name: str, command: list[str], port: int, args, log_dir: Path, cwd: 
             warm = argparse.Namespace(**{**vars(load_args), "requests": streams})
             modules = ptx_modules()
             serve_load.run_level(target, None, streams, warm, first_id=streams * 100_000 + 50_000)
-            before, cpu_before, warmed = counters(url), thread_cpu(proc.pid), ptx_modules()
+            cpu_before = thread_cpu(proc.pid) if cpu else None
+            before, warmed = counters(url), ptx_modules()
             measured = max(8, args.requests_per_stream * streams)
             level_args = argparse.Namespace(**{**vars(load_args), "requests": measured})
             level = serve_load.run_level(target, None, streams, level_args)
-            after, cpu_after = counters(url), thread_cpu(proc.pid)
+            after, cpu_after = counters(url), thread_cpu(proc.pid) if cpu else None
             level["ptx_compiled"] = {
                 "warm_wave": _compiled(modules, warmed),
                 "level": _compiled(warmed, ptx_modules()),
@@ -181,11 +190,34 @@ def measure(name: str, command: list[str], port: int, args, log_dir: Path, cwd: 
             levels.append(level)
         return {"label": name, "command": command, "levels": levels}
     finally:
-        proc.terminate()
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def mlxc_command(model: str, args) -> list[str]:
+    """``mlxc serve`` on ``model`` as the run starts it: under ``mlx.launch`` with
+    ``--mlxc-ranks`` above one (tensor parallelism: every rank runs every forward, rank 0
+    binds HTTP)."""
+    serve = [sys.executable, "-m", "mlxc.cli", "serve", "--model", model]
+    serve += ["--port", str(args.port), "--max-concurrency", str(max(args.levels))]
+    serve += shlex.split(args.mlxc_args)
+    if args.mlxc_ranks == 1:
+        return serve
+    from bench.tp_compare import free_ports
+
+    launch = [str(Path(sys.executable).with_name("mlx.launch")), "-n", str(args.mlxc_ranks)]
+    launch += ["--backend", _backend(args)]
+    if _backend(args) == "ring":  # this machine's loopback: a free port a rank
+        launch += ["-p", str(free_ports(args.mlxc_ranks))]
+    return [*launch, "--", *serve]
+
+
+def _backend(args) -> str:
+    return args.mlxc_backend or ("nccl" if args.gpu else "ring")
 
 
 def measure_ceiling(model: str, args) -> dict[str, dict[int, float]]:
@@ -223,6 +255,13 @@ def markdown(report: dict) -> str:
                 f" mlxc serve ran with `{report['mlxc_args']}`; the scheduler, the ceiling and "
                 "mlx_lm.server without."
                 if report.get("mlxc_args")
+                else ""
+            )
+            + (
+                f" mlxc serve ran sharded over {report['mlxc_ranks']} ranks (`mlx.launch`, "
+                f"backend {report['mlxc_backend']}); the scheduler, the ceiling and mlx_lm.server "
+                "in one process."
+                if report.get("mlxc_ranks", 1) > 1
                 else ""
             )
         ),
@@ -400,6 +439,15 @@ def main(argv: list[str] | None = None) -> int:
         help="more flags for mlxc serve, e.g. '--kv-bits 4' (mlx_lm.server and the ceiling run "
         "without them)",
     )
+    p.add_argument(
+        "--mlxc-ranks",
+        type=int,
+        default=1,
+        help="run mlxc serve under mlx.launch -n N (tensor parallelism; rank 0 serves HTTP)",
+    )
+    p.add_argument(
+        "--mlxc-backend", default=None, help="mlx.launch's backend: nccl with --gpu, else ring"
+    )
     p.add_argument("--gpu", action="store_true", help="record the run as a GPU run")
     p.add_argument("--out", required=True, help="write OUT.json and OUT.md")
     args = p.parse_args(argv)
@@ -417,13 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         log_dir.mkdir(parents=True, exist_ok=True)
         py = sys.executable
         ours = measure(
-            "mlxc",
-            [py, "-m", "mlxc.cli", "serve", "--model", model, "--port", str(args.port)]
-            + ["--max-concurrency", str(max(args.levels)), *shlex.split(args.mlxc_args)],
-            args.port,
-            args,
-            log_dir,
-            tmp,
+            "mlxc", mlxc_command(model, args), args.port, args, log_dir, tmp, args.mlxc_ranks == 1
         )
         peer = measure(
             "mlx-lm",
@@ -450,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_words": args.prompt_words,
         "requests_per_stream": args.requests_per_stream,
         "mlxc_args": args.mlxc_args,
+        "mlxc_ranks": args.mlxc_ranks,
+        "mlxc_backend": _backend(args),
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
         "mlxc": ours,
         "mlx-lm": peer,

@@ -4,12 +4,14 @@ logits in one launched pair of processes (``tp_worker.py``): launch costs are pa
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -242,3 +244,35 @@ def test_tp_compare_reports_sharded_logits_and_speed(tmp_path):
     assert cell["1"]["decode_tps"] > 0 and cell["2"]["decode_tps"] > 0
     assert cell["2"]["peak_bytes"] < cell["1"]["peak_bytes"]  # a rank holds a share
     assert "| llama | float32 | 24 |" in out.with_suffix(".md").read_text()
+
+
+def test_serve_compare_measures_a_server_on_two_ranks(qwen3_checkpoint, tmp_path):
+    """``bench.serve_compare --mlxc-ranks 2``'s server: ``mlx.launch`` starts both ranks, one
+    level of streams is served and counted by rank 0's metrics, and stopping it ends the
+    launcher and its ranks."""
+    if not LAUNCH.exists():
+        pytest.skip(f"mlx.launch is not installed next to {sys.executable}")
+    from bench import serve_compare
+
+    args = argparse.Namespace(
+        port=free_port(), levels=[2], mlxc_args="", mlxc_ranks=2, mlxc_backend=None, gpu=False,
+        out=str(tmp_path / "serve"), startup_timeout=120, max_tokens=6, max_tokens_spread=0,
+        prompt_words=8, duration=60, timeout=60, requests_per_stream=2,
+    )  # fmt: skip
+    command = serve_compare.mlxc_command(str(qwen3_checkpoint), args)
+    assert command[0] == str(LAUNCH) and command[1:5] == ["-n", "2", "--backend", "ring"]
+    report = serve_compare.measure("mlxc", command, args.port, args, tmp_path, str(tmp_path), False)
+    (level,) = report["levels"]
+    assert level["errors"] == 0 and level["aggregate_tps"] > 0, level
+    assert level["forwards"]["decode"] > 0  # counted by rank 0's /metrics
+    assert "thread_cpu_s" not in level  # the launcher's threads are not the server's
+    log = (tmp_path / "serve.mlxc.log").read_text()
+    assert "Traceback" not in log, log
+    for _ in range(100):  # the ranks had the signal with the launcher: they end within seconds
+        ranks = subprocess.run(
+            ["pgrep", "-f", f"--port {args.port}"], check=False, capture_output=True, text=True
+        )
+        if not ranks.stdout:
+            break
+        time.sleep(0.1)
+    assert ranks.stdout == "", "a rank outlived its launcher"
