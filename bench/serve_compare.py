@@ -207,13 +207,9 @@ def mlxc_command(model: str, args) -> list[str]:
     serve += shlex.split(args.mlxc_args)
     if args.mlxc_ranks == 1:
         return serve
-    from bench.tp_compare import free_ports
+    from bench.tp_compare import launch_prefix
 
-    launch = [str(Path(sys.executable).with_name("mlx.launch")), "-n", str(args.mlxc_ranks)]
-    launch += ["--backend", _backend(args)]
-    if _backend(args) == "ring":  # this machine's loopback: a free port a rank
-        launch += ["-p", str(free_ports(args.mlxc_ranks))]
-    return [*launch, "--", *serve]
+    return [*launch_prefix(args.mlxc_ranks, _backend(args)), *serve]
 
 
 def _backend(args) -> str:

@@ -127,11 +127,7 @@ def spawn(path: Path, ranks: int, args, backend: str, work: Path, floor: bool) -
     if ranks == 1:
         cmd += ["--floor"] if floor else []
     else:
-        launch = [str(Path(sys.executable).with_name("mlx.launch")), "-n", str(ranks)]
-        launch += ["--backend", backend]
-        if backend == "ring":  # this machine's loopback: a free port a rank
-            launch += ["-p", str(free_ports(ranks))]
-        cmd = [*launch, "--", *cmd]
+        cmd = [*launch_prefix(ranks, backend), *cmd]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -140,6 +136,19 @@ def spawn(path: Path, ranks: int, args, backend: str, work: Path, floor: bool) -
     if done.returncode != 0 or not out.exists():
         raise SystemExit(f"the TP={ranks} run failed (exit {done.returncode}): {' '.join(cmd)}")
     return json.loads(out.read_text())
+
+
+def launch_prefix(ranks: int, backend: str) -> list[str]:
+    """``mlx.launch -n RANKS --backend BACKEND ... --`` on this host: for ring a free loopback
+    port a rank; for nccl NVLink multicast kept off in every rank (``NCCL_NVLS_ENABLE=0``: on
+    shared machines a program using it can take the host's GPUs out of service)."""
+    cmd = [str(Path(sys.executable).with_name("mlx.launch")), "-n", str(ranks)]
+    cmd += ["--backend", backend]
+    if backend == "ring":
+        cmd += ["-p", str(free_ports(ranks))]
+    elif backend == "nccl":
+        cmd += ["--env", "NCCL_NVLS_ENABLE=0"]
+    return [*cmd, "--"]
 
 
 def free_ports(n: int) -> int:

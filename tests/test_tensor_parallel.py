@@ -261,6 +261,8 @@ def test_serve_compare_measures_a_server_on_two_ranks(qwen3_checkpoint, tmp_path
     )  # fmt: skip
     command = serve_compare.mlxc_command(str(qwen3_checkpoint), args)
     assert command[0] == str(LAUNCH) and command[1:5] == ["-n", "2", "--backend", "ring"]
+    nccl = serve_compare.mlxc_command("m", argparse.Namespace(**{**vars(args), "gpu": True}))
+    assert nccl[3:7] == ["--backend", "nccl", "--env", "NCCL_NVLS_ENABLE=0"]  # no multicast
     report = serve_compare.measure("mlxc", command, args.port, args, tmp_path, str(tmp_path), False)
     (level,) = report["levels"]
     assert level["errors"] == 0 and level["aggregate_tps"] > 0, level
