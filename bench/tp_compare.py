@@ -88,7 +88,7 @@ def compare_arch(arch: str, args, backend: str, work: Path) -> dict:
     for r in range(args.repeats):
         for ranks, done in runs.items():
             print(f"== {arch}: TP={ranks}, repeat {r + 1} of {args.repeats}", flush=True)
-            done.append(spawn(path, ranks, args, backend, work, floor=r == 0))
+            done.append(spawn(path, ranks, args, backend, work, repeat=r))
     one, many = runs[1], runs[args.ranks]
     logits_one = _load(one[0]["logits"])
     spread = float(logits_one.std())
@@ -118,14 +118,16 @@ def compare_arch(arch: str, args, backend: str, work: Path) -> dict:
     return row
 
 
-def spawn(path: Path, ranks: int, args, backend: str, work: Path, floor: bool) -> dict:
-    out = work / f"tp{ranks}.json"
+def spawn(path: Path, ranks: int, args, backend: str, work: Path, repeat: int) -> dict:
+    """One run in fresh processes; its numbers (rank 0's), the logits beside them. The TP=1
+    run of the first repeat also measures the bf16 floor."""
+    out = work / f"{path.name}-tp{ranks}-{repeat}.json"
     out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "bench.tp_compare", "--worker", "--model", str(path)]
     cmd += ["--device", args.device, "--prefill", args.prefill, "--worker-out", str(out)]
     cmd += ["--decode-tokens", str(args.decode_tokens), "--logits-prompt", str(args.logits_prompt)]
     if ranks == 1:
-        cmd += ["--floor"] if floor else []
+        cmd += ["--floor"] if repeat == 0 else []
     else:
         cmd = [*launch_prefix(ranks, backend), *cmd]
     env = {
