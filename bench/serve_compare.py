@@ -190,12 +190,20 @@ def measure(
             levels.append(level)
         return {"label": name, "command": command, "levels": levels}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        _signal_session(proc.pid, signal.SIGTERM)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _signal_session(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _signal_session(pid: int, sig: int) -> None:
+    """``sig`` to every process of the session ``pid`` leads (none left: nothing to do)."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def mlxc_command(model: str, args) -> list[str]:
