@@ -117,7 +117,7 @@ def kinds(mx, nn) -> dict[str, Callable[[int], list]]:
         inline = mx.fast.cuda_kernel(
             name="mlxc_attention_inline",
             input_names=cuda_attention._INPUTS,
-            output_names=["out", "part"],
+            output_names=cuda_attention._OUTPUTS,
             source=cuda_attention._SOURCE,
             header=code,
             ensure_row_contiguous=False,

@@ -36,6 +36,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 FLOAT32_TOL = 1e-4  # of the logits' standard deviation
 FLOOR_FACTOR = 2.0  # a half-precision run: within this many bf16 floors
@@ -90,9 +92,9 @@ def compare_arch(arch: str, args, backend: str, work: Path) -> dict:
             print(f"== {arch}: TP={ranks}, repeat {r + 1} of {args.repeats}", flush=True)
             done.append(spawn(path, ranks, args, backend, work, repeat=r))
     one, many = runs[1], runs[args.ranks]
-    logits_one = _load(one[0]["logits"])
+    logits_one = np.load(one[0]["logits"])
     spread = float(logits_one.std())
-    diff = max(float(abs(_load(m["logits"]) - logits_one).max()) for m in many) / spread
+    diff = max(float(abs(np.load(m["logits"]) - logits_one).max()) for m in many) / spread
     floor = one[0].get("bf16_floor")
     tol = FLOAT32_TOL if floor is None else FLOOR_FACTOR * floor
     row = {
@@ -181,18 +183,16 @@ def worker(args) -> None:
 
     blas.preload(args.device)  # before MLX is imported
     import mlx.core as mx
-    import numpy as np
 
     from bench import harness
-    from bench.run import machine
+    from bench.run import _dtype_of, machine
     from mlxc.runtime.checkpoint.loading import load_model
     from mlxc.runtime.serving.distributed import world
 
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     group = world()
     model = load_model(args.model, group=group)
-    dtype = next(str(v.dtype) for _, v in _params(model) if mx.issubdtype(v.dtype, mx.floating))
-    side = harness.Side("mlxc", "ours", model, dtype.removeprefix("mlx.core."))
+    side = harness.Side("mlxc", "ours", model, _dtype_of(model))
     config = json.loads((Path(args.model) / "config.json").read_text())
     vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
     ids = harness.prompt(args.logits_prompt, vocab, seed=1)
@@ -218,18 +218,6 @@ def worker(args) -> None:
         result["logits"] = str(out.with_suffix(".npy"))
         np.save(result["logits"], np.array(logits))
         out.write_text(json.dumps(result) + "\n")
-
-
-def _params(model):
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(model.parameters())
-
-
-def _load(path: str):
-    import numpy as np
-
-    return np.load(path)
 
 
 def _leading_equal(a: list[int], b: list[int]) -> int:

@@ -22,7 +22,7 @@ import checkpoints as ckpt
 import test_server
 from test_server import Server, free_port
 
-from bench.tp_compare import free_ports
+from bench.tp_compare import launch_prefix
 from mlxc.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +33,7 @@ def launch(*command: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """``mlx.launch -n 2 --backend ring`` on localhost, ports chosen free."""
     if not LAUNCH.exists():
         pytest.skip(f"mlx.launch is not installed next to {sys.executable}")
-    args = [str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(free_ports(2)), "--"]
+    args = launch_prefix(2, "ring")
     return subprocess.run(
         [*args, *command], check=False, cwd=ROOT, capture_output=True, text=True, timeout=timeout
     )
@@ -87,7 +87,7 @@ class LaunchedServer(Server):
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"launched-serve-{self.port}.log"
         mlxc = str(Path(sys.executable).with_name("mlxc"))
-        launch = [str(LAUNCH), "-n", "2", "--backend", "ring", "-p", str(free_ports(2)), "--"]
+        launch = launch_prefix(2, "ring")
         serve = [mlxc, "serve", "--port", str(self.port), *map(str, args)]
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
