@@ -29,7 +29,7 @@ from mlx.utils import tree_flatten
 
 from mlxc.runtime import blas
 from mlxc.runtime.checkpoint import fp8
-from mlxc.runtime.model import layers
+from mlxc.runtime.model import cuda_matmul, layers
 from mlxc.runtime.model.config import ConfigError, context_length, lookup, recording_reads
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -465,7 +465,7 @@ def load_model(
         model.load_weights(list(weights.items()), strict=True)  # lazy: nothing read yet
         del weights  # the whole tensors live on only in the graphs of their slices
         model = _shard_and_read(model, group, files, path / "config.json")
-        return layers.fuse(model) if fuse else model
+        return _finish(model, fuse)
     try:
         # Read every tensor before the model sees any (loads are lazy: a read can fail here).
         mx.eval(list(weights.values()))
@@ -477,7 +477,13 @@ def load_model(
     del weights
     model.eval()
     mx.eval(model.parameters())
-    return layers.fuse(model) if fuse else model
+    return _finish(model, fuse)
+
+
+def _finish(model: nn.Module, fuse: bool) -> nn.Module:
+    """A loaded model as it runs: projections of one input fused (``fuse``), and on CUDA its
+    dense projections' products of a few rows through mlxc's kernel (``cuda_matmul.route``)."""
+    return cuda_matmul.route(layers.fuse(model) if fuse else model)
 
 
 def _shard_and_read(

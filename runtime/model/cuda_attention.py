@@ -56,14 +56,16 @@ WARPS = 4  # warps per block; each walks its own keys of the block's chunk
 KERNEL_FILE = Path(__file__).with_name("cuda_attention.cuh")
 
 
-def _kernel_header() -> str:
-    path = str(KERNEL_FILE.resolve())
+def include_header(file: Path) -> str:
+    """A kernel header that #includes ``file`` by its absolute path (or holds its code, where
+    an #include cannot spell the path)."""
+    path = str(file.resolve())
     if path.isascii() and not any(c in path for c in '"\\\n'):
         return f'#include "{path}"\n'
-    return KERNEL_FILE.read_text()  # a path an #include cannot spell: the code itself
+    return file.read_text()
 
 
-_HEADER = _kernel_header()
+_HEADER = include_header(KERNEL_FILE)
 # The kernel: one call of ``mlxc::attention`` (``cuda_attention.cuh``), which also names the
 # inputs whose shapes and strides MLX then passes.
 _SOURCE = """

@@ -72,7 +72,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from mlxc.runtime.model import cuda_attention
+from mlxc.runtime.model import cuda_attention, cuda_matmul
 from mlxc.runtime.model.batch import BatchCache, BatchKVCache
 from mlxc.runtime.model.cache import (
     KVQuant,
@@ -658,8 +658,10 @@ class Scheduler:
                 if self.speculation is not None:
                     queries = tuple(range(1, self.speculation.num_draft_tokens + 2))
                 cuda_attention.warm(self.model, queries, self.pool.kv_quant)
+                cuda_matmul.warm(self.model, cuda_matmul.MAX_ROWS)  # a batch's products
                 if self._drafter is not None:
                     cuda_attention.warm(self._drafter.model, queries, self.pool.kv_quant)
+                    cuda_matmul.warm(self._drafter.model, cuda_matmul.MAX_ROWS)
                 self.pool.model = self.model
                 if self.warm_up and cuda_attention.available():
                     log.info(

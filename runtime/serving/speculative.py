@@ -35,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from mlxc.runtime.model import cuda_attention
+from mlxc.runtime.model import cuda_attention, cuda_matmul
 from mlxc.runtime.model.batch import BatchCache
 from mlxc.runtime.model.cache import (
     KVQuant,
@@ -476,6 +476,7 @@ def speculative_tokens(
     prepare_rewind(model, cache, num_draft_tokens)
     # The kernels of verifications of up to K drafts (fewer when the drafter finds fewer).
     cuda_attention.warm(model, tuple(range(1, num_draft_tokens + 2)), kv_quant)
+    cuda_matmul.warm(model, num_draft_tokens + 1)  # their products of K + 1 rows
     trimmable = caches_to_trim(model, cache)
     rng = np.random.default_rng(seed)
     eos = set(eos_token_ids)

@@ -8,6 +8,7 @@
 #include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -103,3 +104,55 @@ Buffer<X> load(const char* path) {
   f.read(reinterpret_cast<char*>(b.raw.data()), n);
   return b;
 }
+
+// --- for runtime/model/cuda_matmul.cuh ---------------------------------------------------------
+// A bf16 value as stored (the high half of a float32), rounded to nearest even from a float.
+struct __nv_bfloat16 {
+  uint16_t bits;
+  __nv_bfloat16() = default;
+  explicit __nv_bfloat16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    bits = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+};
+inline float bf16_float(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+struct uint4 { uint32_t x, y, z, w; };
+inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
+
+// PTX's mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 by its fragment layout: lane
+// (g, t) = (lane / 4, lane % 4) holds a's rows g and g + 8, columns 2t, 2t + 1 (registers 0,
+// 1) and 2t + 8, 2t + 9 (registers 2, 3), b's rows 2t, 2t + 1 (register 0) and 2t + 8,
+// 2t + 9 (register 1) of column g, and d's rows g (d[0], d[1]) and g + 8 (d[2], d[3]) of
+// columns 2t, 2t + 1. bf16 only (the emulator's one 16-bit type).
+#define MLXC_EMULATED_MMA
+static uint32_t mma_a[32][32][4], mma_b[32][32][2];
+namespace mlxc {
+template <bool BF16>
+inline void mma16816(float* d, const uint32_t* a, const uint32_t* b) {
+  static_assert(BF16, "the emulator has bf16 only");
+  const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  __syncwarp();
+  for (int i = 0; i < 4; ++i) mma_a[w][lane][i] = a[i];
+  for (int i = 0; i < 2; ++i) mma_b[w][lane][i] = b[i];
+  __syncwarp();
+  auto half = [](uint32_t reg, int k) { return bf16_float((reg >> (16 * (k % 2))) & 0xffffu); };
+  for (int c = 0; c < 4; ++c) {
+    const int row = g + (c >= 2 ? 8 : 0), col = 2 * t + (c & 1);
+    float sum = 0.f;
+    for (int k = 0; k < 16; ++k) {
+      const int holder = (k % 8) / 2;  // the t of the lanes holding column (a) / row (b) k
+      const float av = half(mma_a[w][(row % 8) * 4 + holder][(row >= 8) + 2 * (k >= 8)], k);
+      const float bv = half(mma_b[w][col * 4 + holder][k >= 8], k);
+      sum += av * bv;
+    }
+    d[c] += sum;
+  }
+  __syncwarp();
+}
+}  // namespace mlxc

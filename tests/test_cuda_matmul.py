@@ -1,0 +1,177 @@
+"""``runtime.model.cuda_matmul``: products of a few rows on CUDA's tensor cores.
+
+On CUDA the kernel is checked against MLX's own matmul (bf16 and fp16, 2 to 64 rows, widths
+that do not fill a block's tiles), and a model with its projections routed against the same
+model without. CI has no GPU: there the same source runs through ``tests/cuda_emulator`` (each
+thread a std::thread; the mma instruction emulated by its PTX fragment layout, bf16 only)
+against numpy's product of the same bf16 values in float64. What the emulator checks is the
+kernel's logic: the fragments' k order, row and column tiles, the K split over warps and their
+sum, rows and columns past the edges, unaligned rows. The sums are float32 in any order, then
+rounded to bf16 once: half a bf16 step (at most 2^-8 relative) plus float32 summation error.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx import nn
+
+from mlxc.runtime.model import cuda_attention, cuda_matmul
+
+HERE = Path(__file__).parent / "cuda_emulator"
+CXX = os.environ.get("CXX", "g++")
+
+cuda = pytest.mark.skipif(not cuda_attention.available(), reason="needs MLX's CUDA backend")
+emulated = pytest.mark.skipif(
+    shutil.which(CXX) is None, reason=f"no C++ compiler ({CXX}); .ci/run installs g++"
+)
+
+
+def _bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits, rounded to nearest even (as the emulator's and CUDA's casts)."""
+    u = a.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _bits_float(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _emulate(tmp: Path, x: np.ndarray, w: np.ndarray, offset: int) -> np.ndarray:
+    """The kernel on the CPU: ``x [M, K]``, ``w [N, K]`` as bf16 bits, each stored ``offset``
+    elements into its buffer (1: rows off 16-byte boundaries). Returns ``y`` as floats."""
+    M, K = x.shape
+    N = w.shape[0]
+    for name, a in (("x", x), ("w", w)):
+        np.concatenate([np.zeros(offset, np.uint16), a.ravel()]).tofile(tmp / f"{name}.bin")
+    tiles = cuda_matmul._tiles(M)
+    blocks = -(-N // (8 * cuda_matmul.TILE_COLS))
+    src = "\n".join(
+        [
+            f'#include "{HERE / "emulator.h"}"',
+            cuda_attention.include_header(cuda_matmul.KERNEL_FILE),
+            "using T = __nv_bfloat16;",
+            "void rows_matmul(const T* x, const mlx::core::cu::Shape x_shape, const T* w,",
+            "    const mlx::core::cu::Shape w_shape, T* y) {",
+            f"  constexpr bool BF16 = true; constexpr int MT = {tiles};",
+            f"  constexpr int NT = {cuda_matmul.TILE_COLS}, KW = {cuda_matmul.WARPS};",
+            cuda_matmul._SOURCE,
+            "}",
+            "int main() {",
+            f'  auto x = load<T>("{tmp / "x.bin"}"); auto w = load<T>("{tmp / "w.bin"}");',
+            f"  std::vector<T> y({M * N});",
+            f"  mlx::core::cu::Shape xs{{{{{M}, {K}}}}}, ws{{{{{N}, {K}}}}};",
+            f"  launch({{{blocks}, 1, 1}}, {cuda_matmul.WARPS * 32}, [&] {{",
+            f"    rows_matmul(x.data() + {offset}, xs, w.data() + {offset}, ws, y.data()); }});",
+            f'  std::ofstream out("{tmp / "y.bin"}", std::ios::binary);',
+            "  out.write((char*)y.data(), y.size() * 2);",
+            "}",
+        ]
+    )
+    (tmp / "case.cpp").write_text(src)
+    exe = tmp / "case"
+    build = [CXX, "-std=c++20", "-O1", "-w", "-pthread", str(tmp / "case.cpp"), "-o", str(exe)]
+    done = subprocess.run(build, check=False, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    subprocess.run([str(exe)], check=True, timeout=120)
+    return _bits_float(np.fromfile(tmp / "y.bin", np.uint16)).reshape(M, N)
+
+
+def _check(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    spread = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
+    bound = 2.0**-8 * np.abs(ref) + 1e-6 * spread + 1e-30  # half a bf16 step: <= 2^-8 |ref|
+    assert np.all(np.abs(got - ref) <= bound), np.max(np.abs(got - ref) / bound)
+
+
+@emulated
+@pytest.mark.parametrize(
+    "M, K, N, offset",
+    [
+        (2, 64, 40, 0),  # a tile of 16 rows, 2 of them real; 40 columns: a part-filled block
+        (9, 96, 16, 0),  # rows on both halves of the fragment (g and g + 8)
+        (16, 160, 24, 0),  # K of 5 steps over 4 warps: one warp takes two
+        (17, 512, 8, 0),  # two tiles of rows; 16 K steps, four a warp
+        (40, 32, 16, 0),  # four tiles, one K step: three warps add zeros
+        (3, 64, 24, 1),  # rows off 16-byte boundaries: element loads
+    ],
+)
+def test_emulated_kernel_matches_numpy(tmp_path, M, K, N, offset):
+    rng = np.random.default_rng(M * 1000 + K + N)
+    xb = _bf16_bits(rng.standard_normal((M, K)).astype(np.float32))
+    wb = _bf16_bits((rng.standard_normal((N, K)) * 0.05).astype(np.float32))
+    got = _emulate(tmp_path, xb, wb, offset)
+    _check(got, _bits_float(xb), _bits_float(wb))
+
+
+def test_applies_only_to_a_few_half_precision_rows(monkeypatch):
+    monkeypatch.setattr(cuda_attention, "available", lambda: True)
+    w = mx.zeros((48, 64), mx.bfloat16)
+
+    def rows(n, dtype=mx.bfloat16, k=64):
+        return mx.zeros((n, k), dtype)
+
+    assert cuda_matmul.applies(rows(2), w) and cuda_matmul.applies(rows(64), w)
+    assert cuda_matmul.applies(mx.zeros((4, 1, 64), mx.bfloat16), w)  # rows of any leading shape
+    assert not cuda_matmul.applies(rows(1), w)  # MLX's matrix-vector kernel
+    assert not cuda_matmul.applies(rows(65), w)  # cuBLAS
+    assert not cuda_matmul.applies(rows(4, mx.float32), w.astype(mx.float32))
+    assert not cuda_matmul.applies(rows(4, mx.float16), w)  # dtypes differ
+    assert not cuda_matmul.applies(rows(4, k=48), mx.zeros((48, 48), mx.bfloat16))  # K % 32
+    monkeypatch.setattr(cuda_attention, "available", lambda: False)
+    assert not cuda_matmul.applies(rows(4), w)
+
+
+def test_route_changes_only_dense_layers_and_only_on_cuda(monkeypatch):
+    model = nn.Sequential(nn.Linear(64, 32), nn.Embedding(10, 64), nn.Linear(64, 64))
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda p, m: p == "layers.2")
+    monkeypatch.setattr(cuda_attention, "available", lambda: False)
+    cuda_matmul.route(model)
+    assert type(model.layers[0]) is nn.Linear  # off CUDA: untouched
+    monkeypatch.setattr(cuda_attention, "available", lambda: True)
+    before = dict(model.parameters()["layers"][0])
+    cuda_matmul.route(model)
+    assert type(model.layers[0]) is cuda_matmul.RowsLinear
+    assert type(model.layers[1]) is cuda_matmul.RowsEmbedding
+    assert type(model.layers[2]) is nn.QuantizedLinear
+    assert all(model.layers[0][k] is v for k, v in before.items())  # the same parameters
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("M", [2, 3, 8, 16, 17, 33, 64])
+@pytest.mark.parametrize("K, N", [(2048, 3072), (8192, 200), (96, 40)])
+def test_kernel_matches_mlx(dtype, M, K, N):
+    mx.random.seed(M + K + N)
+    x = mx.random.normal((M, K)).astype(dtype)
+    w = (mx.random.normal((N, K)) * K**-0.5).astype(dtype)
+    got = cuda_matmul.matmul(x, w).astype(mx.float32)
+    ref = x.astype(mx.float32) @ w.astype(mx.float32).T
+    spread = mx.abs(x).astype(mx.float32) @ mx.abs(w).astype(mx.float32).T
+    eps = 2.0**-8 if dtype == mx.bfloat16 else 2.0**-11
+    excess = mx.abs(got - ref) - (eps * mx.abs(ref) + 1e-5 * spread)
+    assert mx.max(excess).item() <= 0
+
+
+@cuda
+def test_routed_model_matches_unrouted(tmp_path):
+    import mlxc
+    from bench import models
+
+    models.write_checkpoint(tmp_path / "llama", "llama", "small")
+    model = mlxc.load_model(tmp_path / "llama")
+    assert any(isinstance(m, cuda_matmul.RowsLinear) for _, m in model.named_modules())
+    ids = mx.array([[5, 9, 200, 31, 7, 1000, 4, 77]] * 3)  # 24 rows of 8 tokens
+    routed = model(ids, cache=model.make_cache())
+    for _, m in model.named_modules():  # back to MLX's products
+        if isinstance(m, cuda_matmul.RowsLinear | cuda_matmul.RowsEmbedding):
+            m.__class__ = m.__class__.__mro__[1]
+    plain = model(ids, cache=model.make_cache())
+    diff = mx.abs(routed.astype(mx.float32) - plain.astype(mx.float32)).max().item()
+    assert diff <= 0.05 * plain.astype(mx.float32).std().item()
