@@ -1,6 +1,6 @@
 // mlxc's CUDA matmul for a few rows (runtime/model/cuda_matmul.py says where it runs and why):
 // y[M, N] = x[M, K] w[N, K]^T in bf16 or fp16 on tensor cores (PTX mma m16n8k16, float sums),
-// for 2 to 64 rows of x. #included by its absolute path after MLX's device header, as
+// for 2 to 16 rows of x. #included by its absolute path after MLX's device header, as
 // cuda_attention.cuh is.
 #pragma once
 
@@ -38,76 +38,73 @@ __device__ __forceinline__ uint4 load8(const T* row, int e, bool vec) {
       h[4] | (uint32_t(h[5]) << 16), h[6] | (uint32_t(h[7]) << 16));
 }
 
-// One block per NT tiles of 8 columns of y (8 rows of w each); its KW warps split K in
-// steps of 32 and add up their sums in shared memory at the end. A step of a warp is one
-// 16-byte load per lane from each of its 8 x NT rows of w (the weights: every byte read
-// once, in full 32-byte sectors) and two mmas per tile of 16 rows of x (MT tiles, rows past
-// M read as zeros). A k-step's 32 values map to the two mmas' k slots out of order, the same
-// order for x and w, so that each lane's share of a row is 8 consecutive values: lane (g, t)
-// (g = lane / 4, t = lane % 4) holds k = 8t .. 8t + 7 of its row, slots {2t, 2t + 1} and
-// {2t + 8, 2t + 9} of the first mma taking k = 8t .. 8t + 3, those of the second 8t + 4 ..
-// 8t + 7. The sum over k does not depend on the order.
-template <typename T, bool BF16, int MT, int NT, int KW>
+// One block per NT tiles of 8 columns of y (8 rows of w each), all of x's rows (up to 16: one
+// tile, rows past M read as zeros); its KW warps split K in steps of 32 and add up their sums
+// in shared memory at the end. A step of a warp is one 16-byte load per lane from each of its
+// 8 x NT rows of w (the weights: every byte read once, in full 32-byte sectors), two from x
+// (L1 and L2 serve them: every block reads x) and two mmas per tile of columns. A k-step's 32
+// values map to the two mmas' k slots out of order, the same order for x and w, so that each
+// lane's share of a row is 8 consecutive values: lane (g, t) (g = lane / 4, t = lane % 4)
+// holds k = 8t .. 8t + 7 of its row, slots {2t, 2t + 1} and {2t + 8, 2t + 9} of the first mma
+// taking k = 8t .. 8t + 3, those of the second 8t + 4 .. 8t + 7. The sum over k does not
+// depend on the order. x is [..., K] (its rows: every leading dim), w [N, K], y [..., N].
+template <typename T, bool BF16, int NT, int KW>
 __device__ __forceinline__ void rows_matmul(const T* x, const mlx::core::cu::Shape& x_shape,
-    const T* w, const mlx::core::cu::Shape& w_shape, T* y) {
-  const int M = x_shape[0], K = x_shape[1], N = w_shape[0];
+    int x_ndim, const T* w, const mlx::core::cu::Shape& w_shape, T* y) {
+  int M = 1;
+  for (int d = 0; d < x_ndim - 1; ++d) M *= x_shape[d];
+  const int K = x_shape[x_ndim - 1], N = w_shape[0];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int n0 = blockIdx.x * 8 * NT;
   const bool vec = (reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) % 16 == 0;
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
   const T* wrow[NT];
   bool w_in[NT];
+#pragma unroll
   for (int j = 0; j < NT; ++j) {
     const int n = n0 + 8 * j + g;
     w_in[j] = n < N;
     wrow[j] = w + static_cast<long long>(w_in[j] ? n : 0) * K;
   }
-  const T* xrow[MT][2];
-  bool x_in[MT][2];
-  for (int i = 0; i < MT; ++i) {
-    for (int h = 0; h < 2; ++h) {
-      const int r = 16 * i + 8 * h + g;
-      x_in[i][h] = r < M;
-      xrow[i][h] = x + static_cast<long long>(x_in[i][h] ? r : 0) * K;
-    }
-  }
-  float acc[MT][NT][4];
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j)
-      for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+  const bool x_in[2] = {g < M, g + 8 < M};  // rows g and g + 8 of the tile
+  const T* xrow[2] = {x + static_cast<long long>(x_in[0] ? g : 0) * K,
+      x + static_cast<long long>(x_in[1] ? g + 8 : 0) * K};
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+    for (int c = 0; c < 4; ++c) acc[j][c] = 0.f;
 
   const int steps = K / 32;
 #pragma unroll 4
   for (int s = warp; s < steps; s += KW) {
     const int e = 32 * s + 8 * t;
     uint4 b[NT];
+#pragma unroll
     for (int j = 0; j < NT; ++j) b[j] = w_in[j] ? load8(wrow[j], e, vec) : zero;
-    for (int i = 0; i < MT; ++i) {
-      const uint4 a0 = x_in[i][0] ? load8(xrow[i][0], e, vec) : zero;  // row g of the tile
-      const uint4 a1 = x_in[i][1] ? load8(xrow[i][1], e, vec) : zero;  // row g + 8
-      const uint32_t a_lo[4] = {a0.x, a1.x, a0.y, a1.y}, a_hi[4] = {a0.z, a1.z, a0.w, a1.w};
-      for (int j = 0; j < NT; ++j) {
-        const uint32_t b_lo[2] = {b[j].x, b[j].y}, b_hi[2] = {b[j].z, b[j].w};
-        mma16816<BF16>(acc[i][j], a_lo, b_lo);
-        mma16816<BF16>(acc[i][j], a_hi, b_hi);
-      }
+    const uint4 a0 = x_in[0] ? load8(xrow[0], e, vec) : zero;
+    const uint4 a1 = x_in[1] ? load8(xrow[1], e, vec) : zero;
+    const uint32_t a_lo[4] = {a0.x, a1.x, a0.y, a1.y}, a_hi[4] = {a0.z, a1.z, a0.w, a1.w};
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const uint32_t b_lo[2] = {b[j].x, b[j].y}, b_hi[2] = {b[j].z, b[j].w};
+      mma16816<BF16>(acc[j], a_lo, b_lo);
+      mma16816<BF16>(acc[j], a_hi, b_hi);
     }
   }
 
-  // The warps' sums, added up by the whole block. Lane (g, t)'s sums c of a tile: row g
-  // (c = 0, 1) or g + 8 (c = 2, 3), column 2t + (c & 1).
-  constexpr int PER_WARP = MT * NT * 4 * 32;
+  // The warps' sums, added up by the whole block. Lane (g, t)'s sums c of a column tile: row
+  // g (c = 0, 1) or g + 8 (c = 2, 3), column 2t + (c & 1).
+  constexpr int PER_WARP = NT * 4 * 32;
   __shared__ float sums[KW][PER_WARP];
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j)
-      for (int c = 0; c < 4; ++c) sums[warp][((i * NT + j) * 4 + c) * 32 + lane] = acc[i][j][c];
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+    for (int c = 0; c < 4; ++c) sums[warp][(j * 4 + c) * 32 + lane] = acc[j][c];
   __syncthreads();
   for (int idx = threadIdx.x; idx < PER_WARP; idx += 32 * KW) {
     float total = 0.f;
     for (int v = 0; v < KW; ++v) total += sums[v][idx];
-    const int l = idx % 32, c = (idx / 32) % 4, j = (idx / 128) % NT, i = idx / (128 * NT);
-    const int row = 16 * i + l / 4 + (c >= 2 ? 8 : 0);
-    const int col = n0 + 8 * j + 2 * (l % 4) + (c & 1);
+    const int l = idx % 32, c = (idx / 32) % 4, j = idx / 128;
+    const int row = l / 4 + (c >= 2 ? 8 : 0), col = n0 + 8 * j + 2 * (l % 4) + (c & 1);
     if (row < M && col < N) y[static_cast<long long>(row) * N + col] = static_cast<T>(total);
   }
 }

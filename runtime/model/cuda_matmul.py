@@ -30,14 +30,17 @@ from mlx import nn
 
 from mlxc.runtime.model import cuda_attention
 
-MAX_ROWS = 64  # four tiles of 16 rows; more rows go to cuBLAS, whose cost then pays for itself
+# Rows a call takes: one tile of the mma's 16. At 32 and 64 rows an earlier version (two and
+# four tiles) lost to cuBLAS on the device more than it saved the host (s28, H100:
+# ``rows-ceiling-gpu-h100-s28.md``), so more rows go to cuBLAS.
+MAX_ROWS = 16
 TILE_COLS = 2  # tiles of 8 columns a block computes (NT)
 WARPS = 4  # warps of a block, splitting K (KW)
 K_STEP = 32  # the kernel takes K in steps of 32
 
 KERNEL_FILE = Path(__file__).with_name("cuda_matmul.cuh")
 # One call of the kernel's template (the code is #included by path, as cuda_attention's).
-_SOURCE = "  ::mlxc::rows_matmul<T, BF16, MT, NT, KW>(x, x_shape, w, w_shape, y);\n"
+_SOURCE = "  ::mlxc::rows_matmul<T, BF16, NT, KW>(x, x_shape, x_ndim, w, w_shape, y);\n"
 
 
 @functools.cache
@@ -56,12 +59,11 @@ def applies(x: mx.array, weight: mx.array) -> bool:
     """Whether ``x @ weight.T`` should take ``matmul`` on this device: 2 to MAX_ROWS rows of
     bf16 or fp16, the weight's dtype, K a multiple of 32, on CUDA."""
     K = x.shape[-1]
-    rows = x.size // K if K else 0
     return (
-        2 <= rows <= MAX_ROWS
-        and K % K_STEP == 0
-        and x.dtype == weight.dtype
+        x.dtype == weight.dtype
         and x.dtype in (mx.bfloat16, mx.float16)
+        and K % K_STEP == 0
+        and 2 <= x.size // K <= MAX_ROWS
         and weight.ndim == 2
         and cuda_attention.available()
     )
@@ -69,30 +71,23 @@ def applies(x: mx.array, weight: mx.array) -> bool:
 
 def matmul(x: mx.array, weight: mx.array) -> mx.array:
     """``x @ weight.T`` for ``x [..., K]`` of 2 to MAX_ROWS rows and ``weight [N, K]``
-    (``applies``), float sums rounded to ``x``'s dtype."""
-    *lead, K = x.shape
-    rows, N = x.size // K, weight.shape[0]
-    (y,) = _kernel()(
-        inputs=[x.reshape(rows, K), weight],
-        template=_template(x.dtype, _tiles(rows)),
-        grid=(math.ceil(N / (8 * TILE_COLS)) * WARPS * 32, 1, 1),
-        threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(rows, N)],
-        output_dtypes=[x.dtype],
-    )
-    return y.reshape(*lead, N)
+    (``applies``), float sums rounded to ``x``'s dtype. Called by every projection of a
+    host-bound step: what follows from the shapes comes from ``_launch``, cached."""
+    (y,) = _kernel()(inputs=[x, weight], **_launch(x.shape, x.dtype, weight.shape[0]))
+    return y
 
 
-def _tiles(rows: int) -> int:
-    """Tiles of 16 rows a variant takes for ``rows``: 1, 2 or 4 (few variants to compile)."""
-    return 1 << (math.ceil(rows / 16) - 1).bit_length()
-
-
-@functools.cache
-def _template(dtype: mx.Dtype, tiles: int) -> list:
-    """Template arguments: one compiled variant per dtype and tile count."""
-    bf16 = dtype == mx.bfloat16
-    return [("T", dtype), ("BF16", bf16), ("MT", tiles), ("NT", TILE_COLS), ("KW", WARPS)]
+@functools.lru_cache(maxsize=1024)
+def _launch(shape: tuple[int, ...], dtype: mx.Dtype, n: int) -> dict:
+    """A call's keyword arguments (template, grid, block, output) from its shapes."""
+    return {
+        "template": [("T", dtype), ("BF16", dtype == mx.bfloat16)]
+        + [("NT", TILE_COLS), ("KW", WARPS)],
+        "grid": (math.ceil(n / (8 * TILE_COLS)) * WARPS * 32, 1, 1),
+        "threadgroup": (WARPS * 32, 1, 1),
+        "output_shapes": [(*shape[:-1], n)],
+        "output_dtypes": [dtype],
+    }
 
 
 class RowsLinear(nn.Linear):
@@ -128,20 +123,18 @@ def route(model: nn.Module) -> nn.Module:
     return model
 
 
-def warm(model: nn.Module, rows: int) -> None:
-    """Compile the variants a model's products of up to ``rows`` rows take, so the first
-    batch that needs one does not wait for NVRTC. A no-op off CUDA or where none is routed."""
+def warm(model: nn.Module) -> None:
+    """Compile the kernel for the dtypes of ``model``'s routed layers, so the first forward of
+    a few rows does not wait for NVRTC. A no-op off CUDA or where none is routed."""
     dtypes = {
         m.weight.dtype
         for _, m in model.named_modules()
         if isinstance(m, RowsLinear | RowsEmbedding) and m.weight.dtype in (mx.bfloat16, mx.float16)
     }
     for dtype in sorted(dtypes, key=str):
-        for tiles in sorted({_tiles(r) for r in range(2, min(rows, MAX_ROWS) + 1)}):
-            _warm(dtype, tiles)
+        _warm(dtype)
 
 
 @functools.cache
-def _warm(dtype: mx.Dtype, tiles: int) -> None:
-    x = mx.zeros((16 * tiles, K_STEP), dtype)
-    mx.eval(matmul(x, mx.zeros((8, K_STEP), dtype)))
+def _warm(dtype: mx.Dtype) -> None:
+    mx.eval(matmul(mx.zeros((2, K_STEP), dtype), mx.zeros((8, K_STEP), dtype)))

@@ -658,10 +658,10 @@ class Scheduler:
                 if self.speculation is not None:
                     queries = tuple(range(1, self.speculation.num_draft_tokens + 2))
                 cuda_attention.warm(self.model, queries, self.pool.kv_quant)
-                cuda_matmul.warm(self.model, cuda_matmul.MAX_ROWS)  # a batch's products
+                cuda_matmul.warm(self.model)  # a batch's products
                 if self._drafter is not None:
                     cuda_attention.warm(self._drafter.model, queries, self.pool.kv_quant)
-                    cuda_matmul.warm(self._drafter.model, cuda_matmul.MAX_ROWS)
+                    cuda_matmul.warm(self._drafter.model)
                 self.pool.model = self.model
                 if self.warm_up and cuda_attention.available():
                     log.info(

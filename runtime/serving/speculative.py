@@ -476,7 +476,7 @@ def speculative_tokens(
     prepare_rewind(model, cache, num_draft_tokens)
     # The kernels of verifications of up to K drafts (fewer when the drafter finds fewer).
     cuda_attention.warm(model, tuple(range(1, num_draft_tokens + 2)), kv_quant)
-    cuda_matmul.warm(model, num_draft_tokens + 1)  # their products of K + 1 rows
+    cuda_matmul.warm(model)  # their products of K + 1 rows
     trimmable = caches_to_trim(model, cache)
     rng = np.random.default_rng(seed)
     eos = set(eos_token_ids)
