@@ -1,12 +1,13 @@
-"""NVIDIA's runtime compiler (NVRTC) accepts ``runtime.model.cuda_attention``'s kernel, in CI.
+"""NVIDIA's runtime compiler (NVRTC) accepts mlxc's CUDA kernels (``runtime.model.cuda_attention``,
+``runtime.model.cuda_matmul``), in CI.
 
 ``test_cuda_emulated.py`` compiles the kernel's source with g++ against an emulator, which
 takes C++ that NVRTC may not (and the reverse: CUDA's intrinsics, its execution spaces), and
 ``test_cuda_attention.py`` needs a GPU, which CI has none of. NVRTC itself needs no GPU: it
 comes as a pip package (``nvidia-cuda-nvrtc``, in the test extra on Linux x86-64, with the CUDA
 and libcu++ headers the kernel includes). Here the source is laid out as MLX 0.32's
-``mx.fast.cuda_kernel`` lays it out (its default header, then ``cuda_attention.cuh`` #included
-by its absolute path, one parameter per input plus its shape and strides where the source
+``mx.fast.cuda_kernel`` lays it out (its default header, then the kernel's ``.cuh`` #included
+by its absolute path, one parameter per input plus its shape, strides and ndim where the source
 names them, the template arguments as constants at the top of the function, the body inside
 ``mlx::core::cu``) and compiled for the H100/H200's sm_90a with MLX's options. MLX's own device
 header is not shipped outside its CUDA wheel; a stand-in declares the two types the kernel
@@ -23,6 +24,7 @@ import mlx.core as mx
 import pytest
 
 from mlxc.runtime.model import cuda_attention as ca
+from mlxc.runtime.model import cuda_matmul as cm
 
 
 def _cuda_root() -> Path | None:
@@ -58,32 +60,37 @@ CUDA_TYPES = {
 }  # fmt: skip
 
 
-def _kernel_source(inputs, outputs, template) -> str:
-    """The kernel as MLX's ``cuda_kernel`` builds it for these input/output dtypes and template
-    arguments (``build_kernel`` in MLX's ``backend/cuda/custom_kernel.cpp``)."""
+def _kernel_source(inputs, outputs, template, source=ca._SOURCE, header=ca._HEADER) -> str:
+    """The kernel of ``source`` and ``header`` as MLX's ``cuda_kernel`` builds it for these
+    input/output dtypes and template arguments (``build_kernel`` in MLX's
+    ``backend/cuda/custom_kernel.cpp``)."""
     lines = [
         '#include "mlx/backend/cuda/device/utils.cuh"',
         "#include <cooperative_groups.h>",
-        ca._HEADER,
+        header,
         "namespace mlx::core::cu {",
         "namespace cg = cooperative_groups;",
-        "__global__ void custom_kernel_mlxc_attention(",
+        "__global__ void custom_kernel_mlxc(",
     ]
     params = []
     for name, dtype in inputs:
         params.append(f"const {CUDA_TYPES[dtype]}* {name}")
-        if f"{name}_shape" in ca._SOURCE:
+        if f"{name}_shape" in source:
             params.append(f"const __grid_constant__ Shape {name}_shape")
-        if f"{name}_strides" in ca._SOURCE:
+        if f"{name}_strides" in source:
             params.append(f"const __grid_constant__ Strides {name}_strides")
+        if f"{name}_ndim" in source:
+            params.append(f"const __grid_constant__ int {name}_ndim")
     params += [f"{CUDA_TYPES[dtype]}* {name}" for name, dtype in outputs]
     lines.append(",\n".join(params) + ") {")
     for name, value in template:
         if isinstance(value, mx.Dtype):
             lines.append(f"using {name} = {CUDA_TYPES[value]};")
+        elif isinstance(value, bool):
+            lines.append(f"constexpr bool {name} = {str(value).lower()};")
         else:
             lines.append(f"constexpr int {name} = {value};")
-    lines += [ca._SOURCE, "}", "}  // namespace mlx::core::cu"]
+    lines += [source, "}", "}  // namespace mlx::core::cu"]
     return "\n".join(lines)
 
 
@@ -125,5 +132,15 @@ def test_nvrtc_compiles_the_kernel(dtype, bits, head_dim, rows):
     outputs = list(zip(ca._OUTPUTS, [dtype, mx.float32], strict=True))
     template = ca._template(dtype, key, dtype, head_dim, rows, bits, 64 if bits else 1)
     result, log = _compile(_kernel_source(inputs, outputs, template))
+    assert result == 0, log[-4000:]
+    assert "warning" not in log, log[-4000:]
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_nvrtc_compiles_the_matmul_kernel(dtype):
+    template = cm._launch((4, 64), dtype, 48)["template"]
+    inputs, outputs = [("x", dtype), ("w", dtype)], [("y", dtype)]
+    header = ca.include_header(cm.KERNEL_FILE)
+    result, log = _compile(_kernel_source(inputs, outputs, template, cm._SOURCE, header))
     assert result == 0, log[-4000:]
     assert "warning" not in log, log[-4000:]

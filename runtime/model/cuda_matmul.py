@@ -126,6 +126,8 @@ def route(model: nn.Module) -> nn.Module:
 def warm(model: nn.Module) -> None:
     """Compile the kernel for the dtypes of ``model``'s routed layers, so the first forward of
     a few rows does not wait for NVRTC. A no-op off CUDA or where none is routed."""
+    if not cuda_attention.available():
+        return
     dtypes = {
         m.weight.dtype
         for _, m in model.named_modules()
