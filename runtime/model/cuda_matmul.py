@@ -4,7 +4,7 @@ A decode batch of B rows, or a verification forward of K + 1 tokens, multiplies 
 by a few rows. MLX runs one row through its own matrix-vector kernel, and two or more through
 cuBLASLt, whose every call costs the host more: MLX builds its descriptors, asks cuBLASLt's
 heuristic for an algorithm and captures the call into its CUDA graph each time. On an H100
-(s28, ``bench/results/rows-shapes-gpu-h100-s28.md``) such a call took ~19 us of the host
+(s28, ``bench/results/rows-gather-gpu-h100-s28.md``) such a call took ~19 us of the host
 to encode against ~7 for one row, and a decode step of mlx-lm's llama medium (65 products)
 went from 1.72 ms at one row to 3.1 ms at two: a step that the host bounds paid for its rows in
 host time, not device time.
@@ -32,7 +32,7 @@ from mlxc.runtime.model import cuda_attention
 
 # Rows a call takes: one tile of the mma's 16. At 32 and 64 rows an earlier version (two and
 # four tiles) lost to cuBLAS on the device more than it saved the host (s28, H100:
-# ``rows-ceiling-gpu-h100-s28.md``), so more rows go to cuBLAS.
+# ``rows-matmul-64-gpu-h100-s28.md``), so more rows go to cuBLAS.
 MAX_ROWS = 16
 TILE_COLS = 2  # tiles of 8 columns a block computes (NT)
 WARPS = 4  # warps of a block, splitting K (KW)
