@@ -87,7 +87,12 @@ def _call(x: mx.array, weight: mx.array) -> mx.array:
 
 @functools.lru_cache(maxsize=256)
 def _compiled(n: int, k: int, dtype: mx.Dtype):
-    return mx.compile(_call)
+    # A function object of its own: MLX keys a compiled function's traces by the function
+    # compiled, and looks through them one by one.
+    def call(x: mx.array, weight: mx.array) -> mx.array:
+        return _call(x, weight)
+
+    return mx.compile(call)
 
 
 @functools.lru_cache(maxsize=1024)
