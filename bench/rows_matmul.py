@@ -7,10 +7,11 @@ MLX multiplies one row by a weight with its matrix-vector kernel and two or more
 ``cuda_matmul.MAX_ROWS`` rows. Two parts, both sides in one process:
 
 * **products**: the projections of ``bench.models``' llama medium and its LM head at 1 to 64 rows,
-  ``--calls`` independent products a graph: the host's time to build the graph, to encode it
-  (``mx.async_eval`` with the device idle), and the wall time of the whole, per product; best of
-  three. ``x @ w.T`` against ``cuda_matmul.matmul`` (MLX's own product where it does not apply:
-  one row, more than MAX_ROWS);
+  ``--calls`` independent products a graph, timed as ``bench.encode_costs`` times an operation
+  (per product: building the graph, MLX encoding it with the device idle, and the wall time
+  from the build's end to the results; median of ``--repeats``). ``x @ w.T`` against
+  ``cuda_matmul.matmul`` (MLX's own product where it does not apply: one row, more than
+  MAX_ROWS);
 * **decode**: ``bench.ceiling``'s loop (all rows decode together, each step queued with
   ``mx.async_eval`` before the last one's tokens are read) on mlx-lm's llama medium, its
   ``nn.Linear`` and ``nn.Embedding`` layers routed and not, alternating, best of ``--repeats``
@@ -23,27 +24,16 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 SHAPES = [(2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048), (2048, 128256)]  # K, N
 
 
-def products(rows: list[int], calls: int) -> list[dict]:
+def products(rows: list[int], calls: int, repeats: int) -> list[dict]:
     import mlx.core as mx
 
+    from bench.encode_costs import measure
     from mlxc.runtime.model import cuda_matmul
-
-    def timed(fn, ws, xs) -> tuple[float, float, float]:
-        mx.synchronize()
-        t0 = time.perf_counter()
-        outs = [fn(x, w) for x, w in zip(xs, ws, strict=True)]
-        t1 = time.perf_counter()
-        mx.async_eval(outs)
-        t2 = time.perf_counter()
-        mx.eval(outs)
-        t3 = time.perf_counter()
-        return tuple((b - a) / len(xs) * 1e6 for a, b in ((t0, t1), (t1, t2), (t0, t3)))
 
     sides = {
         "mlx": lambda x, w: x @ w.T,
@@ -56,18 +46,19 @@ def products(rows: list[int], calls: int) -> list[dict]:
         mx.eval(ws)
         for M in rows:
             xs = [mx.random.normal((M, K)).astype(mx.bfloat16) for _ in range(calls)]
-            wl = [ws[i % n_weights] for i in range(calls)]
             mx.eval(xs)
             row = {"K": K, "N": N, "rows": M}
             for name, fn in sides.items():
-                timed(fn, wl[:4], xs[:4])  # compiles, allocations
-                best = min((timed(fn, wl, xs) for _ in range(3)), key=lambda r: r[2])
-                row[name] = dict(zip(("build_us", "encode_us", "total_us"), best, strict=True))
+                row[name] = measure(_graph(fn, xs, ws), calls, repeats)
             out.append(row)
             print(f"[rows_matmul] {K}x{N} rows {M}: {row}", file=sys.stderr, flush=True)
-        del ws
         mx.clear_cache()
     return out
+
+
+def _graph(fn, xs: list, ws: list):
+    """``build(n)``: ``n`` independent products ``fn(x, w)``, the weights taken in turn."""
+    return lambda n: [fn(xs[i], ws[i % len(ws)]) for i in range(n)]
 
 
 def decode(model_dir: Path, batches: list[int], steps: int, repeats: int) -> list[dict]:
@@ -79,6 +70,8 @@ def decode(model_dir: Path, batches: list[int], steps: int, repeats: int) -> lis
     from mlxc.runtime.model import cuda_matmul
 
     model, _ = load(str(model_dir))
+    if mx.default_device() == mx.cpu:  # as bench.ceiling: mlxc computes in float32 there
+        model.set_dtype(mx.float32)
     vocab = model.args.vocab_size
     routed = {cuda_matmul.RowsLinear: nn.Linear, cuda_matmul.RowsEmbedding: nn.Embedding}
 
@@ -131,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         path = Path(tmp) / "llama"
         models.write_checkpoint(path, "llama", "medium")
         models.write_tokenizer(path, models.config("llama", "medium")["vocab_size"])
-        table = products(rows, args.calls)
+        table = products(rows, args.calls, args.repeats)
         steps = decode(path, batches, args.steps, args.repeats)
     device = mx.device_info().get("device_name", "gpu")
     result = {"args": vars(args), "device": device, "mlx": mx.__version__}
@@ -151,20 +144,18 @@ def _markdown(r: dict) -> str:
             f"`python -m bench.rows_matmul --rows {a['rows']} --batches {a['batches']} --calls "
             f"{a['calls']} --steps {a['steps']} --repeats {a['repeats']}`. bf16. Products: "
             f"{a['calls']} independent ones a graph, microseconds per product (build: the graph "
-            "in Python; encode: `mx.async_eval` with the device idle; total: build to results), "
-            "best of 3. mlxc takes MLX's own product where its kernel does not apply (one row, "
-            "more than `cuda_matmul.MAX_ROWS`)."
+            "in Python; encode: `mx.async_eval` with the device idle; wall: the build's end to "
+            f"the results), median of {a['repeats']}. mlxc takes MLX's own product where its "
+            "kernel does not apply (one row, more than `cuda_matmul.MAX_ROWS`)."
         ),
         "",
-        "| K x N | rows | MLX build / encode / total | mlxc build / encode / total | total mlxc / MLX |",
+        "| K x N | rows | MLX build / encode / wall | mlxc build / encode / wall | wall mlxc / MLX |",
         "|---|---:|---|---|---:|",
     ]
     for p in r["products"]:
         m, c = p["mlx"], p["mlxc"]
-        cells = [
-            f"{s['build_us']:.1f} / {s['encode_us']:.1f} / {s['total_us']:.1f}" for s in (m, c)
-        ]
-        ratio = c["total_us"] / m["total_us"]
+        cells = [f"{s['build']:.1f} / {s['encode']:.1f} / {s['wall']:.1f}" for s in (m, c)]
+        ratio = c["wall"] / m["wall"]
         lines.append(
             f"| {p['K']}x{p['N']} | {p['rows']} | {cells[0]} | {cells[1]} | {ratio:.2f}x |"
         )

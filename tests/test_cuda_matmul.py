@@ -189,3 +189,22 @@ def test_routed_model_matches_unrouted(tmp_path):
     mlx_error = mx.abs(with_mlx - exact).max().item()
     assert mlx_error > 0  # bf16 rounding is there to compare with
     assert mx.abs(with_kernel - exact).max().item() <= 2 * mlx_error
+
+
+def test_bench_rows_matmul_runs_both_sides(tmp_path, monkeypatch):
+    """``bench.rows_matmul``'s two parts and its table, off CUDA (where both sides are MLX's
+    products: this checks the benchmark's plumbing, not a speed)."""
+    from bench import models, rows_matmul
+
+    monkeypatch.setattr(rows_matmul, "SHAPES", [(64, 48)])
+    table = rows_matmul.products([1, 2], calls=3, repeats=1)
+    assert [r["rows"] for r in table] == [1, 2]
+    assert all(r[s][k] > 0 for r in table for s in ("mlx", "mlxc") for k in ("build", "wall"))
+    models.write_checkpoint(tmp_path / "llama", "llama", "small")
+    models.write_tokenizer(tmp_path / "llama", models.config("llama", "small")["vocab_size"])
+    steps = rows_matmul.decode(tmp_path / "llama", [2], steps=2, repeats=1)
+    assert steps[0]["batch"] == 2 and steps[0]["mlx"] > 0 and steps[0]["mlxc"] > 0
+    args = {"rows": "1,2", "batches": "2", "calls": 3, "steps": 2, "repeats": 1}
+    report = {"args": args, "device": "cpu", "mlx": mx.__version__}
+    md = rows_matmul._markdown(report | {"products": table, "decode": steps})
+    assert "| 64x48 | 2 |" in md and "| 2 |" in md
