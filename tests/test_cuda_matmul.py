@@ -126,6 +126,7 @@ def test_applies_only_to_a_few_half_precision_rows(monkeypatch):
     assert not cuda_matmul.applies(rows(4, mx.float32), w.astype(mx.float32))
     assert not cuda_matmul.applies(rows(4, mx.float16), w)  # dtypes differ
     assert not cuda_matmul.applies(rows(4, k=48), mx.zeros((48, 48), mx.bfloat16))  # K % 32
+    assert not cuda_matmul.applies(rows(4, k=0), mx.zeros((48, 0), mx.bfloat16))
     monkeypatch.setattr(cuda_attention, "available", lambda: False)
     assert not cuda_matmul.applies(rows(4), w)
 

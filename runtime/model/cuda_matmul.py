@@ -62,6 +62,7 @@ def applies(x: mx.array, weight: mx.array) -> bool:
     return (
         x.dtype == weight.dtype
         and x.dtype in (mx.bfloat16, mx.float16)
+        and K >= K_STEP
         and K % K_STEP == 0
         and 2 <= x.size // K <= MAX_ROWS
         and weight.ndim == 2
@@ -143,7 +144,9 @@ def route(model: nn.Module) -> nn.Module:
 
 def warm(model: nn.Module) -> None:
     """Compile the kernel for the dtypes of ``model``'s routed layers, so the first forward of
-    a few rows does not wait for NVRTC. A no-op off CUDA or where none is routed."""
+    a few rows does not wait for NVRTC (about a second; MLX keeps no disk cache of custom
+    kernels: elsewhere a process's first such forward, a prompt of 2 to 16 tokens, waits).
+    A no-op off CUDA or where none is routed."""
     if not cuda_attention.available():
         return
     dtypes = {
