@@ -2,12 +2,13 @@
 
 On CUDA the kernel is checked against MLX's own matmul (bf16 and fp16, 2 to 16 rows, widths
 that do not fill a block's tiles), and a model with its projections routed against the same
-model without, both against it in float32. CI has no GPU: there the same source runs through ``tests/cuda_emulator`` (each
-thread a std::thread; the mma instruction emulated by its PTX fragment layout, bf16 only)
-against numpy's product of the same bf16 values in float64. What the emulator checks is the
-kernel's logic: the fragments' k order, the column tiles, the K split over warps and their
-sum, rows and columns past the edges, rows in several leading dims, unaligned rows. The sums are float32 in any order, then
-rounded to bf16 once: half a bf16 step (at most 2^-8 relative) plus float32 summation error.
+model without, both against it in float32. CI has no GPU: there the same source runs through
+``tests/cuda_emulator`` (each thread a std::thread; the mma instruction emulated by its PTX
+fragment layout, bf16 only) against numpy's product of the same bf16 values in float64. What
+the emulator checks is the kernel's logic: the fragments' k order, the column tiles, the K
+split over warps and their sum, rows and columns past the edges, rows in several leading dims,
+unaligned rows. The sums are float32 in any order, then rounded to bf16 once: half a bf16 step
+(at most 2^-8 relative) plus float32 summation error.
 """
 
 from __future__ import annotations
