@@ -147,6 +147,21 @@ def test_route_changes_only_dense_layers_and_only_on_cuda(monkeypatch):
     assert all(model.layers[0][k] is v for k, v in before.items())  # the same parameters
 
 
+def test_loading_routes_a_models_dense_layers_on_cuda(tmp_path, monkeypatch):
+    """``load_model`` hands its model to ``route`` last (after fusing): on CUDA (imitated here,
+    no forward runs) the fused projections and the untouched ones alike."""
+    import mlxc
+    from bench import models
+
+    models.write_checkpoint(tmp_path / "llama", "llama", "small")
+    monkeypatch.setattr(cuda_attention, "available", lambda: True)
+    model = mlxc.load_model(tmp_path / "llama")
+    kinds = {name.rsplit(".", 1)[-1]: type(m) for name, m in model.named_modules()}
+    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        assert kinds[name] is cuda_matmul.RowsLinear, name
+    assert kinds["embed_tokens"] is cuda_matmul.RowsEmbedding
+
+
 @cuda
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("M", [2, 3, 8, 9, 16])
