@@ -57,17 +57,21 @@ def _kernel():
 
 def applies(x: mx.array, weight: mx.array) -> bool:
     """Whether ``x @ weight.T`` should take ``matmul`` on this device: 2 to MAX_ROWS rows of
-    bf16 or fp16, the weight's dtype, K a multiple of 32, on CUDA."""
+    bf16 or fp16, the weight's dtype, K a multiple of 32, on CUDA. The row count first: every
+    one-row product of a decode step asks, and takes MLX's."""
     K = x.shape[-1]
     return (
-        x.dtype == weight.dtype
-        and x.dtype in (mx.bfloat16, mx.float16)
-        and K >= K_STEP
-        and K % K_STEP == 0
+        K >= K_STEP
         and 2 <= x.size // K <= MAX_ROWS
+        and K % K_STEP == 0
+        and x.dtype == weight.dtype
+        and x.dtype in _HALF
         and weight.ndim == 2
         and cuda_attention.available()
     )
+
+
+_HALF = (mx.bfloat16, mx.float16)
 
 
 def matmul(x: mx.array, weight: mx.array) -> mx.array:
@@ -113,10 +117,11 @@ class RowsLinear(nn.Linear):
     """``nn.Linear`` whose products of 2 to MAX_ROWS rows take ``matmul`` (``route``)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not applies(x, self.weight):
+        weight = self["weight"]  # the item, not the attribute: nn.Module's lookup costs more
+        if not applies(x, weight):
             return super().__call__(x)
-        y = matmul(x, self.weight)
-        return y + self.bias if "bias" in self else y
+        y = matmul(x, weight)
+        return y + self["bias"] if "bias" in self else y
 
 
 class RowsEmbedding(nn.Embedding):
@@ -124,7 +129,8 @@ class RowsEmbedding(nn.Embedding):
     MAX_ROWS rows (``route``)."""
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return matmul(x, self.weight) if applies(x, self.weight) else super().as_linear(x)
+        weight = self["weight"]
+        return matmul(x, weight) if applies(x, weight) else super().as_linear(x)
 
 
 def route(model: nn.Module) -> nn.Module:
@@ -152,7 +158,7 @@ def warm(model: nn.Module) -> None:
     dtypes = {
         m.weight.dtype
         for _, m in model.named_modules()
-        if isinstance(m, RowsLinear | RowsEmbedding) and m.weight.dtype in (mx.bfloat16, mx.float16)
+        if isinstance(m, RowsLinear | RowsEmbedding) and m.weight.dtype in _HALF
     }
     for dtype in sorted(dtypes, key=str):
         _warm(dtype)
