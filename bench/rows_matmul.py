@@ -110,9 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="write OUT.json and OUT.md")
     args = p.parse_args(argv)
 
-    import mlx.core as mx
+    import mlx.core as mx  # a CUDA benchmark: no CPU BLAS to pick first
 
-    import mlxc  # noqa: F401  (picks the BLAS before MLX's first use)
     from bench import models
     from mlxc.runtime.model import cuda_attention
 
