@@ -4,7 +4,8 @@
 
 Speculative decoding pays off when verifying K drafts costs little more than one decode step
 (issue target: <= 1.2x). This times, at the bench llama's shapes, each kind of work in a forward
-at 1 and at K+1 query tokens: the whole forward on a prompt's cache (rewound after each), every
+at 1 and at K+1 query tokens: the whole forward on a prompt's cache (rewound after each; also
+split into building its graph, MLX encoding it and the wait for the device), every
 projection of one layer and the LM head alone (``count`` independent copies per evaluation, so a
 kernel's launch is in its time, as in a forward), and attention over the prompt's keys through
 mlxc's ``attend`` (the mask a verification uses: ``"causal"``, or None for one query). A ratio
@@ -17,7 +18,9 @@ cuBLAS GEMM it gives several.
 On CUDA, where ``attend`` sends a verification's few queries to mlxc's kernel
 (``runtime.model.cuda_attention``), the whole forward and attention are also timed through
 ``layers.composed_attention`` instead (matmul, softmax, matmul: what a prefill chunk takes there):
-``forward_composed`` and ``attention_composed``, whether that costs a verification less.
+``forward_composed`` and ``attention_composed``, whether that costs a verification less; and
+the forward's parts with every product through MLX's (``forward_mlx_products_*``: cuBLAS for
+several rows) instead of mlxc's kernel (``runtime.model.cuda_matmul``).
 """
 
 from __future__ import annotations
@@ -45,17 +48,42 @@ def _per_call(fn, count: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _forward_parts(model, ids, cache, n: int, repeats: int) -> dict:
+    """Medians of a forward's three parts, one after another: building its graph (Python),
+    MLX encoding it with the device idle (``mx.async_eval``), and the wait for the device
+    after that. A part far above its one-query value says whether the host or the device pays
+    for a verification's extra tokens."""
+    import mlx.core as mx
+
+    from mlxc.runtime.model.cache import rewind_caches
+
+    parts: dict[str, list[float]] = {"build": [], "encode": [], "device": []}
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = model(ids, cache=cache)
+        built = time.perf_counter()
+        mx.async_eval(out)
+        encoded = time.perf_counter()
+        mx.eval(out)
+        done = time.perf_counter()
+        rewind_caches(cache, n)
+        for name, t in zip(parts, (built - start, encoded - built, done - encoded)):
+            parts[name].append(t)
+    return {f"forward_{name}_s": statistics.median(t) for name, t in parts.items()}
+
+
 def probe(model, prompt_len: int, queries: list[int], count: int, repeats: int) -> list[dict]:
     import mlx.core as mx
     import numpy as np
     from mlx import nn
 
     from bench.speculative import timed
-    from mlxc.runtime.model import cuda_attention
+    from mlxc.runtime.model import cuda_attention, cuda_matmul
     from mlxc.runtime.model.cache import cache_arrays, make_caches, rewind_caches
     from mlxc.runtime.model.layers import attend, composed_attention
 
     kernel_applies = cuda_attention.applies
+    rows_applies = cuda_matmul.applies
 
     def one_query_only(queries, values_dim, mask, quantized):
         return queries.shape[-2] == 1 and kernel_applies(queries, values_dim, mask, quantized)
@@ -88,6 +116,7 @@ def probe(model, prompt_len: int, queries: list[int], count: int, repeats: int) 
 
         forward()
         row["forward_s"], _ = timed(forward, repeats * 5)
+        row |= _forward_parts(model, ids, cache, n, repeats * 5)
         if composed:
             cuda_attention.applies = one_query_only  # several queries: composed_attention
             try:
@@ -95,6 +124,13 @@ def probe(model, prompt_len: int, queries: list[int], count: int, repeats: int) 
                 row["forward_composed_s"], _ = timed(forward, repeats * 5)
             finally:
                 cuda_attention.applies = kernel_applies
+            cuda_matmul.applies = lambda x, weight: False  # every product through MLX's
+            try:
+                forward()
+                parts = _forward_parts(model, ids, cache, n, repeats * 5)
+                row |= {k.replace("forward", "forward_mlx_products"): t for k, t in parts.items()}
+            finally:
+                cuda_matmul.applies = rows_applies
         for name, module in projections.items():
             width = (
                 module.scales.shape[-1] * module.group_size
