@@ -11,7 +11,9 @@ MLX multiplies one row by a weight with its matrix-vector kernel and two or more
   (per product: building the graph, MLX encoding it with the device idle, and the wall time
   from the build's end to the results; median of ``--repeats``). ``x @ w.T`` against
   ``cuda_matmul.matmul`` (MLX's own product where it does not apply: one row, more than
-  MAX_ROWS);
+  MAX_ROWS). Independent products overlap on the device, so a kernel of few, long blocks looks
+  better here than in a forward, where each product waits for the one before (s29: 0.58-0.86x
+  cuBLAS's time here, decode 0.50x); the decode part is the measure that counts;
 * **decode**: ``bench.ceiling``'s loop (all rows decode together, each step queued with
   ``mx.async_eval`` before the last one's tokens are read) on mlx-lm's llama medium, its
   ``nn.Linear`` and ``nn.Embedding`` layers routed and not, alternating, best of ``--repeats``

@@ -1,12 +1,12 @@
 """``runtime.model.cuda_matmul``: products of a few rows on CUDA's tensor cores.
 
-On CUDA the kernel is checked against MLX's own matmul (bf16 and fp16, 2 to 16 rows, widths
+On CUDA the kernel is checked against MLX's own matmul (bf16 and fp16, 2 to 32 rows, widths
 that do not fill a block's tiles), and a model with its projections routed against the same
 model without, both against it in float32. CI has no GPU: there the same source runs through
 ``tests/cuda_emulator`` (each thread a std::thread; the mma instruction emulated by its PTX
 fragment layout, bf16 only) against numpy's product of the same bf16 values in float64. What
 the emulator checks is the kernel's logic: the fragments' k order, the column tiles, the K
-split over warps and their sum, rows and columns past the edges, rows in several leading dims,
+split over warps and their sum, the blocks' rows of 16, rows and columns past the edges, rows in several leading dims,
 unaligned rows. The sums are float32 in any order, then rounded to bf16 once: half a bf16 step
 (at most 2^-8 relative) plus float32 summation error.
 """
@@ -69,7 +69,7 @@ def _emulate(tmp: Path, x: np.ndarray, w: np.ndarray, offset: int) -> np.ndarray
             f'  auto x = load<T>("{tmp / "x.bin"}"); auto w = load<T>("{tmp / "w.bin"}");',
             f"  std::vector<T> y({M * N});",
             f"  mlx::core::cu::Shape xs{{{{{dims}}}}}, ws{{{{{N}, {K}}}}};",
-            f"  launch({{{blocks}, 1, 1}}, {cuda_matmul.WARPS * 32}, [&] {{",
+            f"  launch({{{blocks}, {-(-M // 16)}, 1}}, {cuda_matmul.WARPS * 32}, [&] {{",
             f"    rows_matmul(x.data() + {offset}, xs, {x.ndim}, w.data() + {offset}, ws, y.data());",
             "  });",
             f'  std::ofstream out("{tmp / "y.bin"}", std::ios::binary);',
@@ -103,6 +103,9 @@ def _check(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
         ((4, 1), 512, 8, 0),  # a decode batch's [B, 1, K]; 16 K steps, four a warp
         ((3, 5), 32, 16, 0),  # a verification's [B, L, K]; one K step: three warps add zeros
         ((3,), 64, 24, 1),  # rows off 16-byte boundaries: element loads
+        ((17,), 64, 40, 0),  # two block rows, the second one row
+        ((32,), 96, 24, 0),  # two full block rows
+        ((5, 5), 128, 16, 1),  # 25 rows of a [B, L, K], unaligned
     ],
 )
 def test_emulated_kernel_matches_numpy(tmp_path, rows, K, N, offset):
@@ -123,7 +126,8 @@ def test_applies_only_to_a_few_half_precision_rows(monkeypatch):
     assert cuda_matmul.applies(rows(2), w) and cuda_matmul.applies(rows(16), w)
     assert cuda_matmul.applies(mx.zeros((4, 1, 64), mx.bfloat16), w)  # rows of any leading shape
     assert not cuda_matmul.applies(rows(1), w)  # MLX's matrix-vector kernel
-    assert not cuda_matmul.applies(rows(17), w)  # cuBLAS
+    assert cuda_matmul.applies(rows(17), w) and cuda_matmul.applies(rows(32), w)
+    assert not cuda_matmul.applies(rows(33), w)  # cuBLAS
     assert not cuda_matmul.applies(rows(4, mx.float32), w.astype(mx.float32))
     assert not cuda_matmul.applies(rows(4, mx.float16), w)  # dtypes differ
     assert not cuda_matmul.applies(rows(4, k=48), mx.zeros((48, 48), mx.bfloat16))  # K % 32
@@ -164,7 +168,7 @@ def test_loading_routes_a_models_dense_layers_on_cuda(tmp_path, monkeypatch):
 
 @cuda
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-@pytest.mark.parametrize("M", [2, 3, 8, 9, 16])
+@pytest.mark.parametrize("M", [2, 3, 8, 9, 16, 17, 32])
 @pytest.mark.parametrize("K, N", [(2048, 3072), (8192, 200), (96, 40)])
 def test_kernel_matches_mlx(dtype, M, K, N):
     mx.random.seed(M + K + N)

@@ -1,6 +1,6 @@
 // mlxc's CUDA matmul for a few rows (runtime/model/cuda_matmul.py says where it runs and why):
 // y[M, N] = x[M, K] w[N, K]^T in bf16 or fp16 on tensor cores (PTX mma m16n8k16, float sums),
-// for 2 to 16 rows of x. #included by its absolute path after MLX's device header, as
+// for 2 to 32 rows of x. #included by its absolute path after MLX's device header, as
 // cuda_attention.cuh is.
 #pragma once
 
@@ -38,16 +38,17 @@ __device__ __forceinline__ uint4 load8(const T* row, int e, bool vec) {
       h[4] | (uint32_t(h[5]) << 16), h[6] | (uint32_t(h[7]) << 16));
 }
 
-// One block per NT tiles of 8 columns of y (8 rows of w each), all of x's rows (up to 16: one
-// tile, rows past M read as zeros); its KW warps split K in steps of 32 and add up their sums
-// in shared memory at the end. A step of a warp is one 16-byte load per lane from each of its
-// 8 x NT rows of w (the weights: every byte read once, in full 32-byte sectors), two from x
-// (L1 and L2 serve them: every block reads x) and two mmas per tile of columns. A k-step's 32
-// values map to the two mmas' k slots out of order, the same order for x and w, so that each
-// lane's share of a row is 8 consecutive values: lane (g, t) (g = lane / 4, t = lane % 4)
-// holds k = 8t .. 8t + 7 of its row, slots {2t, 2t + 1} and {2t + 8, 2t + 9} of the first mma
-// taking k = 8t .. 8t + 3, those of the second 8t + 4 .. 8t + 7. The sum over k does not
-// depend on the order. x is [..., K] (its rows: every leading dim), w [N, K], y [..., N].
+// One block per NT tiles of 8 columns of y (8 rows of w each) and 16 rows of x (blockIdx.y:
+// which 16; rows past M read as zeros); its KW warps split K in steps of 32 and add up their
+// sums in shared memory at the end. A step of a warp is one 16-byte load per lane from each of
+// its 8 x NT rows of w (the weights: every byte read once per 16 rows, in full 32-byte
+// sectors), two from x (L1 and L2 serve them: every block reads its 16 rows) and two mmas per
+// tile of columns. A k-step's 32 values map to the two mmas' k slots out of order, the same
+// order for x and w, so that each lane's share of a row is 8 consecutive values: lane (g, t)
+// (g = lane / 4, t = lane % 4) holds k = 8t .. 8t + 7 of its row, slots {2t, 2t + 1} and
+// {2t + 8, 2t + 9} of the first mma taking k = 8t .. 8t + 3, those of the second
+// 8t + 4 .. 8t + 7. The sum over k does not depend on the order. x is [..., K] (its rows:
+// every leading dim), w [N, K], y [..., N].
 template <typename T, bool BF16, int NT, int KW>
 __device__ __forceinline__ void rows_matmul(const T* x, const mlx::core::cu::Shape& x_shape,
     int x_ndim, const T* w, const mlx::core::cu::Shape& w_shape, T* y) {
@@ -55,7 +56,7 @@ __device__ __forceinline__ void rows_matmul(const T* x, const mlx::core::cu::Sha
   for (int d = 0; d < x_ndim - 1; ++d) M *= x_shape[d];
   const int K = x_shape[x_ndim - 1], N = w_shape[0];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int n0 = blockIdx.x * 8 * NT;
+  const int n0 = blockIdx.x * 8 * NT, m0 = 16 * blockIdx.y;
   const bool vec = (reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) % 16 == 0;
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
   const T* wrow[NT];
@@ -66,9 +67,9 @@ __device__ __forceinline__ void rows_matmul(const T* x, const mlx::core::cu::Sha
     w_in[j] = n < N;
     wrow[j] = w + static_cast<long long>(w_in[j] ? n : 0) * K;
   }
-  const bool x_in[2] = {g < M, g + 8 < M};  // rows g and g + 8 of the tile
-  const T* xrow[2] = {x + static_cast<long long>(x_in[0] ? g : 0) * K,
-      x + static_cast<long long>(x_in[1] ? g + 8 : 0) * K};
+  const bool x_in[2] = {m0 + g < M, m0 + g + 8 < M};  // rows g and g + 8 of the tile
+  const T* xrow[2] = {x + static_cast<long long>(x_in[0] ? m0 + g : 0) * K,
+      x + static_cast<long long>(x_in[1] ? m0 + g + 8 : 0) * K};
   float acc[NT][4];
 #pragma unroll
   for (int j = 0; j < NT; ++j)
@@ -104,7 +105,7 @@ __device__ __forceinline__ void rows_matmul(const T* x, const mlx::core::cu::Sha
     float total = 0.f;
     for (int v = 0; v < KW; ++v) total += sums[v][idx];
     const int l = idx % 32, c = (idx / 32) % 4, j = idx / 128;
-    const int row = l / 4 + (c >= 2 ? 8 : 0), col = n0 + 8 * j + 2 * (l % 4) + (c & 1);
+    const int row = m0 + l / 4 + (c >= 2 ? 8 : 0), col = n0 + 8 * j + 2 * (l % 4) + (c & 1);
     if (row < M && col < N) y[static_cast<long long>(row) * N + col] = static_cast<T>(total);
   }
 }

@@ -30,10 +30,16 @@ from mlx import nn
 
 from mlxc.runtime.model import cuda_attention
 
-# Rows a call takes: one tile of the mma's 16. At 32 and 64 rows an earlier version (two and
-# four tiles) lost to cuBLAS on the device more than it saved the host (s28, H100:
-# ``rows-matmul-64-gpu-h100-s28.md``), so more rows go to cuBLAS.
-MAX_ROWS = 16
+# Rows a call takes: up to two tiles of the mma's 16, each tile a row of blocks (grid y) over
+# all the columns, so a block does the same work at 32 rows as at 16, and there are twice as
+# many. Each row of blocks reads all the weights (from L2 after the first) and each block its
+# 16 rows of x, so the reads through L2 grow with the rows. On an H100 (s29, decode with every
+# product routed, ``rows-matmul-64-gpu-h100-s29d.md``): 1.27x MLX's products at 16 rows, 1.09x
+# at 32, 0.76x at 64 (there the wide weights' products took 2.7-3.6x cuBLAS's time), so more
+# than 32 rows keep cuBLAS. Blocks of several row tiles lost at 32 and 64 rows: their work is
+# longer and their count smaller, and in a forward each product waits for the one before
+# (s28, s29: ``rows-matmul-64-gpu-h100-s28.md``, ``-s29.md``, ``-s29b.md``, ``-s29c.md``).
+MAX_ROWS = 32
 TILE_COLS = 2  # tiles of 8 columns a block computes (NT)
 WARPS = 4  # warps of a block, splitting K (KW)
 K_STEP = 32  # the kernel takes K in steps of 32
@@ -106,7 +112,11 @@ def _launch(shape: tuple[int, ...], dtype: mx.Dtype, n: int) -> dict:
     return {
         "template": [("T", dtype), ("BF16", dtype == mx.bfloat16)]
         + [("NT", TILE_COLS), ("KW", WARPS)],
-        "grid": (math.ceil(n / (8 * TILE_COLS)) * WARPS * 32, 1, 1),
+        "grid": (
+            math.ceil(n / (8 * TILE_COLS)) * WARPS * 32,
+            math.ceil(math.prod(shape[:-1]) / 16),
+            1,
+        ),
         "threadgroup": (WARPS * 32, 1, 1),
         "output_shapes": [(*shape[:-1], n)],
         "output_dtypes": [dtype],
@@ -151,7 +161,7 @@ def route(model: nn.Module) -> nn.Module:
 def warm(model: nn.Module) -> None:
     """Compile the kernel for the dtypes of ``model``'s routed layers, so the first forward of
     a few rows does not wait for NVRTC (about a second; MLX keeps no disk cache of custom
-    kernels: elsewhere a process's first such forward, a prompt of 2 to 16 tokens, waits).
+    kernels: elsewhere a process's first such forward, a prompt of 2 to MAX_ROWS tokens, waits).
     A no-op off CUDA or where none is routed."""
     if not cuda_attention.available():
         return
