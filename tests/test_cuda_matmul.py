@@ -6,8 +6,8 @@ model without, both against it in float32. CI has no GPU: there the same source 
 ``tests/cuda_emulator`` (each thread a std::thread; the mma instruction emulated by its PTX
 fragment layout, bf16 only) against numpy's product of the same bf16 values in float64. What
 the emulator checks is the kernel's logic: the fragments' k order, the column tiles, the K
-split over warps and their sum, the blocks' rows of 16, rows and columns past the edges, rows in several leading dims,
-unaligned rows. The sums are float32 in any order, then rounded to bf16 once: half a bf16 step
+split over warps and their sum, the rows of blocks (16 rows each), rows and columns past the
+edges, rows in several leading dims, unaligned rows. The sums are float32 in any order, then rounded to bf16 once: half a bf16 step
 (at most 2^-8 relative) plus float32 summation error.
 """
 
@@ -53,7 +53,8 @@ def _emulate(tmp: Path, x: np.ndarray, w: np.ndarray, offset: int) -> np.ndarray
     dims = ", ".join(map(str, x.shape))
     for name, a in (("x", x), ("w", w)):
         np.concatenate([np.zeros(offset, np.uint16), a.ravel()]).tofile(tmp / f"{name}.bin")
-    blocks = -(-N // (8 * cuda_matmul.TILE_COLS))
+    grid = cuda_matmul._launch(x.shape, mx.bfloat16, N)["grid"]  # the launch a call makes
+    blocks, block_rows = grid[0] // (cuda_matmul.WARPS * 32), grid[1]
     src = "\n".join(
         [
             f'#include "{HERE / "emulator.h"}"',
@@ -69,7 +70,7 @@ def _emulate(tmp: Path, x: np.ndarray, w: np.ndarray, offset: int) -> np.ndarray
             f'  auto x = load<T>("{tmp / "x.bin"}"); auto w = load<T>("{tmp / "w.bin"}");',
             f"  std::vector<T> y({M * N});",
             f"  mlx::core::cu::Shape xs{{{{{dims}}}}}, ws{{{{{N}, {K}}}}};",
-            f"  launch({{{blocks}, {-(-M // 16)}, 1}}, {cuda_matmul.WARPS * 32}, [&] {{",
+            f"  launch({{{blocks}, {block_rows}, 1}}, {cuda_matmul.WARPS * 32}, [&] {{",
             f"    rows_matmul(x.data() + {offset}, xs, {x.ndim}, w.data() + {offset}, ws, y.data());",
             "  });",
             f'  std::ofstream out("{tmp / "y.bin"}", std::ios::binary);',

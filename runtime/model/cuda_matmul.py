@@ -161,8 +161,8 @@ def route(model: nn.Module) -> nn.Module:
 def warm(model: nn.Module) -> None:
     """Compile the kernel for the dtypes of ``model``'s routed layers, so the first forward of
     a few rows does not wait for NVRTC (about a second; MLX keeps no disk cache of custom
-    kernels: elsewhere a process's first such forward, a prompt of 2 to MAX_ROWS tokens, waits).
-    A no-op off CUDA or where none is routed."""
+    kernels: elsewhere a process's first such forward, a prompt of 2 to MAX_ROWS tokens,
+    waits). A no-op off CUDA or where none is routed."""
     if not cuda_attention.available():
         return
     dtypes = {
