@@ -140,6 +140,11 @@ class LatentAttention(nn.Module):
     and the output instead, which reads far fewer bytes per token. Both equal the expanded form.
     """
 
+    # Loading fuses the two projections of x, q's low-rank one and the latent's, into one matmul
+    # (layers.fuse): a decode step is bound by kernel launches. The checkpoint keeps the two; a
+    # model built, not loaded, or one without q_a_proj (no q_lora_rank), runs them apart.
+    fusions = (("q_kv_a_proj", ("q_a_proj", "kv_a_proj_with_mqa")),)  # (fused, its parts)
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         dim = args.hidden_size
@@ -160,6 +165,7 @@ class LatentAttention(nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(
             dim, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias
         )
+        self.q_kv_a_proj = None  # q_a_proj | kv_a_proj_with_mqa, set by layers.fuse
         self.kv_a_layernorm = nn.RMSNorm(self.kv_lora_rank, eps=1e-06)
         self.kv_b_proj = nn.Linear(
             self.kv_lora_rank, self.n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
@@ -172,13 +178,18 @@ class LatentAttention(nn.Module):
     def __call__(self, x: mx.array, cache: KVCache, inputs: AttentionInputs) -> mx.array:
         """``inputs``: what attention reads from the cache, resolved once per forward."""
         B, L, _ = x.shape
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
+        if self.q_kv_a_proj is not None:  # one matmul; the splits are views
+            q_a, kv_a = mx.split(self.q_kv_a_proj(x), [self.q_lora_rank], axis=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            if self.q_lora_rank is None:
+                q = self.q_proj(x)
+            else:
+                q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            kv_a = self.kv_a_proj_with_mqa(x)
         q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         q_nope, q_pe = mx.split(q, [self.qk_nope_head_dim], axis=-1)
-        latent, k_pe = mx.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank], axis=-1)
+        latent, k_pe = mx.split(kv_a, [self.kv_lora_rank], axis=-1)
         latent = self.kv_a_layernorm(latent)[:, None]  # [B, 1, L, kv_lora_rank]: one shared head
         k_pe = k_pe[:, None]
         q_pe = self.rope(q_pe, offset=inputs.offset)

@@ -1,9 +1,10 @@
-"""Projections fused at load (``runtime.model.layers.fuse``): q|k|v and gate|up as one matmul.
+"""Projections fused at load (``runtime.model.layers.fuse``): q|k|v, gate|up and MLA's q_a|kv_a
+as one matmul.
 
 Loading fuses them by default, so every oracle test against transformers runs the fused
 model; here the fused model's logits and greedy tokens equal the unfused model's (the
 checkpoint's own layout, ``load_model(fuse=False)``) on a float checkpoint with q/k/v biases
-(qwen2), on stacked experts with biases (gpt_oss) and on 4-bit ones with q/k norms (qwen3),
+(qwen2), on stacked experts with biases (gpt_oss), on MLA (glm4_moe_lite) and on 4-bit ones with q/k norms (qwen3),
 converted by mlxc and by mlx-lm; files keep the hub names; parts that differ in quantisation
 stay apart; unfuse gives the parts back exactly. Sharding a fused model: tests/test_tensor_parallel.py ("llama fused", "qwen3 fused
 8-bit").
@@ -35,12 +36,15 @@ def names(model) -> list[str]:
     return [k for k, _ in tree_flatten(model.parameters())]
 
 
-def check_fused_equals_unfused(path: Path) -> None:
+GQA_FUSIONS = (("qkv_proj", "q_proj"), ("gate_up_proj", "gate_proj"))  # (fused, a part)
+
+
+def check_fused_equals_unfused(path: Path, fusions=GQA_FUSIONS) -> None:
     fused, parts = mlxc.load_model(path), mlxc.load_model(path, fuse=False)
-    assert any(".self_attn.qkv_proj." in k for k in names(fused))
-    assert any(".gate_up_proj." in k for k in names(fused))
-    assert not any(k.split(".")[-2] in ("q_proj", "gate_proj") for k in names(fused))
-    assert not any("qkv_proj" in k or "gate_up_proj" in k for k in names(parts))
+    for name, part in fusions:
+        assert any(f".{name}." in k for k in names(fused))
+        assert not any(k.split(".")[-2] == part for k in names(fused))
+        assert not any(f".{name}." in k for k in names(parts))
     ids = mx.array(IDS)
     np.testing.assert_allclose(np.array(fused(ids)), np.array(parts(ids)), atol=1e-5)
     # Through the cache: a prefill, then one-token decode steps.
@@ -56,6 +60,16 @@ def test_experts_with_biases_and_clamped_swiglu(tmp_path):
     """gpt_oss: q/k/v biases, sinks, yarn, a sliding window, and stacked experts whose gate
     and up (with their biases) become one gather matmul."""
     check_fused_equals_unfused(ck.make_gpt_oss(tmp_path / "gpt_oss"))
+
+
+def test_mla_projections_of_x(tmp_path):
+    """glm4_moe_lite's MLA: q's low-rank projection and the latent's (both of x) become one
+    matmul, so do the dense and shared experts' gate and up; the decode steps take the absorbed
+    path on the fused split."""
+    from test_glm4_moe_lite import make_server_checkpoint
+
+    fusions = (("q_kv_a_proj", "kv_a_proj_with_mqa"), ("gate_up_proj", "gate_proj"))
+    check_fused_equals_unfused(make_server_checkpoint(tmp_path / "glm4_moe_lite"), fusions)
 
 
 @pytest.fixture(scope="module")
