@@ -4,10 +4,10 @@ as one matmul.
 Loading fuses them by default, so every oracle test against transformers runs the fused
 model; here the fused model's logits and greedy tokens equal the unfused model's (the
 checkpoint's own layout, ``load_model(fuse=False)``) on a float checkpoint with q/k/v biases
-(qwen2), on stacked experts with biases (gpt_oss), on MLA (glm4_moe_lite) and on 4-bit ones with q/k norms (qwen3),
-converted by mlxc and by mlx-lm; files keep the hub names; parts that differ in quantisation
-stay apart; unfuse gives the parts back exactly. Sharding a fused model: tests/test_tensor_parallel.py ("llama fused", "qwen3 fused
-8-bit").
+(qwen2), on stacked experts with biases (gpt_oss), on MLA (glm4_moe_lite) and on 4-bit ones
+with q/k norms (qwen3), converted by mlxc and by mlx-lm; files keep the hub names; parts that
+differ in quantisation stay apart; unfuse gives the parts back exactly. Sharding a fused
+model: tests/test_tensor_parallel.py ("llama fused", "qwen3 fused 8-bit").
 """
 
 from __future__ import annotations

@@ -38,9 +38,10 @@ from mlxc.runtime.model import cuda_attention
 # at 32, 0.76x at 64 (there the wide weights' products took 2.7-3.6x cuBLAS's time), so more
 # than 32 rows keep cuBLAS (s30, another H100, ``rows-matmul-32-gpu-h100-s30.md``: 1.28x at 16,
 # 1.01x at 24 and 32; giving the LM head back to cuBLAS past 16 rows was no faster,
-# ``rows-matmul-wide-ab-gpu-h100-s30.md``). Blocks of several row tiles lost at 32 and 64 rows: their work is
-# longer and their count smaller, and in a forward each product waits for the one before
-# (s28, s29: ``rows-matmul-64-gpu-h100-s28.md``, ``-s29.md``, ``-s29b.md``, ``-s29c.md``).
+# ``rows-matmul-wide-ab-gpu-h100-s30.md``). Blocks of several row tiles lost at 32 and 64
+# rows: their work is longer and their count smaller, and in a forward each product waits for
+# the one before (s28, s29: ``rows-matmul-64-gpu-h100-s28.md``, ``-s29.md``, ``-s29b.md``,
+# ``-s29c.md``).
 MAX_ROWS = 32
 TILE_COLS = 2  # tiles of 8 columns a block computes (NT)
 WARPS = 4  # warps of a block, splitting K (KW)
