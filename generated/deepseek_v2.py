@@ -171,13 +171,10 @@ class LatentAttention(nn.Module):
         B, L, _ = x.shape
         if self.q_kv_a_proj is not None:  # one matmul; the splits are views
             q_a, kv_a = mx.split(self.q_kv_a_proj(x), [self.q_lora_rank], axis=-1)
-            q = self.q_b_proj(self.q_a_layernorm(q_a))
         else:
-            if self.q_lora_rank is None:
-                q = self.q_proj(x)
-            else:
-                q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_a = None if self.q_lora_rank is None else self.q_a_proj(x)
             kv_a = self.kv_a_proj_with_mqa(x)
+        q = self.q_proj(x) if q_a is None else self.q_b_proj(self.q_a_layernorm(q_a))
         q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         q_nope, q_pe = mx.split(q, [self.qk_nope_head_dim], axis=-1)
         latent, k_pe = mx.split(kv_a, [self.kv_lora_rank], axis=-1)

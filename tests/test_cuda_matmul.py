@@ -7,8 +7,8 @@ model without, both against it in float32. CI has no GPU: there the same source 
 fragment layout, bf16 only) against numpy's product of the same bf16 values in float64. What
 the emulator checks is the kernel's logic: the fragments' k order, the column tiles, the K
 split over warps and their sum, the rows of blocks (16 rows each), rows and columns past the
-edges, rows in several leading dims, unaligned rows. The sums are float32 in any order, then rounded to bf16 once: half a bf16 step
-(at most 2^-8 relative) plus float32 summation error.
+edges, rows in several leading dims, unaligned rows. The sums are float32 in any order, then
+rounded to bf16 once: half a bf16 step (at most 2^-8 relative) plus float32 summation error.
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ MAX_ROWS = 32
 TILE_COLS = 2  # tiles of 8 columns a block computes (NT)
 WARPS = 4  # warps of a block, splitting K (KW)
 K_STEP = 32  # the kernel takes K in steps of 32
+_HALF = (mx.bfloat16, mx.float16)  # the dtypes it computes in
 
 KERNEL_FILE = Path(__file__).with_name("cuda_matmul.cuh")
 # One call of the kernel's template (the code is #included by path, as cuda_attention's).
@@ -78,9 +79,6 @@ def applies(x: mx.array, weight: mx.array) -> bool:
         and weight.ndim == 2
         and cuda_attention.available()
     )
-
-
-_HALF = (mx.bfloat16, mx.float16)
 
 
 def matmul(x: mx.array, weight: mx.array) -> mx.array:
