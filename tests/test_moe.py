@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from mlx import nn
 
+from mlxc.runtime.model import cuda_attention
 from mlxc.runtime.model.moe import COMPILED_TOKENS, Experts, MoE, convert_expert_weights, route
 
 torch = pytest.importorskip("torch")
@@ -407,6 +408,105 @@ def test_sorted_gather_leaves_row_indices_to_mlx(monkeypatch, quantized):
         mx.eval(moe(x))
     assert {c[0] for c in calls} == {True, False}
     assert all(no_rows == is_sorted for is_sorted, no_rows in calls), calls
+
+
+def _quantized_experts(seed: int, mode: str, bias: bool = False, hidden: int = 64) -> Experts:
+    """Random experts (gate and up fused, as loading leaves them) quantised in ``mode``."""
+    from mlxc.runtime.model.moe import ExpertLinear
+
+    mx.random.seed(seed)
+    experts = Experts(hidden, 32, E, bias=bias)
+    experts.update(
+        nn.utils.tree_map(lambda p: mx.random.normal(p.shape) * 0.3, experts.parameters())
+    )
+    gate, up = experts.gate_proj, experts.up_proj
+    experts.gate_up_proj = ExpertLinear(hidden, 64, E, bias)
+    experts.gate_up_proj.weight = mx.concatenate([gate.weight, up.weight], axis=1)
+    if bias:
+        experts.gate_up_proj.bias = mx.concatenate([gate.bias, up.bias], axis=1)
+    nn.quantize(experts, 32, 4, mode=mode, class_predicate=lambda _, m: hasattr(m, "to_quantized"))
+    return experts
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("mode", ["affine", "mxfp4"])
+def test_cuda_prefill_dequantizes_quantized_experts(monkeypatch, mode, bias):
+    """Where MLX's CUDA backend runs (faked here: the CPU runs the same MLX calls), a gather
+    sorted by expert with ``DEQUANT_ROWS`` pairs per expert dequantises the experts and takes
+    ``gather_mm``: the same numbers as ``gather_qmm``'s. Fewer pairs, or a copy larger than
+    ``DEQUANT_BYTES``, keep ``gather_qmm``; so does a CPU without CUDA."""
+    from mlxc.runtime.model import moe
+    from mlxc.runtime.model.moe import DEQUANT_ROWS
+
+    experts = _quantized_experts(30, mode, bias)
+    tokens = DEQUANT_ROWS * E // K  # exactly DEQUANT_ROWS pairs per expert
+    x = mx.random.normal((tokens, 64), key=mx.random.key(31))
+    indices = mx.random.randint(0, E, (tokens, K), key=mx.random.key(32)).astype(mx.uint32)
+    want = np.array(experts.gathered(x, indices, True))  # no CUDA: gather_qmm
+    quantized_calls = []
+    real = mx.gather_qmm
+    monkeypatch.setattr(
+        mx, "gather_qmm", lambda *a, **kw: quantized_calls.append(1) or real(*a, **kw)
+    )
+    monkeypatch.setattr(cuda_attention, "available", lambda: True)
+    got = np.array(experts.gathered(x, indices, True))
+    assert quantized_calls == []  # both products (gate|up and down) dequantised
+    # Both sides multiply the same dequantised values in float32; only the order of the sums
+    # differs.
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert np.abs(want).mean() > 0.1
+
+    experts.gathered(x[:-1], indices[:-1], True)  # one token short of the rule
+    assert len(quantized_calls) == 2
+    monkeypatch.setattr(moe, "DEQUANT_BYTES", E * 64 * 64 * 4 - 1)  # gate|up's copy is larger
+    np.testing.assert_allclose(np.array(experts.gathered(x, indices, True)), want, atol=1e-4)
+    assert len(quantized_calls) == 3  # gate|up kept gather_qmm, down (half the size) did not
+
+
+def _experts_in_numpy(experts: Experts, x: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """``experts(x, indices)`` in float64 from MLX's dequantised weights: gate|up (fused), SwiGLU,
+    down, one token and expert at a time."""
+    q = {
+        name: getattr(experts, name) for name in ("gate_up_proj", "down_proj")
+    }  # QuantizedExpertLinear
+    w = {
+        name: np.array(linear.dequantized(mx.float32)).astype(np.float64)
+        for name, linear in q.items()
+    }
+    out = np.zeros((*indices.shape, w["down_proj"].shape[1]))
+    for t, chosen in enumerate(indices):
+        for j, e in enumerate(chosen):
+            gate, up = np.split(w["gate_up_proj"][e] @ x[t], 2)
+            h = gate / (1 + np.exp(-gate)) * up
+            out[t, j] = w["down_proj"][e] @ h
+    return out
+
+
+@pytest.mark.skipif(not cuda_attention.available(), reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("mode", ["affine", "mxfp4"])
+def test_cuda_dequantized_prefill_matches_gather_qmm(monkeypatch, mode):
+    """On CUDA, in bf16: a prefill's sorted gather through the dequantised experts against the
+    exact products of the same quantised weights (float64, numpy). The path rounds to bf16
+    where it hands on a product (gate|up, then down: 2^-9 of each value), so it is a few bf16
+    steps off; within 1% of the output's largest magnitude (a wrong expert or a transposed
+    weight is off by its whole size). MLX's ``gather_qmm`` on the same rows is reported beside
+    it (``DEQUANT_ROWS`` set past them): on the CPU, in bf16, it was 2% off, the dequantised
+    path 0.3%."""
+    from mlxc.runtime.model import moe
+
+    experts = _quantized_experts(33, mode, hidden=256)
+    experts.set_dtype(mx.bfloat16)
+    tokens = 64 * E // K  # 64 pairs per expert
+    x = mx.random.normal((tokens, 256), key=mx.random.key(34)).astype(mx.bfloat16)
+    indices = mx.random.randint(0, E, (tokens, K), key=mx.random.key(35)).astype(mx.uint32)
+    assert experts.gate_up_proj.dequantizes(indices.size, mx.bfloat16)
+    got = experts.gathered(x, indices, True)
+    monkeypatch.setattr(moe, "DEQUANT_ROWS", 10**9)
+    want = experts.gathered(x, indices, True)
+    exact = _experts_in_numpy(experts, np.array(x.astype(mx.float32)), np.array(indices))
+    got_err, want_err = (np.abs(np.array(a.astype(mx.float32)) - exact).max() for a in (got, want))
+    scale = np.abs(exact).max()
+    assert got_err <= 0.01 * scale, f"{got_err=} ({want_err=} through gather_qmm), {scale=}"
 
 
 def test_half_precision_experts_keep_their_dtype():

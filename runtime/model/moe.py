@@ -8,7 +8,9 @@ and expert biases, clamped SwiGLU, MXFP4 experts). Experts run through
 (token, expert) pairs the tokens are sorted by expert first so each expert's weights are read
 once in a contiguous run. On the CPU, where MLX's gather matmul multiplies row by row, a prefill
 with enough rows per expert multiplies each expert's run in one plain matmul instead
-(``Experts.by_expert``).
+(``Experts.by_expert``). On CUDA, where MLX's ``gather_qmm`` has no grouped kernel for sorted
+rows, a quantised prefill with enough rows per expert dequantises the experts for the product
+(``QuantizedExpertLinear.dequantizes``).
 
 Internal parameter layout (what the model's ``sanitize`` must produce), under the MoE's path::
 
@@ -88,6 +90,15 @@ PROJS = ("gate_proj", "up_proj", "down_proj")
 # the sorted gather matmul: its cost per expert is fixed, the gather's per row. Measured on the
 # bench's small MoE models, crossing over at 10-28 (mistral4, qwen3_moe, gpt_oss).
 BY_EXPERT_ROWS = 16
+# On CUDA, pairs per expert (on average) from which a quantised expert linear's sorted gather
+# dequantises its experts and takes MLX's grouped GEMM for rows sorted by expert (``gather_mm``):
+# MLX 0.32's CUDA ``gather_qmm`` multiplies each row on its own, and a 4-bit MoE's prefill ran
+# at a sixth of its bf16 speed (H200, s8: qwen3_moe at 2,048 tokens 10.1k against 64.0k
+# tokens/s), while a dequantisation reads the packed experts once and writes them once.
+DEQUANT_ROWS = 16
+# The largest dequantised copy a product may make (it lives for that one product): bigger
+# stacks (DeepSeek-V3's 256 experts, gpt-oss-120b's 128) keep ``gather_qmm``.
+DEQUANT_BYTES = 1 << 30
 # Tokens a row up to which a MoE block runs compiled (``MoE._compiled_step``): a decode step's
 # one, a verification's K + 1 (at most as many as mlxc's CUDA attention kernel takes).
 COMPILED_TOKENS = cuda_attention.MAX_QUERIES
@@ -140,24 +151,7 @@ class ExpertLinear(nn.Module):
             self.bias = mx.zeros((num_experts, output_dims))
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        w = self.weight.swapaxes(-1, -2)
-        if x.dtype != mx.float32 and mx.default_device() == mx.cpu:
-            # MLX's CPU gather_mm takes float32 only: widen for the product, hand back x's dtype.
-            y = mx.gather_mm(
-                x.astype(mx.float32),
-                w.astype(mx.float32),
-                lhs_indices=_lhs_indices(x, sorted_indices),
-                rhs_indices=indices,
-                sorted_indices=sorted_indices,
-            ).astype(x.dtype)
-        else:
-            y = mx.gather_mm(
-                x,
-                w,
-                lhs_indices=_lhs_indices(x, sorted_indices),
-                rhs_indices=indices,
-                sorted_indices=sorted_indices,
-            )
+        y = _gather_mm(x, self.weight, indices, sorted_indices)
         return _add_bias(self, y, indices)
 
     def by_runs(self, x: mx.array, runs: list[tuple[int, int, int]]) -> mx.array:
@@ -170,6 +164,22 @@ class ExpertLinear(nn.Module):
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine"):
         # nn.quantize calls this for every module that has it (checkpoint/loading.py's predicate).
         return QuantizedExpertLinear.from_dense(self, group_size, bits, mode)
+
+
+def _gather_mm(x: mx.array, weight: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
+    """Each row of ``x`` times its expert's ``weight [E, out, in]`` transposed."""
+    w = weight.swapaxes(-1, -2)
+    lhs = _lhs_indices(x, sorted_indices)
+    if x.dtype != mx.float32 and mx.default_device() == mx.cpu:
+        # MLX's CPU gather_mm takes float32 only: widen for the product, hand back x's dtype.
+        return mx.gather_mm(
+            x.astype(mx.float32),
+            w.astype(mx.float32),
+            lhs_indices=lhs,
+            rhs_indices=indices,
+            sorted_indices=sorted_indices,
+        ).astype(x.dtype)
+    return mx.gather_mm(x, w, lhs_indices=lhs, rhs_indices=indices, sorted_indices=sorted_indices)
 
 
 class QuantizedExpertLinear(nn.Module):
@@ -192,6 +202,9 @@ class QuantizedExpertLinear(nn.Module):
         return q
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        if sorted_indices and self.dequantizes(indices.size, x.dtype):
+            y = _gather_mm(x, self.dequantized(x.dtype), indices, True)
+            return _add_bias(self, y, indices)
         y = mx.gather_qmm(
             x,
             self["weight"],
@@ -206,6 +219,28 @@ class QuantizedExpertLinear(nn.Module):
             sorted_indices=sorted_indices,
         )
         return _add_bias(self, y, indices)
+
+    def dequantizes(self, pairs: int, dtype: mx.Dtype) -> bool:
+        """Whether a gather of ``pairs`` rows sorted by expert dequantises the experts first:
+        on CUDA, from ``DEQUANT_ROWS`` pairs per expert, where the copy in ``dtype`` stays
+        within ``DEQUANT_BYTES``."""
+        experts, out, packed = self["weight"].shape
+        copy = experts * out * (packed * 32 // self.bits) * dtype.size
+        return (
+            pairs >= DEQUANT_ROWS * experts and copy <= DEQUANT_BYTES and cuda_attention.available()
+        )
+
+    def dequantized(self, dtype: mx.Dtype) -> mx.array:
+        """The experts' weights ``[E, out, in]`` in ``dtype``, made anew for each product."""
+        return mx.dequantize(
+            self["weight"],
+            self["scales"],
+            self.get("biases"),
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+            dtype=dtype,
+        )
 
     def by_runs(self, x: mx.array, runs: list[tuple[int, int, int]]) -> mx.array:
         """As :meth:`ExpertLinear.by_runs`, through ``quantized_matmul``."""

@@ -1,0 +1,159 @@
+"""A quantised MoE's expert products in a prefill: ``gather_qmm`` against dequantise + ``gather_mm``.
+
+MLX 0.32's CUDA ``gather_qmm`` has no grouped kernel for rows sorted by expert, so a 4-bit MoE
+prefilled at a fraction of its bf16 speed; ``QuantizedExpertLinear.dequantizes`` (from
+``DEQUANT_ROWS`` pairs per expert) dequantises the stacked experts for the product and takes
+MLX's grouped GEMM instead. This times one block's expert products (fused gate|up, the
+activation, down: ``Experts.gathered`` with the pairs sorted by expert) both ways on the same
+inputs, per prompt length, for the bench models' expert shapes and Qwen3-30B-A3B's (4-bit
+affine, group 64, bf16 activations, random top-k choices): where the rule should start, and
+the extra peak memory of the copy. Median milliseconds of ``--repeats`` evaluated calls.
+
+    python -m bench.expert_prefill --out bench/results/expert-prefill-gpu-h100-s31
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+# (name, experts E, hidden, expert width, chosen per token k)
+SHAPES = [
+    ("qwen3_moe medium", 128, 2048, 256, 8),
+    ("deepseek_v3 medium", 64, 2048, 512, 8),
+    ("gpt_oss medium", 32, 2880, 960, 4),
+    ("Qwen3-30B-A3B", 128, 2048, 768, 8),
+]
+TOKENS = [32, 128, 512, 2048]
+
+
+def _experts(num: int, hidden: int, width: int):
+    import mlx.core as mx
+    from mlx import nn
+
+    from mlxc.runtime.model.moe import ExpertLinear, Experts
+
+    experts = Experts(hidden, width, num)
+    # As loading leaves it: gate and up fused into one stacked linear.
+    experts.gate_up_proj = ExpertLinear(hidden, 2 * width, num)
+    del experts["gate_proj"], experts["up_proj"]
+    nn.quantize(experts, 64, 4, class_predicate=lambda _, m: hasattr(m, "to_quantized"))
+    experts.set_dtype(mx.bfloat16)
+    mx.eval(experts.parameters())
+    return experts
+
+
+def _time(fn, repeats: int) -> tuple[float, float]:
+    """Median ms of ``repeats`` evaluated calls, and the extra peak MiB of one call."""
+    import mlx.core as mx
+
+    mx.eval(fn())
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(fn())
+    peak = (mx.get_peak_memory() - base) / 2**20
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times), peak
+
+
+def measure(repeats: int) -> list[dict]:
+    import mlx.core as mx
+
+    from mlxc.runtime.model import moe
+
+    rule, rows = moe.DEQUANT_ROWS, []
+    for name, num, hidden, width, k in SHAPES:
+        experts = _experts(num, hidden, width)
+        for tokens in TOKENS:
+            x = mx.random.normal((tokens, hidden), key=mx.random.key(1)).astype(mx.bfloat16)
+            scores = mx.random.uniform(shape=(tokens, num), key=mx.random.key(2))
+            indices = mx.argpartition(scores, -k, axis=-1)[:, -k:].astype(mx.uint32)
+            mx.eval(x, indices)
+            shape = f"{name} ({num}, {hidden}, {width}, {k})"
+            row = {"shape": shape, "tokens": tokens, "pairs_per_expert": tokens * k / num}
+            outputs = {}
+
+            def products(experts=experts, x=x, indices=indices):
+                return experts.gathered(x, indices, True)
+
+            for way, rule in (("gather_qmm", 10**9), ("dequantized", 0)):
+                moe.DEQUANT_ROWS = rule
+                row[way + "_ms"], row[way + "_peak_mib"] = _time(products, repeats)
+                outputs[way] = products().astype(mx.float32)
+            want = outputs["gather_qmm"]
+            err = mx.abs(outputs["dequantized"] - want).max() / mx.abs(want).max()
+            row["max_rel_diff"] = err.item()
+            row["speedup"] = row["gather_qmm_ms"] / row["dequantized_ms"]
+            rows.append(row)
+            print(row, flush=True)
+    moe.DEQUANT_ROWS = rule
+    return rows
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "# A quantised MoE's expert products in a prefill: gather_qmm against dequantised",
+        "",
+        (
+            f"`{result['command']}` on {result['device']}, MLX {result['mlx']}. One block's "
+            "expert products (gate|up, activation, down; pairs sorted by expert), 4-bit affine "
+            f"group 64, bf16; median of {result['repeats']} evaluated calls. `DEQUANT_ROWS` = "
+            f"{result['dequant_rows']} pairs per expert starts the dequantised path in mlxc."
+        ),
+        "",
+        (
+            "| experts (E, hidden, width, k) | tokens | pairs / expert | gather_qmm ms | "
+            "dequantised ms | speed-up | extra peak MiB gather_qmm / dequantised | max diff / max |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['shape']} | {r['tokens']} | {r['pairs_per_expert']:.0f} | "
+            f"{r['gather_qmm_ms']:.3f} | {r['dequantized_ms']:.3f} | **{r['speedup']:.2f}x** | "
+            f"{r['gather_qmm_peak_mib']:.0f} / {r['dequantized_peak_mib']:.0f} | "
+            f"{r['max_rel_diff']:.1e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.expert_prefill", description=__doc__)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", help="write OUT.json and OUT.md")
+    args = p.parse_args(argv)
+
+    import mlx.core as mx
+
+    from mlxc.runtime.model import cuda_attention, moe
+
+    if not cuda_attention.available():
+        raise SystemExit("needs MLX's CUDA backend: the rule applies only there")
+    result = {
+        "command": "python -m bench.expert_prefill "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "device": mx.device_info().get("device_name", "gpu"),
+        "mlx": mx.__version__,
+        "repeats": args.repeats,
+        "dequant_rows": moe.DEQUANT_ROWS,
+        "rows": measure(args.repeats),
+    }
+    text = markdown(result)
+    print(text)
+    if args.out:
+        with open(args.out + ".json", "w") as f:
+            json.dump(result, f, indent=1)
+        with open(args.out + ".md", "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
