@@ -26,6 +26,7 @@ SHAPES = [
     ("deepseek_v3 medium", 64, 2048, 512, 8),
     ("gpt_oss medium", 32, 2880, 960, 4),
     ("Qwen3-30B-A3B", 128, 2048, 768, 8),
+    ("Qwen3-235B-A22B", 128, 4096, 1536, 8),
 ]
 TOKENS = [32, 128, 512, 2048]
 
@@ -69,59 +70,89 @@ def measure(repeats: int) -> list[dict]:
 
     from mlxc.runtime.model import moe
 
-    rule, rows = moe.DEQUANT_ROWS, []
+    rows, rule = [], (moe.DEQUANT_ROWS, moe.DEQUANT_BYTES)
+    ways = {  # name -> (DEQUANT_ROWS, DEQUANT_BYTES, the call)
+        "gather_qmm": (10**9, 0, lambda e, x, i: e.gathered(x, i, True)),
+        "dequantized": (0, 1 << 62, lambda e, x, i: e.gathered(x, i, True)),
+        "by_expert": (10**9, 0, lambda e, x, i: e.by_expert(x, i)),
+    }
     for name, num, hidden, width, k in SHAPES:
         experts = _experts(num, hidden, width)
+        copy = experts.gate_up_proj.weight.shape
+        copy_mib = copy[0] * copy[1] * copy[2] * 32 // 4 * 2 / 2**20
         for tokens in TOKENS:
             x = mx.random.normal((tokens, hidden), key=mx.random.key(1)).astype(mx.bfloat16)
             scores = mx.random.uniform(shape=(tokens, num), key=mx.random.key(2))
             indices = mx.argpartition(scores, -k, axis=-1)[:, -k:].astype(mx.uint32)
             mx.eval(x, indices)
-            shape = f"{name} ({num}, {hidden}, {width}, {k})"
-            row = {"shape": shape, "tokens": tokens, "pairs_per_expert": tokens * k / num}
+            moe.DEQUANT_ROWS, moe.DEQUANT_BYTES = rule  # mlxc's own rule, for its column
+            row = {
+                "shape": f"{name} ({num}, {hidden}, {width}, {k})",
+                "tokens": tokens,
+                "pairs_per_expert": tokens * k / num,
+                "copy_mib": copy_mib,
+                "mlxc_dequantizes": experts.gate_up_proj.dequantizes(tokens * k, mx.bfloat16),
+            }
             outputs = {}
+            for way, (rows_rule, bytes_rule, call) in ways.items():
+                moe.DEQUANT_ROWS, moe.DEQUANT_BYTES = rows_rule, bytes_rule
 
-            def products(experts=experts, x=x, indices=indices):
-                return experts.gathered(x, indices, True)
+                def products(call=call, experts=experts, x=x, indices=indices):
+                    return call(experts, x, indices)
 
-            for way, rule in (("gather_qmm", 10**9), ("dequantized", 0)):
-                moe.DEQUANT_ROWS = rule
                 row[way + "_ms"], row[way + "_peak_mib"] = _time(products, repeats)
                 outputs[way] = products().astype(mx.float32)
             want = outputs["gather_qmm"]
-            err = mx.abs(outputs["dequantized"] - want).max() / mx.abs(want).max()
-            row["max_rel_diff"] = err.item()
-            row["speedup"] = row["gather_qmm_ms"] / row["dequantized_ms"]
+            for way in ("dequantized", "by_expert"):
+                err = mx.abs(outputs[way] - want).max() / mx.abs(want).max()
+                row[way + "_max_rel_diff"] = err.item()
+                row[way + "_speedup"] = row["gather_qmm_ms"] / row[way + "_ms"]
             rows.append(row)
             print(row, flush=True)
-    moe.DEQUANT_ROWS = rule
+    moe.DEQUANT_ROWS, moe.DEQUANT_BYTES = rule
     return rows
 
 
 def markdown(result: dict) -> str:
     lines = [
-        "# A quantised MoE's expert products in a prefill: gather_qmm against dequantised",
+        "# A quantised MoE's expert products in a prefill: gather_qmm, dequantised, by expert",
         "",
         (
             f"`{result['command']}` on {result['device']}, MLX {result['mlx']}. One block's "
-            "expert products (gate|up, activation, down; pairs sorted by expert), 4-bit affine "
-            f"group 64, bf16; median of {result['repeats']} evaluated calls. `DEQUANT_ROWS` = "
-            f"{result['dequant_rows']} pairs per expert starts the dequantised path in mlxc."
+            "expert products (gate|up, activation, down), 4-bit affine group 64, bf16, the "
+            "pairs sorted by expert: `gather_qmm` (MLX's), `dequantized` (the stacked experts "
+            "dequantised, then MLX's `gather_mm`), `by_expert` (the router's choice read on the "
+            "host, one `quantized_matmul` per expert's run of rows). Median ms of "
+            f"{result['repeats']} evaluated calls; speed-up against gather_qmm. mlxc dequantises "
+            f"from {result['dequant_rows']} pairs per expert where gate|up's copy is at most "
+            f"{result['dequant_mib']:.0f} MiB (column `mlxc`)."
         ),
         "",
         (
             "| experts (E, hidden, width, k) | tokens | pairs / expert | gather_qmm ms | "
-            "dequantised ms | speed-up | extra peak MiB gather_qmm / dequantised | max diff / max |"
+            "dequantized ms | speed-up | by_expert ms | speed-up | gate\\|up copy MiB | "
+            "extra peak MiB (qmm / deq / by expert) | mlxc |"
         ),
-        "|---|---:|---:|---:|---:|---:|---|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in result["rows"]:
+        peaks = " / ".join(
+            f"{r[w + '_peak_mib']:.0f}" for w in ("gather_qmm", "dequantized", "by_expert")
+        )
         lines.append(
             f"| {r['shape']} | {r['tokens']} | {r['pairs_per_expert']:.0f} | "
-            f"{r['gather_qmm_ms']:.3f} | {r['dequantized_ms']:.3f} | **{r['speedup']:.2f}x** | "
-            f"{r['gather_qmm_peak_mib']:.0f} / {r['dequantized_peak_mib']:.0f} | "
-            f"{r['max_rel_diff']:.1e} |"
+            f"{r['gather_qmm_ms']:.3f} | {r['dequantized_ms']:.3f} | "
+            f"**{r['dequantized_speedup']:.2f}x** | {r['by_expert_ms']:.3f} | "
+            f"**{r['by_expert_speedup']:.2f}x** | {r['copy_mib']:.0f} | {peaks} | "
+            f"{'dequantized' if r['mlxc_dequantizes'] else 'gather_qmm'} |"
         )
+    diffs = [
+        max(r["dequantized_max_rel_diff"], r["by_expert_max_rel_diff"]) for r in result["rows"]
+    ]
+    lines += [
+        "",
+        f"Largest difference from gather_qmm's output, over its largest magnitude: {max(diffs):.1e}.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -144,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         "mlx": mx.__version__,
         "repeats": args.repeats,
         "dequant_rows": moe.DEQUANT_ROWS,
+        "dequant_mib": moe.DEQUANT_BYTES / 2**20,
         "rows": measure(args.repeats),
     }
     text = markdown(result)
