@@ -92,9 +92,10 @@ PROJS = ("gate_proj", "up_proj", "down_proj")
 BY_EXPERT_ROWS = 16
 # On CUDA, pairs per expert (on average) from which a quantised expert linear's sorted gather
 # dequantises its experts and takes MLX's grouped GEMM for rows sorted by expert (``gather_mm``):
-# MLX 0.32's CUDA ``gather_qmm`` multiplies each row on its own, and a 4-bit MoE's prefill ran
-# at a sixth of its bf16 speed (H200, s8: qwen3_moe at 2,048 tokens 10.1k against 64.0k
-# tokens/s), while a dequantisation reads the packed experts once and writes them once.
+# MLX 0.32's CUDA ``gather_qmm`` has no such path (it never reads ``sorted_indices``), and a
+# 4-bit MoE's prefill ran at a sixth of its bf16 speed (H200, s8: qwen3_moe at 2,048 tokens
+# 10.1k against 64.0k tokens/s), while a dequantisation reads the packed experts once and
+# writes them once.
 DEQUANT_ROWS = 16
 # The largest dequantised copy a product may make (it lives for that one product): bigger
 # stacks (DeepSeek-V3's 256 experts, gpt-oss-120b's 128) keep ``gather_qmm``.
