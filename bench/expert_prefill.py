@@ -2,7 +2,7 @@
 
 MLX 0.32's CUDA ``gather_qmm`` has no grouped kernel for rows sorted by expert, so a 4-bit MoE
 prefilled at a fraction of its bf16 speed; ``QuantizedExpertLinear.dequantizes`` (from
-``DEQUANT_ROWS`` pairs per expert) dequantises the stacked experts for the product and takes
+``EXPERT_ROWS`` pairs per expert) dequantises the stacked experts for the product and takes
 MLX's grouped GEMM instead. This times one block's expert products (fused gate|up, the
 activation, down: ``Experts.gathered`` with the pairs sorted by expert) both ways on the same
 inputs, per prompt length, for the bench models' expert shapes and Qwen3-30B-A3B's (4-bit
@@ -68,10 +68,10 @@ def _time(fn, repeats: int) -> tuple[float, float]:
 def measure(repeats: int) -> list[dict]:
     import mlx.core as mx
 
-    from mlxc.runtime.model import moe
+    from mlxc.runtime.model import dequantized
 
-    rows, rule = [], (moe.DEQUANT_ROWS, moe.DEQUANT_BYTES)
-    ways = {  # name -> (DEQUANT_ROWS, DEQUANT_BYTES, the call)
+    rows, rule = [], (dequantized.EXPERT_ROWS, dequantized.EXPERT_BYTES)
+    ways = {  # name -> (EXPERT_ROWS, EXPERT_BYTES, the call)
         "gather_qmm": (10**9, 0, lambda e, x, i: e.gathered(x, i, True)),
         "dequantized": (0, 1 << 62, lambda e, x, i: e.gathered(x, i, True)),
         "by_expert": (10**9, 0, lambda e, x, i: e.by_expert(x, i)),
@@ -85,7 +85,9 @@ def measure(repeats: int) -> list[dict]:
             scores = mx.random.uniform(shape=(tokens, num), key=mx.random.key(2))
             indices = mx.argpartition(scores, -k, axis=-1)[:, -k:].astype(mx.uint32)
             mx.eval(x, indices)
-            moe.DEQUANT_ROWS, moe.DEQUANT_BYTES = rule  # mlxc's own rule, for its column
+            dequantized.EXPERT_ROWS, dequantized.EXPERT_BYTES = (
+                rule  # mlxc's own rule, for its column
+            )
             row = {
                 "shape": f"{name} ({num}, {hidden}, {width}, {k})",
                 "tokens": tokens,
@@ -95,7 +97,7 @@ def measure(repeats: int) -> list[dict]:
             }
             outputs = {}
             for way, (rows_rule, bytes_rule, call) in ways.items():
-                moe.DEQUANT_ROWS, moe.DEQUANT_BYTES = rows_rule, bytes_rule
+                dequantized.EXPERT_ROWS, dequantized.EXPERT_BYTES = rows_rule, bytes_rule
 
                 def products(call=call, experts=experts, x=x, indices=indices):
                     return call(experts, x, indices)
@@ -109,7 +111,7 @@ def measure(repeats: int) -> list[dict]:
                 row[way + "_speedup"] = row["gather_qmm_ms"] / row[way + "_ms"]
             rows.append(row)
             print(row, flush=True)
-    moe.DEQUANT_ROWS, moe.DEQUANT_BYTES = rule
+    dequantized.EXPERT_ROWS, dequantized.EXPERT_BYTES = rule
     return rows
 
 
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import mlx.core as mx
 
-    from mlxc.runtime.model import cuda_attention, moe
+    from mlxc.runtime.model import cuda_attention, dequantized
 
     if not cuda_attention.available():
         raise SystemExit("needs MLX's CUDA backend: the rule applies only there")
@@ -174,8 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         "device": mx.device_info().get("device_name", "gpu"),
         "mlx": mx.__version__,
         "repeats": args.repeats,
-        "dequant_rows": moe.DEQUANT_ROWS,
-        "dequant_mib": moe.DEQUANT_BYTES / 2**20,
+        "dequant_rows": dequantized.EXPERT_ROWS,
+        "dequant_mib": dequantized.EXPERT_BYTES / 2**20,
         "rows": measure(args.repeats),
     }
     text = markdown(result)

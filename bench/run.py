@@ -280,10 +280,11 @@ def _dtype_of(model) -> str:
 def plan(args, quant: str) -> tuple[list[int], int, int, int]:
     """(prefill lengths, decode prompt, decode tokens, repeats) of one pass and quantisation.
 
-    On the CPU, MLX's quantised matmul runs at ~1/30 of float32 OpenBLAS (4-bit prefill: ~10
-    tokens/s here), so 4-bit is measured for decode only, after a short prompt; and the
-    reference pass (reference BLAS, bf16 at a few GFLOP/s) uses the shortest prefill, half the
-    decode tokens and one repeat.
+    On the CPU, MLX's quantised matmul runs at ~1/30 of float32 OpenBLAS (mlx-lm's 4-bit
+    prefill: ~10 tokens/s here; mlxc's products of several rows go through a float copy,
+    ``runtime.model.dequantized``), so 4-bit is measured at the shortest prefill only and
+    decodes after a short prompt; and the reference pass (reference BLAS, bf16 at a few GFLOP/s)
+    uses the shortest prefill, half the decode tokens and one repeat.
     """
     prefill, decode_prompt, tokens, repeats = (
         list(args.prefill),
@@ -293,7 +294,7 @@ def plan(args, quant: str) -> tuple[list[int], int, int, int]:
     )
     if args.device == "cpu":
         if quant == "q4":
-            prefill, decode_prompt, tokens = [], 32, min(tokens, 32)
+            prefill, decode_prompt, tokens = prefill[:1], 32, min(tokens, 32)
         if args.child == "reference":
             prefill, tokens, repeats = prefill[:1], max(tokens // 2, 16), 1
     return prefill, decode_prompt, tokens, repeats

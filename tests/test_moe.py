@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mlx import nn
 
-from mlxc.runtime.model import cuda_attention
+from mlxc.runtime.model import cuda_attention, dequantized
 from mlxc.runtime.model.moe import COMPILED_TOKENS, Experts, MoE, convert_expert_weights, route
 
 torch = pytest.importorskip("torch")
@@ -432,14 +432,13 @@ def _quantized_experts(seed: int, mode: str, bias: bool = False, hidden: int = 6
 @pytest.mark.parametrize("mode", ["affine", "mxfp4"])
 def test_cuda_prefill_dequantizes_quantized_experts(monkeypatch, mode, bias):
     """Where MLX's CUDA backend runs (faked here: the CPU runs the same MLX calls), a gather
-    sorted by expert with ``DEQUANT_ROWS`` pairs per expert dequantises the experts and takes
+    sorted by expert with ``EXPERT_ROWS`` pairs per expert dequantises the experts and takes
     ``gather_mm``: the same numbers as ``gather_qmm``'s. Fewer pairs, or a copy larger than
-    ``DEQUANT_BYTES``, keep ``gather_qmm``; so does a CPU without CUDA."""
-    from mlxc.runtime.model import moe
-    from mlxc.runtime.model.moe import DEQUANT_ROWS
+    ``EXPERT_BYTES``, keep ``gather_qmm``; so does a CPU without CUDA."""
+    from mlxc.runtime.model.dequantized import EXPERT_ROWS
 
     experts = _quantized_experts(30, mode, bias)
-    tokens = DEQUANT_ROWS * E // K  # exactly DEQUANT_ROWS pairs per expert
+    tokens = EXPERT_ROWS * E // K  # exactly EXPERT_ROWS pairs per expert
     x = mx.random.normal((tokens, 64), key=mx.random.key(31))
     indices = mx.random.randint(0, E, (tokens, K), key=mx.random.key(32)).astype(mx.uint32)
     want = np.array(experts.gathered(x, indices, True))  # no CUDA: gather_qmm
@@ -458,7 +457,7 @@ def test_cuda_prefill_dequantizes_quantized_experts(monkeypatch, mode, bias):
 
     experts.gathered(x[:-1], indices[:-1], True)  # one token short of the rule
     assert len(quantized_calls) == 2
-    monkeypatch.setattr(moe, "DEQUANT_BYTES", E * 64 * 64 * 4 - 1)  # gate|up's copy is larger
+    monkeypatch.setattr(dequantized, "EXPERT_BYTES", E * 64 * 64 * 4 - 1)  # gate|up's is larger
     np.testing.assert_allclose(np.array(experts.gathered(x, indices, True)), want, atol=1e-4)
     assert len(quantized_calls) == 3  # gate|up kept gather_qmm, down (half the size) did not
 
@@ -470,7 +469,7 @@ def _experts_in_numpy(experts: Experts, x: np.ndarray, indices: np.ndarray) -> n
         name: getattr(experts, name) for name in ("gate_up_proj", "down_proj")
     }  # QuantizedExpertLinear
     w = {
-        name: np.array(linear.dequantized(mx.float32)).astype(np.float64)
+        name: np.array(dequantized.weight(linear, mx.float32)).astype(np.float64)
         for name, linear in q.items()
     }
     out = np.zeros((*indices.shape, w["down_proj"].shape[1]))
@@ -490,10 +489,8 @@ def test_cuda_dequantized_prefill_matches_gather_qmm(monkeypatch, mode):
     where it hands on a product (gate|up, then down: 2^-9 of each value), so it is a few bf16
     steps off; within 1% of the output's largest magnitude (a wrong expert or a transposed
     weight is off by its whole size). MLX's ``gather_qmm`` on the same rows is reported beside
-    it (``DEQUANT_ROWS`` set past them): on the CPU, in bf16, it was 2% off, the dequantised
+    it (``EXPERT_ROWS`` set past them): on the CPU, in bf16, it was 2% off, the dequantised
     path 0.3%."""
-    from mlxc.runtime.model import moe
-
     experts = _quantized_experts(33, mode, hidden=256)
     experts.set_dtype(mx.bfloat16)
     tokens = 64 * E // K  # 64 pairs per expert
@@ -501,7 +498,7 @@ def test_cuda_dequantized_prefill_matches_gather_qmm(monkeypatch, mode):
     indices = mx.random.randint(0, E, (tokens, K), key=mx.random.key(35)).astype(mx.uint32)
     assert experts.gate_up_proj.dequantizes(indices.size, mx.bfloat16)
     got = experts.gathered(x, indices, True)
-    monkeypatch.setattr(moe, "DEQUANT_ROWS", 10**9)
+    monkeypatch.setattr(dequantized, "EXPERT_ROWS", 10**9)
     want = experts.gathered(x, indices, True)
     exact = _experts_in_numpy(experts, np.array(x.astype(mx.float32)), np.array(indices))
     got_err, want_err = (np.abs(np.array(a.astype(mx.float32)) - exact).max() for a in (got, want))

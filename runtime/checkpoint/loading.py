@@ -29,7 +29,7 @@ from mlx.utils import tree_flatten
 
 from mlxc.runtime import blas
 from mlxc.runtime.checkpoint import fp8
-from mlxc.runtime.model import cuda_matmul, layers
+from mlxc.runtime.model import cuda_matmul, dequantized, layers
 from mlxc.runtime.model.config import ConfigError, context_length, lookup, recording_reads
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -481,9 +481,10 @@ def load_model(
 
 
 def _finish(model: nn.Module, fuse: bool) -> nn.Module:
-    """A loaded model as it runs: projections of one input fused (``fuse``), and on CUDA its
-    dense projections' products of a few rows through mlxc's kernel (``cuda_matmul.route``)."""
-    return cuda_matmul.route(layers.fuse(model) if fuse else model)
+    """A loaded model as it runs: projections of one input fused (``fuse``), on CUDA its dense
+    projections' products of a few rows through mlxc's kernel (``cuda_matmul.route``), on the
+    CPU its quantised products of several rows through a float copy (``dequantized.route``)."""
+    return dequantized.route(cuda_matmul.route(layers.fuse(model) if fuse else model))
 
 
 def _shard_and_read(

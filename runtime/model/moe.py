@@ -8,9 +8,9 @@ and expert biases, clamped SwiGLU, MXFP4 experts). Experts run through
 (token, expert) pairs the tokens are sorted by expert first so each expert's weights are read
 once in a contiguous run. On the CPU, where MLX's gather matmul multiplies row by row, a prefill
 with enough rows per expert multiplies each expert's run in one plain matmul instead
-(``Experts.by_expert``). On CUDA, where MLX's ``gather_qmm`` has no grouped kernel for sorted
-rows, a quantised prefill with enough rows per expert dequantises the experts for the product
-(``QuantizedExpertLinear.dequantizes``).
+(``Experts.by_expert``). Quantised experts multiply through a dequantised copy where MLX's
+quantised kernels are slow (``runtime.model.dequantized``): each expert's run of rows on the
+CPU, and on CUDA a prefill's gather sorted by expert.
 
 Internal parameter layout (what the model's ``sanitize`` must produce), under the MoE's path::
 
@@ -82,7 +82,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from mlxc.runtime.model import cuda_attention
+from mlxc.runtime.model import cuda_attention, dequantized
 from mlxc.runtime.model.layers import ACTIVATIONS, MLP, FusedSwiGLU, SwiGLU, glu
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -90,16 +90,6 @@ PROJS = ("gate_proj", "up_proj", "down_proj")
 # the sorted gather matmul: its cost per expert is fixed, the gather's per row. Measured on the
 # bench's small MoE models, crossing over at 10-28 (mistral4, qwen3_moe, gpt_oss).
 BY_EXPERT_ROWS = 16
-# On CUDA, pairs per expert (on average) from which a quantised expert linear's sorted gather
-# dequantises its experts and takes MLX's grouped GEMM for rows sorted by expert (``gather_mm``):
-# MLX 0.32's CUDA ``gather_qmm`` has no such path (it never reads ``sorted_indices``), and a
-# 4-bit MoE's prefill ran at a sixth of its bf16 speed (H200, s8: qwen3_moe at 2,048 tokens
-# 10.1k against 64.0k tokens/s), while a dequantisation reads the packed experts once and
-# writes them once.
-DEQUANT_ROWS = 16
-# The largest dequantised copy a product may make (it lives for that one product): bigger
-# stacks (DeepSeek-V3's 256 experts, gpt-oss-120b's 128) keep ``gather_qmm``.
-DEQUANT_BYTES = 1 << 30
 # Tokens a row up to which a MoE block runs compiled (``MoE._compiled_step``): a decode step's
 # one, a verification's K + 1 (at most as many as mlxc's CUDA attention kernel takes).
 COMPILED_TOKENS = cuda_attention.MAX_QUERIES
@@ -204,7 +194,7 @@ class QuantizedExpertLinear(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         if sorted_indices and self.dequantizes(indices.size, x.dtype):
-            y = _gather_mm(x, self.dequantized(x.dtype), indices, True)
+            y = _gather_mm(x, dequantized.weight(self, x.dtype), indices, True)
             return _add_bias(self, y, indices)
         y = mx.gather_qmm(
             x,
@@ -222,32 +212,18 @@ class QuantizedExpertLinear(nn.Module):
         return _add_bias(self, y, indices)
 
     def dequantizes(self, pairs: int, dtype: mx.Dtype) -> bool:
-        """Whether a gather of ``pairs`` rows sorted by expert dequantises the experts first:
-        on CUDA, from ``DEQUANT_ROWS`` pairs per expert, where the copy in ``dtype`` stays
-        within ``DEQUANT_BYTES``."""
-        experts, out, packed = self["weight"].shape
-        copy = experts * out * (packed * 32 // self.bits) * dtype.size
-        return (
-            pairs >= DEQUANT_ROWS * experts and copy <= DEQUANT_BYTES and cuda_attention.available()
-        )
-
-    def dequantized(self, dtype: mx.Dtype) -> mx.array:
-        """The experts' weights ``[E, out, in]`` in ``dtype``, made anew for each product."""
-        return mx.dequantize(
-            self["weight"],
-            self["scales"],
-            self.get("biases"),
-            group_size=self.group_size,
-            bits=self.bits,
-            mode=self.mode,
-            dtype=dtype,
-        )
+        """Whether a gather of ``pairs`` rows sorted by expert multiplies through the experts
+        dequantised to ``dtype`` (``dequantized.experts_on_cuda``)."""
+        return dequantized.experts_on_cuda(pairs, self["weight"].shape, self.bits, dtype)
 
     def by_runs(self, x: mx.array, runs: list[tuple[int, int, int]]) -> mx.array:
-        """As :meth:`ExpertLinear.by_runs`, through ``quantized_matmul``."""
+        """As :meth:`ExpertLinear.by_runs`, through ``quantized_matmul``, or for a run of
+        several rows on the CPU through the expert dequantised (``dequantized.on_cpu``)."""
         biases = self.get("biases")
         parts = [
-            mx.quantized_matmul(
+            dequantized.product(x[a:b], self, e)
+            if dequantized.on_cpu(x[a:b])
+            else mx.quantized_matmul(
                 x[a:b],
                 self["weight"][e],
                 self["scales"][e],

@@ -1,0 +1,115 @@
+"""Quantised products through a dequantised copy, where MLX 0.32's quantised kernels are slow.
+
+Two places, one idea: dequantise the weights for the one product (the copy is dropped after it)
+and take MLX's float kernel, which is faster there by more than the copy costs.
+
+- **The CPU**, any product of ``CPU_ROWS`` rows or more. MLX's CPU ``quantized_matmul`` runs at
+  ~3 GFLOP/s, scaling with the rows, while OpenBLAS's float32 GEMM runs at ~100 (2 cores,
+  4-bit, group 64, a 2,048 x 2,048 weight: 1 row 3.1 ms against 8.8 through the copy, 2 rows 6.6
+  against 6.8, 4 rows 11.9 against 7.1, 16 rows 48 against 8.0, 256 rows 708 against 22;
+  ``bench/results/cpu-dequantized-products-s31.md``). So a prefill, a decode batch or a
+  speculative verification multiplies through the copy, a single decode row keeps MLX's kernel.
+  The copy is made in pieces of at most ``PIECE_BYTES`` along the outputs (an LM head's float32
+  copy would be gigabytes), each piece's product written beside the others. Only with an
+  optimised BLAS (``blas.fast_cpu_matmul``): MLX's reference one gives the copy no such edge.
+  ``route`` gives a loaded model's quantised linears and embeddings this path.
+- **CUDA**, a MoE's expert gather over rows sorted by expert (a prefill): MLX's CUDA
+  ``gather_qmm`` has no grouped path for sorted rows (it never reads ``sorted_indices``), while
+  its ``gather_mm`` has. A 4-bit MoE prefilled at a sixth of its bf16 speed (H200, s8: qwen3_moe
+  at 2,048 tokens 10.1k against 64.0k tokens/s). From ``EXPERT_ROWS`` pairs per expert the
+  stacked experts are dequantised whole, where that copy is at most ``EXPERT_BYTES``
+  (``moe.QuantizedExpertLinear``).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx import nn
+
+from mlxc.runtime import blas
+from mlxc.runtime.model import cuda_attention
+
+CPU_ROWS = 3
+PIECE_BYTES = 64 << 20
+EXPERT_ROWS = 16
+# Larger stacks (DeepSeek-V3's 256 experts, gpt-oss-120b's 128) keep ``gather_qmm``.
+EXPERT_BYTES = 1 << 30
+
+
+def on_cpu(x: mx.array) -> bool:
+    """Whether a quantised product of ``x`` (``[..., in]``) goes through a copy on this CPU."""
+    return (
+        x.size >= CPU_ROWS * x.shape[-1]
+        and mx.default_device() == mx.cpu
+        and blas.fast_cpu_matmul()
+    )
+
+
+def experts_on_cuda(pairs: int, shape: tuple[int, ...], bits: int, dtype: mx.Dtype) -> bool:
+    """Whether a sorted gather of ``pairs`` rows over packed experts ``shape`` (``[E, out,
+    in * bits / 32]``) goes through a copy in ``dtype``: on CUDA, from ``EXPERT_ROWS`` pairs per
+    expert, the copy at most ``EXPERT_BYTES``."""
+    experts, out, packed = shape
+    copy = experts * out * (packed * 32 // bits) * dtype.size
+    return pairs >= EXPERT_ROWS * experts and copy <= EXPERT_BYTES and cuda_attention.available()
+
+
+def weight(layer: nn.Module, dtype: mx.Dtype, rows: slice | int = slice(None)) -> mx.array:
+    """``layer``'s quantised weight (``weight``, ``scales``, ``biases``: a quantised linear,
+    embedding or stack of experts), dequantised to ``dtype``; ``rows``: an index of its
+    leading axis (output rows, or one expert of a stack)."""
+    biases = layer.get("biases")
+    return mx.dequantize(
+        layer["weight"][rows],
+        layer["scales"][rows],
+        None if biases is None else biases[rows],
+        group_size=layer.group_size,
+        bits=layer.bits,
+        mode=layer.mode,
+        dtype=dtype,
+    )
+
+
+def product(x: mx.array, layer: nn.Module, expert: int | None = None) -> mx.array:
+    """``x @ W.T`` for ``layer``'s quantised weight ``W [out, in]`` (``expert``: that one of a
+    stack ``[E, out, in]``), through float copies of at most ``PIECE_BYTES`` each."""
+    out = layer["weight"].shape[-2]
+    step = max(1, PIECE_BYTES // (x.shape[-1] * x.dtype.size))
+    pieces = []
+    for start in range(0, out, step):
+        rows = slice(start, min(start + step, out))
+        pieces.append(x @ weight(layer, x.dtype, rows if expert is None else (expert, rows)).T)
+    return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-1)
+
+
+class DequantizingLinear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` whose products of ``CPU_ROWS`` rows or more on the CPU go
+    through a float copy (``route``)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not on_cpu(x):
+            return super().__call__(x)
+        y = product(x, self)
+        return y + self["bias"] if "bias" in self else y
+
+
+class DequantizingEmbedding(nn.QuantizedEmbedding):
+    """``nn.QuantizedEmbedding`` whose ``as_linear`` (a tied LM head) does the same."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return product(x, self) if on_cpu(x) else super().as_linear(x)
+
+
+def route(model: nn.Module) -> nn.Module:
+    """On a CPU with an optimised BLAS, give every ``nn.QuantizedLinear`` and
+    ``nn.QuantizedEmbedding`` of ``model`` (exactly those types: sharded layers have their own)
+    the copy for several rows, in place: their class changes, their parameters stay. A no-op
+    elsewhere. Returns ``model``."""
+    if mx.default_device() != mx.cpu or not blas.fast_cpu_matmul():
+        return model
+    for _, module in model.named_modules():
+        if type(module) is nn.QuantizedLinear:
+            module.__class__ = DequantizingLinear
+        elif type(module) is nn.QuantizedEmbedding:
+            module.__class__ = DequantizingEmbedding
+    return model

@@ -1,0 +1,124 @@
+"""``runtime.model.dequantized``: quantised products through a float copy on the CPU.
+
+The oracle is MLX's own ``quantized_matmul`` on the same packed weights. Both multiply the same
+dequantised values and sum in float32 (only the order of the sums differs), so they agree to
+float32 rounding: 1e-4 relative to the output's largest magnitude, where a wrong scale, a
+transposed piece or a piece out of place is off by a whole weight's worth. The copy is taken
+only with an optimised BLAS, so these tests say there is one (the mechanism is the same on
+MLX's reference BLAS); a whole model through it is checked by ``test_convert.py`` (a loaded
+4-bit checkpoint against its fake-quantised float twin, prefill and decode).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx import nn
+
+from mlxc.runtime import blas
+from mlxc.runtime.model import dequantized
+from mlxc.runtime.model.dequantized import CPU_ROWS, DequantizingEmbedding, DequantizingLinear
+
+QUANTS = [  # (group size, bits, mode)
+    (32, 4, "affine"),
+    (64, 8, "affine"),
+    (32, 4, "mxfp4"),
+]
+
+
+@pytest.fixture(autouse=True)
+def fast_blas(monkeypatch):
+    monkeypatch.setattr(blas, "fast_cpu_matmul", lambda: True)
+
+
+def _close(got: mx.array, want: mx.array) -> None:
+    want = np.array(want)
+    assert np.abs(want).max() > 1  # not two near-zero tensors
+    np.testing.assert_allclose(np.array(got), want, atol=1e-4 * np.abs(want).max(), rtol=0)
+
+
+def _quantized(shape: tuple[int, ...], group: int, bits: int, mode: str, seed: int):
+    """A quantised layer's parameters (``weight``, ``scales``, ``biases``) and settings."""
+    layer = nn.Module()
+    layer.group_size, layer.bits, layer.mode = group, bits, mode
+    w = mx.random.normal(shape, key=mx.random.key(seed))
+    layer.weight, layer.scales, *biases = mx.quantize(w, group, bits, mode=mode)
+    if biases:
+        layer.biases = biases[0]
+    return layer
+
+
+def _peer(x: mx.array, layer, expert: int | None = None) -> mx.array:
+    pick = (lambda a: a) if expert is None else (lambda a: a[expert])
+    biases = layer.get("biases")
+    return mx.quantized_matmul(
+        x,
+        pick(layer["weight"]),
+        pick(layer["scales"]),
+        None if biases is None else pick(biases),
+        transpose=True,
+        group_size=layer.group_size,
+        bits=layer.bits,
+        mode=layer.mode,
+    )
+
+
+@pytest.mark.parametrize(("group", "bits", "mode"), QUANTS)
+def test_product_in_pieces_equals_quantized_matmul(monkeypatch, group, bits, mode):
+    """Whole, in pieces (the last one short) and for one expert of a stack: MLX's product."""
+    layer = _quantized((100, 128), group, bits, mode, seed=1)
+    x = mx.random.normal((2, 5, 128), key=mx.random.key(2))
+    whole = dequantized.product(x, layer)
+    _close(whole, _peer(x, layer))
+    monkeypatch.setattr(dequantized, "PIECE_BYTES", 30 * 128 * 4)  # 30 rows: 4 pieces
+    _close(dequantized.product(x, layer), _peer(x, layer))
+    stack = _quantized((3, 100, 128), group, bits, mode, seed=3)
+    _close(dequantized.product(x[0], stack, 2), _peer(x[0], stack, 2))
+
+
+def test_products_of_several_rows_take_the_copy(monkeypatch):
+    """A routed linear (with a bias) and a tied head: fewer than CPU_ROWS rows keep MLX's
+    ``quantized_matmul``, CPU_ROWS or more dequantise; the same numbers either way."""
+    model = nn.Sequential(nn.Linear(64, 96, bias=True), nn.Embedding(40, 64))
+    model.update(nn.utils.tree_map(lambda p: mx.random.normal(p.shape), model.parameters()))
+    plain = {}
+    for rows in (1, CPU_ROWS - 1, CPU_ROWS, 9):
+        x = mx.random.normal((rows, 64), key=mx.random.key(rows))
+        plain[rows] = (model.layers[0](x), model.layers[1].as_linear(x))
+    nn.quantize(model, 32, 4)
+    unrouted = {}
+    for rows in plain:
+        x = mx.random.normal((rows, 64), key=mx.random.key(rows))
+        unrouted[rows] = (model.layers[0](x), model.layers[1].as_linear(x))
+    dequantized.route(model)
+    assert type(model.layers[0]) is DequantizingLinear
+    assert type(model.layers[1]) is DequantizingEmbedding
+    real, calls = mx.quantized_matmul, []
+    monkeypatch.setattr(mx, "quantized_matmul", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for rows, want in unrouted.items():
+        del calls[:]
+        x = mx.random.normal((rows, 64), key=mx.random.key(rows))
+        got = (model.layers[0](x), model.layers[1].as_linear(x))
+        assert len(calls) == (2 if rows < CPU_ROWS else 0), rows
+        for g, w in zip(got, want):
+            _close(g, w)
+        # and 4-bit noise, not another weight, away from the float layers
+        for g, p in zip(got, plain[rows]):
+            assert np.abs(np.array(g - p)).max() < 0.2 * np.abs(np.array(p)).max()
+
+
+def test_no_copy_without_a_fast_blas_or_off_the_cpu(monkeypatch):
+    """MLX's reference BLAS gives the copy no edge: there, and where the default device is not
+    the CPU, ``route`` changes nothing and no product takes the copy."""
+    monkeypatch.setattr(blas, "fast_cpu_matmul", lambda: False)
+    model = nn.Sequential(nn.Linear(64, 64))
+    nn.quantize(model, 32, 4)
+    assert type(dequantized.route(model).layers[0]) is nn.QuantizedLinear
+    assert not dequantized.on_cpu(mx.zeros((16, 64)))
+    monkeypatch.setattr(blas, "fast_cpu_matmul", lambda: True)
+    assert dequantized.on_cpu(mx.zeros((16, 64)))
+    assert not dequantized.on_cpu(mx.zeros((1, CPU_ROWS - 1, 64)))
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    assert not dequantized.on_cpu(mx.zeros((16, 64)))
+    assert type(dequantized.route(model).layers[0]) is nn.QuantizedLinear
