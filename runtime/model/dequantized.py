@@ -56,13 +56,20 @@ def experts_on_cuda(pairs: int, shape: tuple[int, ...], bits: int, dtype: mx.Dty
     return pairs >= EXPERT_ROWS * experts and copy <= EXPERT_BYTES and cuda_attention.available()
 
 
-def weight(layer: nn.Module, dtype: mx.Dtype, rows: slice | int = slice(None)) -> mx.array:
+def weight(
+    layer: nn.Module,
+    dtype: mx.Dtype,
+    rows: slice | int = slice(None),
+    after: mx.array | None = None,
+) -> mx.array:
     """``layer``'s quantised weight (``weight``, ``scales``, ``biases``: a quantised linear,
     embedding or stack of experts), dequantised to ``dtype``; ``rows``: an index of its
-    leading axis (output rows, or one expert of a stack)."""
+    leading axis (output rows, or one expert of a stack); ``after``: made only once that array
+    is."""
     biases = layer.get("biases")
+    packed = layer["weight"][rows]
     return mx.dequantize(
-        layer["weight"][rows],
+        packed if after is None else mx.depends(packed, after),
         layer["scales"][rows],
         None if biases is None else biases[rows],
         group_size=layer.group_size,
@@ -74,13 +81,17 @@ def weight(layer: nn.Module, dtype: mx.Dtype, rows: slice | int = slice(None)) -
 
 def product(x: mx.array, layer: nn.Module, expert: int | None = None) -> mx.array:
     """``x @ W.T`` for ``layer``'s quantised weight ``W [out, in]`` (``expert``: that one of a
-    stack ``[E, out, in]``), through float copies of at most ``PIECE_BYTES`` each."""
+    stack ``[E, out, in]``), through float copies of at most ``PIECE_BYTES`` each, each made
+    after the product before it: independent of one another, MLX would make several before
+    their products (a 256-token prefill of the small llama peaked 220 MiB over its weights
+    with 4 MiB pieces, 95 with one piece a weight)."""
     out = layer["weight"].shape[-2]
     step = max(1, PIECE_BYTES // (x.shape[-1] * x.dtype.size))
     pieces = []
     for start in range(0, out, step):
         rows = slice(start, min(start + step, out))
-        pieces.append(x @ weight(layer, x.dtype, rows if expert is None else (expert, rows)).T)
+        index = rows if expert is None else (expert, rows)
+        pieces.append(x @ weight(layer, x.dtype, index, pieces[-1] if pieces else None).T)
     return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-1)
 
 
