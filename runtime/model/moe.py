@@ -218,23 +218,26 @@ class QuantizedExpertLinear(nn.Module):
 
     def by_runs(self, x: mx.array, runs: list[tuple[int, int, int]]) -> mx.array:
         """As :meth:`ExpertLinear.by_runs`, through ``quantized_matmul``, or for a run of
-        several rows on the CPU through the expert dequantised (``dequantized.on_cpu``)."""
+        several rows on the CPU through the expert dequantised (``dequantized.on_cpu``), each
+        expert's copy made after the product before it."""
         biases = self.get("biases")
-        parts = [
-            dequantized.product(x[a:b], self, e)
-            if dequantized.on_cpu(x[a:b])
-            else mx.quantized_matmul(
-                x[a:b],
-                self["weight"][e],
-                self["scales"][e],
-                None if biases is None else biases[e],
-                transpose=True,
-                group_size=self.group_size,
-                bits=self.bits,
-                mode=self.mode,
+        parts: list[mx.array] = []
+        for e, a, b in runs:
+            if dequantized.on_cpu(x[a:b]):
+                parts.append(dequantized.product(x[a:b], self, e, parts[-1] if parts else None))
+                continue
+            parts.append(
+                mx.quantized_matmul(
+                    x[a:b],
+                    self["weight"][e],
+                    self["scales"][e],
+                    None if biases is None else biases[e],
+                    transpose=True,
+                    group_size=self.group_size,
+                    bits=self.bits,
+                    mode=self.mode,
+                )
             )
-            for e, a, b in runs
-        ]
         return _add_run_bias(self, parts, runs)
 
 
