@@ -5,8 +5,8 @@ and take MLX's float kernel, which is faster there by more than the copy costs.
 
 - **The CPU**, any product of ``CPU_ROWS`` rows or more. MLX's CPU ``quantized_matmul`` runs at
   ~3 GFLOP/s, scaling with the rows, while OpenBLAS's float32 GEMM runs at ~100 (2 cores,
-  4-bit, group 64, a 2,048 x 2,048 weight: 1 row 3.1 ms against 8.8 through the copy, 2 rows 6.6
-  against 6.8, 4 rows 11.9 against 7.1, 16 rows 48 against 8.0, 256 rows 708 against 22;
+  4-bit, group 64, a 2,048 x 2,048 weight: 1 row 2.8 ms against 5.0 through the copy, 2 rows
+  5.7 against 5.4, 3 rows 8.6 against 5.5, 16 rows 45 against 5.2, 256 rows 710 against 14;
   ``bench/results/cpu-dequantized-products-s31.md``). So a prefill, a decode batch or a
   speculative verification multiplies through the copy, a single decode row keeps MLX's kernel.
   The copy is made in pieces of at most ``PIECE_BYTES`` along the outputs, each piece's product
