@@ -441,7 +441,9 @@ def test_cuda_prefill_dequantizes_quantized_experts(monkeypatch, mode, bias):
     tokens = EXPERT_ROWS * E // K  # exactly EXPERT_ROWS pairs per expert
     x = mx.random.normal((tokens, 64), key=mx.random.key(31))
     indices = mx.random.randint(0, E, (tokens, K), key=mx.random.key(32)).astype(mx.uint32)
-    want = np.array(experts.gathered(x, indices, True))  # no CUDA: gather_qmm
+    monkeypatch.setattr(dequantized, "EXPERT_ROWS", 10**9)  # gather_qmm, on CUDA too
+    want = np.array(experts.gathered(x, indices, True))
+    monkeypatch.setattr(dequantized, "EXPERT_ROWS", EXPERT_ROWS)
     quantized_calls = []
     real = mx.gather_qmm
     monkeypatch.setattr(
