@@ -28,7 +28,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx import nn
 
-from mlxc.runtime.model import cuda_attention
+from mlxc.runtime.model import cuda_attention, layers
 
 # Rows a call takes: up to two tiles of the mma's 16, each tile a row of blocks (grid y) over
 # all the columns, so a block does the same work at 32 rows as at 16, and there are twice as
@@ -151,12 +151,7 @@ def route(model: nn.Module) -> nn.Module:
     elsewhere. Returns ``model``."""
     if not cuda_attention.available():
         return model
-    for _, module in model.named_modules():
-        if type(module) is nn.Linear:
-            module.__class__ = RowsLinear
-        elif type(module) is nn.Embedding:
-            module.__class__ = RowsEmbedding
-    return model
+    return layers.retype(model, {nn.Linear: RowsLinear, nn.Embedding: RowsEmbedding})
 
 
 def warm(model: nn.Module) -> None:

@@ -29,7 +29,7 @@ import mlx.core as mx
 from mlx import nn
 
 from mlxc.runtime import blas
-from mlxc.runtime.model import cuda_attention
+from mlxc.runtime.model import cuda_attention, layers
 
 CPU_ROWS = 3
 PIECE_BYTES = 4 << 20
@@ -122,9 +122,5 @@ def route(model: nn.Module) -> nn.Module:
     elsewhere. Returns ``model``."""
     if mx.default_device() != mx.cpu or not blas.fast_cpu_matmul():
         return model
-    for _, module in model.named_modules():
-        if type(module) is nn.QuantizedLinear:
-            module.__class__ = DequantizingLinear
-        elif type(module) is nn.QuantizedEmbedding:
-            module.__class__ = DequantizingEmbedding
-    return model
+    classes = {nn.QuantizedLinear: DequantizingLinear, nn.QuantizedEmbedding: DequantizingEmbedding}
+    return layers.retype(model, classes)

@@ -110,6 +110,15 @@ def gelu_approx_by_polynomial(x: mx.array) -> mx.array:
 CPU_ACTIVATIONS = {nn.silu: silu_by_polynomial, nn.gelu_approx: gelu_approx_by_polynomial}
 
 
+def retype(model: nn.Module, classes: dict[type, type]) -> nn.Module:
+    """Give every submodule of ``model`` whose type is exactly a key of ``classes`` the class it
+    maps to (a subclass with another product), in place: parameters stay. Returns ``model``."""
+    for _, module in model.named_modules():
+        if (new := classes.get(type(module))) is not None:
+            module.__class__ = new
+    return model
+
+
 # --- projections fused at load ---------------------------------------------------------------
 #
 # One decode step of one sequence is bound by kernel launches, not by weight reads: three
