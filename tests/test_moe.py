@@ -431,7 +431,7 @@ def _quantized_experts(seed: int, mode: str, bias: bool = False, hidden: int = 6
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("mode", ["affine", "mxfp4"])
 def test_cuda_prefill_dequantizes_quantized_experts(monkeypatch, mode, bias):
-    """Where MLX's CUDA backend runs (faked here: the CPU runs the same MLX calls), a gather
+    """Where MLX's CUDA backend runs (faked on a CPU, which runs the same MLX calls), a gather
     sorted by expert with ``EXPERT_ROWS`` pairs per expert dequantises the experts and takes
     ``gather_mm``: the same numbers as ``gather_qmm``'s. Fewer pairs, or a copy larger than
     ``EXPERT_BYTES``, keep ``gather_qmm``; so does a CPU without CUDA."""
@@ -467,12 +467,9 @@ def test_cuda_prefill_dequantizes_quantized_experts(monkeypatch, mode, bias):
 def _experts_in_numpy(experts: Experts, x: np.ndarray, indices: np.ndarray) -> np.ndarray:
     """``experts(x, indices)`` in float64 from MLX's dequantised weights: gate|up (fused), SwiGLU,
     down, one token and expert at a time."""
-    q = {
-        name: getattr(experts, name) for name in ("gate_up_proj", "down_proj")
-    }  # QuantizedExpertLinear
     w = {
-        name: np.array(dequantized.weight(linear, mx.float32)).astype(np.float64)
-        for name, linear in q.items()
+        name: np.array(dequantized.weight(experts[name], mx.float32)).astype(np.float64)
+        for name in ("gate_up_proj", "down_proj")
     }
     out = np.zeros((*indices.shape, w["down_proj"].shape[1]))
     for t, chosen in enumerate(indices):
