@@ -125,22 +125,20 @@ def measure_experts(repeats: int) -> list[dict]:
     }
     for name, num, hidden, width, k in SHAPES:
         experts = _experts(num, hidden, width)
-        copy = experts.gate_up_proj.weight.shape
-        copy_mib = copy[0] * copy[1] * copy[2] * 32 // 4 * 2 / 2**20
+        gate_up = experts.gate_up_proj
+        copy_mib = dequantized.copy_bytes(gate_up.weight.shape, gate_up.bits, mx.bfloat16) / 2**20
         for tokens in TOKENS:
             x = mx.random.normal((tokens, hidden), key=mx.random.key(1)).astype(mx.bfloat16)
             scores = mx.random.uniform(shape=(tokens, num), key=mx.random.key(2))
             indices = mx.argpartition(scores, -k, axis=-1)[:, -k:].astype(mx.uint32)
             mx.eval(x, indices)
-            dequantized.EXPERT_ROWS, dequantized.EXPERT_BYTES = (
-                rule  # mlxc's own rule, for its column
-            )
+            dequantized.EXPERT_ROWS, dequantized.EXPERT_BYTES = rule  # mlxc's, for its column
             row = {
                 "shape": f"{name} ({num}, {hidden}, {width}, {k})",
                 "tokens": tokens,
                 "pairs_per_expert": tokens * k / num,
                 "copy_mib": copy_mib,
-                "mlxc_dequantizes": experts.gate_up_proj.dequantizes(tokens * k, mx.bfloat16),
+                "mlxc_dequantizes": gate_up.dequantizes(tokens * k, mx.bfloat16),
             }
             outputs = {}
             for way, (rows_rule, bytes_rule, call) in ways.items():

@@ -25,6 +25,8 @@ and take MLX's float kernel, which is faster there by more than the copy costs.
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 from mlx import nn
 
@@ -47,13 +49,21 @@ def on_cpu(x: mx.array) -> bool:
     )
 
 
+def copy_bytes(shape: tuple[int, ...], bits: int, dtype: mx.Dtype) -> int:
+    """Bytes of the ``dtype`` copy of a packed weight ``shape`` (``[..., in * bits / 32]``)."""
+    *lead, packed = shape
+    return math.prod(lead) * (packed * 32 // bits) * dtype.size
+
+
 def experts_on_cuda(pairs: int, shape: tuple[int, ...], bits: int, dtype: mx.Dtype) -> bool:
     """Whether a sorted gather of ``pairs`` rows over packed experts ``shape`` (``[E, out,
     in * bits / 32]``) goes through a copy in ``dtype``: on CUDA, from ``EXPERT_ROWS`` pairs per
     expert, the copy at most ``EXPERT_BYTES``."""
-    experts, out, packed = shape
-    copy = experts * out * (packed * 32 // bits) * dtype.size
-    return pairs >= EXPERT_ROWS * experts and copy <= EXPERT_BYTES and cuda_attention.available()
+    return (
+        pairs >= EXPERT_ROWS * shape[0]
+        and copy_bytes(shape, bits, dtype) <= EXPERT_BYTES
+        and cuda_attention.available()
+    )
 
 
 def weight(
