@@ -433,8 +433,8 @@ def _quantized_experts(seed: int, mode: str, bias: bool = False, hidden: int = 6
 def test_cuda_prefill_dequantizes_quantized_experts(monkeypatch, mode, bias):
     """Where MLX's CUDA backend runs (faked on a CPU, which runs the same MLX calls), a gather
     sorted by expert with ``EXPERT_ROWS`` pairs per expert dequantises the experts and takes
-    ``gather_mm``: the same numbers as ``gather_qmm``'s. Fewer pairs, or a copy larger than
-    ``EXPERT_BYTES``, keep ``gather_qmm``; so does a CPU without CUDA."""
+    ``gather_mm``: the same numbers as ``gather_qmm``'s. Fewer pairs keep ``gather_qmm``; so
+    does a CPU without CUDA."""
     from mlxc.runtime.model.dequantized import EXPERT_ROWS
 
     experts = _quantized_experts(30, mode, bias)
@@ -459,9 +459,65 @@ def test_cuda_prefill_dequantizes_quantized_experts(monkeypatch, mode, bias):
 
     experts.gathered(x[:-1], indices[:-1], True)  # one token short of the rule
     assert len(quantized_calls) == 2
-    monkeypatch.setattr(dequantized, "EXPERT_BYTES", E * 64 * 64 * 4 - 1)  # gate|up's is larger
-    np.testing.assert_allclose(np.array(experts.gathered(x, indices, True)), want, atol=1e-4)
-    assert len(quantized_calls) == 3  # gate|up kept gather_qmm, down (half the size) did not
+
+
+@pytest.mark.parametrize("mode", ["affine", "mxfp4"])
+def test_cuda_prefill_copies_large_stacks_in_groups(monkeypatch, mode):
+    """A stack whose copy would pass ``EXPERT_BYTES`` is dequantised in groups of experts (CUDA
+    faked on the CPU, as above), each copy within it, the groups' rows found from the expert
+    counts on the host: a group with fewer than ``EXPERT_ROWS`` pairs per expert keeps
+    ``gather_qmm`` over its slice of the stack, one with no pairs is left out. The numbers are
+    ``gather_qmm``'s for the whole gather, expert biases included; such a forward reads the
+    host, so a MoE block does not compile it."""
+    from mlxc.runtime.model import moe
+    from mlxc.runtime.model.dequantized import EXPERT_ROWS
+
+    experts = _quantized_experts(36, mode, bias=True)
+    whole = dequantized.copy_bytes(experts.gate_up_proj["weight"].shape, 4, mx.float32)
+    # Experts 0-2 get no pairs, 3-5 3 * EXPERT_ROWS each, 6-7 EXPERT_ROWS / 2 each: over the
+    # whole stack, at least EXPERT_ROWS pairs per expert.
+    chosen = [3, 4, 5] * 3 * EXPERT_ROWS + [6, 7] * (EXPERT_ROWS // 2)
+    assert len(chosen) >= EXPERT_ROWS * E
+    chosen = np.random.default_rng(37).permutation(chosen).reshape(-1, K)
+    indices = mx.array(chosen.astype(np.uint32))
+    x = mx.random.normal((len(chosen), 64), key=mx.random.key(38))
+    monkeypatch.setattr(dequantized, "EXPERT_ROWS", 10**9)  # gather_qmm, on CUDA too
+    want = np.array(experts.gathered(x, indices, True))
+    monkeypatch.setattr(dequantized, "EXPERT_ROWS", EXPERT_ROWS)
+    monkeypatch.setattr(cuda_attention, "available", lambda: True)
+    monkeypatch.setattr(moe, "BY_EXPERT_ROWS", 10**9)  # no CPU by_expert: reads_host is CUDA's
+    assert not experts.reads_host(indices.size, mx.float32)  # the whole stack: one copy
+    monkeypatch.setattr(dequantized, "EXPERT_BYTES", whole * 3 // E)  # 3 experts a copy
+
+    copies, gathers = [], []  # gathers: (function, experts in its stack, indices)
+    real_weight = dequantized.weight
+    monkeypatch.setattr(
+        dequantized, "weight", lambda *a, **kw: copies.append(real_weight(*a, **kw)) or copies[-1]
+    )
+
+    def spy(name: str):
+        real = getattr(mx, name)
+
+        def call(*a, **kw):
+            gathers.append((name, a[1].shape[0], sorted(set(np.array(kw["rhs_indices"])))))
+            return real(*a, **kw)
+
+        return call
+
+    for name in ("gather_qmm", "gather_mm"):
+        monkeypatch.setattr(mx, name, spy(name))
+    assert experts.experts_per_copy(indices.size, mx.float32) == 3
+    assert experts.reads_host(indices.size, mx.float32)
+    got = np.array(experts.gathered(x, indices, True))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert np.abs(want).mean() > 0.1
+    # Experts 3-5 through a copy, 6-7 through gather_qmm, for gate|up then down; 0-2 nowhere.
+    # Indices count from the group's first expert (MLX's CPU gathers wrap larger ones around,
+    # which the numbers alone would not show here).
+    assert [c.shape[0] for c in copies] == [3, 3]
+    assert all(c.nbytes <= dequantized.EXPERT_BYTES for c in copies)
+    group_calls = [("gather_mm", 3, [0, 1, 2]), ("gather_qmm", 2, [0, 1])]
+    assert gathers == group_calls * 2
 
 
 def _experts_in_numpy(experts: Experts, x: np.ndarray, indices: np.ndarray) -> np.ndarray:
@@ -495,7 +551,7 @@ def test_cuda_dequantized_prefill_matches_gather_qmm(monkeypatch, mode):
     tokens = 64 * E // K  # 64 pairs per expert
     x = mx.random.normal((tokens, 256), key=mx.random.key(34)).astype(mx.bfloat16)
     indices = mx.random.randint(0, E, (tokens, K), key=mx.random.key(35)).astype(mx.uint32)
-    assert experts.gate_up_proj.dequantizes(indices.size, mx.bfloat16)
+    assert experts.experts_per_copy(indices.size, mx.bfloat16) == E  # the whole stack
     got = experts.gathered(x, indices, True)
     monkeypatch.setattr(dequantized, "EXPERT_ROWS", 10**9)
     want = experts.gathered(x, indices, True)

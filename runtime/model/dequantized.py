@@ -19,8 +19,8 @@ and take MLX's float kernel, which is faster there by more than the copy costs.
   ``gather_qmm`` has no grouped path for sorted rows (it never reads ``sorted_indices``), while
   its ``gather_mm`` has. A 4-bit MoE prefilled at a sixth of its bf16 speed (H200, s8: qwen3_moe
   at 2,048 tokens 10.1k against 64.0k tokens/s). From ``EXPERT_ROWS`` pairs per expert the
-  stacked experts are dequantised whole, where that copy is at most ``EXPERT_BYTES``
-  (``moe.QuantizedExpertLinear``).
+  stacked experts are dequantised, whole where that copy is at most ``EXPERT_BYTES``, else in
+  groups of experts within it, one group after another (``moe.Experts.copy_groups``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from mlxc.runtime.model import cuda_attention, layers
 CPU_ROWS = 3
 PIECE_BYTES = 4 << 20
 EXPERT_ROWS = 16
-# Larger stacks (DeepSeek-V3's 256 experts, gpt-oss-120b's 128) keep ``gather_qmm``.
+# Larger stacks (Qwen3-235B's 3 GiB gate|up, DeepSeek-V3's 14 GiB) are copied in groups of
+# experts, one group at a time.
 EXPERT_BYTES = 1 << 30
 
 
@@ -55,15 +56,18 @@ def copy_bytes(shape: tuple[int, ...], bits: int, dtype: mx.Dtype) -> int:
     return math.prod(lead) * (packed * 32 // bits) * dtype.size
 
 
-def experts_on_cuda(pairs: int, shape: tuple[int, ...], bits: int, dtype: mx.Dtype) -> bool:
-    """Whether a sorted gather of ``pairs`` rows over packed experts ``shape`` (``[E, out,
-    in * bits / 32]``) goes through a copy in ``dtype``: on CUDA, from ``EXPERT_ROWS`` pairs per
-    expert, the copy at most ``EXPERT_BYTES``."""
-    return (
-        pairs >= EXPERT_ROWS * shape[0]
-        and copy_bytes(shape, bits, dtype) <= EXPERT_BYTES
-        and cuda_attention.available()
-    )
+def experts_per_copy(pairs: int, num_experts: int, largest_copy: int) -> int:
+    """How many experts each copy holds when a gather of ``pairs`` rows sorted by expert, over
+    ``num_experts`` stacked quantised experts, multiplies through dequantised copies, one group
+    of experts after another (``largest_copy``: the bytes of the largest stacked linear's whole
+    copy): on CUDA, from ``EXPERT_ROWS`` pairs per expert, in as few groups of even size as keep
+    a copy within ``EXPERT_BYTES`` (``num_experts``: the whole stack at once). 0: no copy, MLX's
+    ``gather_qmm``."""
+    if pairs < EXPERT_ROWS * num_experts or not cuda_attention.available():
+        return 0
+    most = max(1, EXPERT_BYTES * num_experts // largest_copy)
+    groups = -(-num_experts // most)
+    return -(-num_experts // groups)  # groups of even size: 128 experts at most 42 -> 4 of 32
 
 
 def weight(

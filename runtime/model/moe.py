@@ -77,6 +77,7 @@ import functools
 import math
 import re
 from functools import partial
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -173,6 +174,18 @@ def _gather_mm(x: mx.array, weight: mx.array, indices: mx.array, sorted_indices:
     return mx.gather_mm(x, w, lhs_indices=lhs, rhs_indices=indices, sorted_indices=sorted_indices)
 
 
+class ExpertGroup(NamedTuple):
+    """Experts ``first .. stop - 1`` of a stack and their rows ``start .. end - 1`` in a gather
+    sorted by expert; ``copy``: multiplied through the group's experts dequantised, else
+    through MLX's ``gather_qmm`` (``Experts.copy_groups``)."""
+
+    first: int
+    stop: int
+    start: int
+    end: int
+    copy: bool
+
+
 class QuantizedExpertLinear(nn.Module):
     """Quantised :class:`ExpertLinear` (weight/scales/biases as mlx-lm's SwitchLinear saves;
     ``biases`` are affine mode's zero points, ``bias`` the layer's own bias)."""
@@ -192,15 +205,24 @@ class QuantizedExpertLinear(nn.Module):
         q.freeze()
         return q
 
-    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        if sorted_indices and self.dequantizes(indices.size, x.dtype):
-            y = _gather_mm(x, dequantized.weight(self, x.dtype), indices, True)
-            return _add_bias(self, y, indices)
+    def __call__(
+        self,
+        x: mx.array,
+        indices: mx.array,
+        sorted_indices: bool = False,
+        experts: slice | None = None,
+    ) -> mx.array:
+        """MLX's ``gather_qmm``; ``experts``: over that slice of the stack only (``indices``
+        counted from its start, no bias: ``by_groups``)."""
+        w, scales, biases = self["weight"], self["scales"], self.get("biases")
+        if experts is not None:
+            w, scales = w[experts], scales[experts]
+            biases = None if biases is None else biases[experts]
         y = mx.gather_qmm(
             x,
-            self["weight"],
-            self["scales"],
-            self.get("biases"),
+            w,
+            scales,
+            biases,
             lhs_indices=_lhs_indices(x, sorted_indices),
             rhs_indices=indices,
             transpose=True,
@@ -209,12 +231,28 @@ class QuantizedExpertLinear(nn.Module):
             mode=self.mode,
             sorted_indices=sorted_indices,
         )
-        return _add_bias(self, y, indices)
+        return y if experts is not None else _add_bias(self, y, indices)
 
-    def dequantizes(self, pairs: int, dtype: mx.Dtype) -> bool:
-        """Whether a gather of ``pairs`` rows sorted by expert multiplies through the experts
-        dequantised to ``dtype`` (``dequantized.experts_on_cuda``)."""
-        return dequantized.experts_on_cuda(pairs, self["weight"].shape, self.bits, dtype)
+    def by_groups(self, x: mx.array, indices: mx.array, groups: list[ExpertGroup]) -> mx.array:
+        """A gather of rows sorted by expert (``indices``), group of experts by group
+        (``Experts.copy_groups``): a group's experts dequantised to ``x``'s dtype, each copy
+        made after the product before it so one exists at a time, then MLX's ``gather_mm``; or
+        ``gather_qmm`` over its slice of the stack."""
+        parts: list[mx.array] = []
+        for g in groups:
+            rows, idx = x, indices
+            if (g.start, g.end) != (0, indices.size):
+                rows, idx = x[g.start : g.end], indices[g.start : g.end]
+            if g.first:
+                idx = idx - g.first
+            experts = slice(g.first, g.stop)
+            if g.copy:
+                w = dequantized.weight(self, x.dtype, experts, parts[-1] if parts else None)
+                parts.append(_gather_mm(rows, w, idx, True))
+            else:
+                parts.append(self(rows, idx, True, experts))
+        y = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+        return _add_bias(self, y, indices)
 
     def by_runs(self, x: mx.array, runs: list[tuple[int, int, int]]) -> mx.array:
         """As :meth:`ExpertLinear.by_runs`, through ``quantized_matmul``, or for a run of
@@ -299,22 +337,63 @@ class Experts(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """``x [N, H]``, ``indices [N, k]`` -> ``[N, k, H]`` (one output per chosen expert)."""
         indices = mx.stop_gradient(indices)
-        do_sort = indices.size >= self.sort_threshold
-        if self.reads_host(indices.size):
+        if self._by_expert_here(indices.size):
             return self.by_expert(x, indices)
-        return self.gathered(x, indices, do_sort)
+        return self.gathered(x, indices, indices.size >= self.sort_threshold)
 
-    def reads_host(self, pairs: int) -> bool:
-        """Whether ``pairs`` (token, expert) pairs take ``by_expert``, which reads the router's
-        choice on the host (the CPU, from ``BY_EXPERT_ROWS`` pairs per expert)."""
+    def reads_host(self, pairs: int, dtype: mx.Dtype) -> bool:
+        """Whether a forward of ``pairs`` (token, expert) pairs in ``dtype`` reads the router's
+        choice on the host (so cannot be compiled): ``by_expert`` on the CPU, or experts
+        dequantised in several groups on CUDA (``copy_groups``)."""
+        per = self.experts_per_copy(pairs, dtype)
+        return self._by_expert_here(pairs) or 0 < per < self.num_experts
+
+    def _by_expert_here(self, pairs: int) -> bool:
+        """Whether ``pairs`` take ``by_expert``: on the CPU, from ``BY_EXPERT_ROWS`` pairs per
+        expert."""
         return (
             mx.default_device() == mx.cpu
             and pairs >= self.sort_threshold
             and pairs >= BY_EXPERT_ROWS * self.num_experts
         )
 
+    def experts_per_copy(self, pairs: int, dtype: mx.Dtype) -> int:
+        """How many experts each dequantised copy holds in a gather of ``pairs`` rows sorted by
+        expert (``dequantized.experts_per_copy``); 0: none, MLX's ``gather_qmm`` (or experts
+        not all quantised)."""
+        linears = [self[name] for name in self._linear_names()]
+        if not all(isinstance(linear, QuantizedExpertLinear) for linear in linears):
+            return 0
+        largest = max(
+            dequantized.copy_bytes(linear["weight"].shape, linear.bits, dtype) for linear in linears
+        )
+        return dequantized.experts_per_copy(pairs, self.num_experts, largest)
+
+    def copy_groups(self, indices: mx.array, dtype: mx.Dtype) -> list[ExpertGroup] | None:
+        """For a gather whose rows are sorted by expert (``indices [R]``), the groups of
+        experts it multiplies through dequantised copies (``experts_per_copy``), or None. One
+        group (the whole stack) needs nothing from the host; several are bounded by the rows
+        of each expert, counted on the host. A group with fewer than ``EXPERT_ROWS`` pairs per
+        expert keeps ``gather_qmm``; a group with none is left out."""
+        per = self.experts_per_copy(indices.size, dtype)
+        if not per:
+            return None
+        E = self.num_experts
+        if per >= E:
+            return [ExpertGroup(0, E, 0, indices.size, True)]
+        stops = np.concatenate([[0], np.cumsum(np.bincount(np.asarray(indices), minlength=E))])
+        groups = []
+        for first in range(0, E, per):
+            stop = min(first + per, E)
+            start, end = int(stops[first]), int(stops[stop])
+            if end > start:
+                copy = end - start >= dequantized.EXPERT_ROWS * (stop - first)
+                groups.append(ExpertGroup(first, stop, start, end, copy))
+        return groups
+
     def gathered(self, x: mx.array, indices: mx.array, do_sort: bool) -> mx.array:
-        """``__call__`` through MLX's gather matmuls, the pairs sorted by expert or not."""
+        """``__call__`` through MLX's gather matmuls, the pairs sorted by expert or not; sorted,
+        quantised experts may multiply through dequantised copies (``copy_groups``)."""
         N, k = indices.shape
         H = x.shape[-1]
         # The one-row matrices are made by reshape, not by indexing with None: an inserted axis
@@ -327,7 +406,11 @@ class Experts(nn.Module):
         flat, order, inverse = _by_expert_order(indices)
         idx = flat[order]  # [N*k]
         x = x[order // k].reshape(N * k, 1, H)
-        y = self._experts(x, lambda linear, rows: linear(rows, idx, True))
+        groups = self.copy_groups(idx, x.dtype)
+        if groups is None:
+            y = self._experts(x, lambda linear, rows: linear(rows, idx, True))
+        else:
+            y = self._experts(x, lambda linear, rows: linear.by_groups(rows, idx, groups))
         return y[inverse].reshape(N, k, -1)
 
     def by_expert(self, x: mx.array, indices: mx.array) -> mx.array:
@@ -344,6 +427,13 @@ class Experts(nn.Module):
         x = x[order // k]  # [N*k, H], grouped by expert
         y = self._experts(x, lambda linear, rows: linear.by_runs(rows, runs))
         return y[inverse].reshape(N, k, -1)
+
+    def _linear_names(self) -> list[str]:
+        """The stacked linears this block holds: gate|up fused or gate and up, or up alone
+        (ungated); down."""
+        if self.gate_up_proj is not None:
+            return ["gate_up_proj", "down_proj"]
+        return [name for name in PROJS if name in self]
 
     def _experts(self, x: mx.array, product) -> mx.array:
         """``down(glu(gate(x), up(x)))`` (ungated: ``down(act(up(x)))``), ``product(linear,
@@ -579,7 +669,7 @@ class MoE(nn.Module):
         router = self.gate.float32() if self.scoring == "sigmoid" else ()
         if x.shape[-2] <= COMPILED_TOKENS and self.sharding_group is None:
             tokens = math.prod(x.shape[:-1])
-            if not self.experts.reads_host(tokens * self.top_k):
+            if not self.experts.reads_host(tokens * self.top_k, x.dtype):
                 return self._compiled_step()(x, *router)
         return self._forward(x, *router)
 
