@@ -122,3 +122,24 @@ def test_no_copy_without_a_fast_blas_or_off_the_cpu(monkeypatch):
     monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
     assert not dequantized.on_cpu(mx.zeros((16, 64)))
     assert type(dequantized.route(model).layers[0]) is nn.QuantizedLinear
+
+
+@pytest.mark.parametrize(
+    ("experts", "gib", "per"),
+    [
+        (128, 0.75, 128),  # Qwen3-30B-A3B's gate|up: the whole stack
+        (128, 1.0, 128),
+        (128, 3.0, 32),  # Qwen3-235B-A22B's: at most 42 a copy, so 4 groups of 32
+        (256, 14.0, 18),  # DeepSeek-V3's: at most 18, so 15 groups
+        (8, 100.0, 1),  # one expert's copy past the limit: one at a time all the same
+    ],
+)
+def test_experts_per_copy_keeps_each_copy_within_the_limit(experts, gib, per):
+    """Stacked experts are copied in as few groups of even size as keep each group's copy
+    within ``EXPERT_BYTES`` (1 GiB): the counts for real stacks' gate|up copies in bf16."""
+    largest = int(gib * 2**30)
+    assert dequantized.experts_per_copy(experts, largest) == per
+    limit, groups = dequantized.EXPERT_BYTES, -(-experts // per)
+    assert per == 1 or per * largest / experts <= limit
+    if groups > 1 and per > 1:  # one group fewer would pass the limit
+        assert -(-experts // (groups - 1)) * largest / experts > limit

@@ -56,15 +56,18 @@ def copy_bytes(shape: tuple[int, ...], bits: int, dtype: mx.Dtype) -> int:
     return math.prod(lead) * (packed * 32 // bits) * dtype.size
 
 
-def experts_per_copy(pairs: int, num_experts: int, largest_copy: int) -> int:
-    """How many experts each copy holds when a gather of ``pairs`` rows sorted by expert, over
-    ``num_experts`` stacked quantised experts, multiplies through dequantised copies, one group
-    of experts after another (``largest_copy``: the bytes of the largest stacked linear's whole
-    copy): on CUDA, from ``EXPERT_ROWS`` pairs per expert, in as few groups of even size as keep
-    a copy within ``EXPERT_BYTES`` (``num_experts``: the whole stack at once). 0: no copy, MLX's
-    ``gather_qmm``."""
-    if pairs < EXPERT_ROWS * num_experts or not cuda_attention.available():
-        return 0
+def copies_experts(pairs: int, num_experts: int) -> bool:
+    """Whether a gather of ``pairs`` rows sorted by expert, over ``num_experts`` stacked
+    quantised experts, multiplies through dequantised copies: on CUDA, from ``EXPERT_ROWS``
+    pairs per expert."""
+    return pairs >= EXPERT_ROWS * num_experts and cuda_attention.available()
+
+
+def experts_per_copy(num_experts: int, largest_copy: int) -> int:
+    """How many experts each copy holds where a gather copies them (``copies_experts``), one
+    group of experts after another (``largest_copy``: the bytes of the largest stacked linear's
+    whole copy): in as few groups of even size as keep a copy within ``EXPERT_BYTES``
+    (``num_experts``: the whole stack at once)."""
     most = max(1, EXPERT_BYTES * num_experts // largest_copy)
     groups = -(-num_experts // most)
     return -(-num_experts // groups)  # groups of even size: 128 experts at most 42 -> 4 of 32

@@ -345,8 +345,9 @@ class Experts(nn.Module):
         """Whether a forward of ``pairs`` (token, expert) pairs in ``dtype`` reads the router's
         choice on the host (so cannot be compiled): ``by_expert`` on the CPU, or experts
         dequantised in several groups on CUDA (``copy_groups``)."""
-        per = self.experts_per_copy(pairs, dtype)
-        return self._by_expert_here(pairs) or 0 < per < self.num_experts
+        if self._by_expert_here(pairs):
+            return True
+        return 0 < self.experts_per_copy(pairs, dtype) < self.num_experts
 
     def _by_expert_here(self, pairs: int) -> bool:
         """Whether ``pairs`` take ``by_expert``: on the CPU, from ``BY_EXPERT_ROWS`` pairs per
@@ -361,13 +362,15 @@ class Experts(nn.Module):
         """How many experts each dequantised copy holds in a gather of ``pairs`` rows sorted by
         expert (``dequantized.experts_per_copy``); 0: none, MLX's ``gather_qmm`` (or experts
         not all quantised)."""
+        if not dequantized.copies_experts(pairs, self.num_experts):
+            return 0  # first, and cheap: asked by every forward of a MoE block
         linears = [self[name] for name in self._linear_names()]
         if not all(isinstance(linear, QuantizedExpertLinear) for linear in linears):
             return 0
         largest = max(
             dequantized.copy_bytes(linear["weight"].shape, linear.bits, dtype) for linear in linears
         )
-        return dequantized.experts_per_copy(pairs, self.num_experts, largest)
+        return dequantized.experts_per_copy(self.num_experts, largest)
 
     def copy_groups(self, indices: mx.array, dtype: mx.Dtype) -> list[ExpertGroup] | None:
         """For a gather whose rows are sorted by expert (``indices [R]``), the groups of
