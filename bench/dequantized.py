@@ -113,7 +113,7 @@ def measure_products(repeats: int) -> list[dict]:
     return rows
 
 
-def measure_experts(repeats: int) -> list[dict]:
+def measure_experts(repeats: int, shapes: list[str] | None = None) -> list[dict]:
     import mlx.core as mx
 
     from mlxc.runtime.model import dequantized
@@ -125,6 +125,8 @@ def measure_experts(repeats: int) -> list[dict]:
         "by_expert": (10**9, 0, lambda e, x, i: e.by_expert(x, i)),
     }
     for name, num, hidden, width, k in SHAPES:
+        if shapes and not any(part in name for part in shapes):
+            continue
         experts = _experts(num, hidden, width)
         gate_up = experts.gate_up_proj
         copy_mib = dequantized.copy_bytes(gate_up.weight.shape, gate_up.bits, mx.bfloat16) / 2**20
@@ -249,6 +251,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--part", choices=["products", "experts", "both"], default="products")
     p.add_argument("--device", choices=["cpu", "gpu"], default=None, help="default: MLX's")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--shapes", help="comma-separated parts of the expert shapes' names to run (default: all)"
+    )
     p.add_argument("--out", help="write OUT.json and OUT.md")
     args = p.parse_args(argv)
 
@@ -278,7 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.part in ("products", "both"):
         result["products"] = measure_products(args.repeats)
     if args.part in ("experts", "both"):
-        result["experts"] = measure_experts(args.repeats)
+        shapes = args.shapes.split(",") if args.shapes else None
+        result["experts"] = measure_experts(args.repeats, shapes)
     text = markdown(result)
     print(text)
     if args.out:
