@@ -485,8 +485,8 @@ def test_cuda_prefill_copies_large_stacks_in_groups(monkeypatch, mode):
     want = np.array(experts.gathered(x, indices, True))
     monkeypatch.setattr(dequantized, "EXPERT_ROWS", EXPERT_ROWS)
     monkeypatch.setattr(cuda_attention, "available", lambda: True)
-    monkeypatch.setattr(moe, "BY_EXPERT_ROWS", 10**9)  # no CPU by_expert: reads_host is CUDA's
-    assert not experts.reads_host(indices.size, mx.float32)  # the whole stack: one copy
+    monkeypatch.setattr(moe, "BY_EXPERT_ROWS", 10**9)  # no CPU by_expert: syncs is CUDA's
+    assert experts.experts_per_copy(indices.size, mx.float32) == E  # the whole stack at once
     monkeypatch.setattr(dequantized, "EXPERT_BYTES", whole * 3 // E)  # 3 experts a copy
 
     copies, gathers = [], []  # gathers: (function, experts in its stack, indices)
@@ -507,7 +507,8 @@ def test_cuda_prefill_copies_large_stacks_in_groups(monkeypatch, mode):
     for name in ("gather_qmm", "gather_mm"):
         monkeypatch.setattr(mx, name, spy(name))
     assert experts.experts_per_copy(indices.size, mx.float32) == 3
-    assert experts.reads_host(indices.size, mx.float32)
+    assert experts.syncs(indices.size, mx.float32)
+    assert not experts.syncs(EXPERT_ROWS * E - 1, mx.float32)  # one pair short of copying
     got = np.array(experts.gathered(x, indices, True))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
     assert np.abs(want).mean() > 0.1

@@ -235,8 +235,8 @@ class QuantizedExpertLinear(nn.Module):
 
     def by_groups(self, x: mx.array, indices: mx.array, groups: list[ExpertGroup]) -> mx.array:
         """A gather of rows sorted by expert (``indices``), group of experts by group
-        (``Experts.copy_groups``): a group's experts dequantised to ``x``'s dtype, each copy
-        made after the product before it so one exists at a time, then MLX's ``gather_mm``; or
+        (``Experts.copy_groups``): a group's experts dequantised to ``x``'s dtype, then MLX's
+        ``gather_mm``, the copies alive at once bounded (``dequantized.admit``); or
         ``gather_qmm`` over its slice of the stack."""
         parts: list[mx.array] = []
         for g in groups:
@@ -247,8 +247,8 @@ class QuantizedExpertLinear(nn.Module):
                 idx = idx - g.first
             experts = slice(g.first, g.stop)
             if g.copy:
-                w = dequantized.weight(self, x.dtype, experts, parts[-1] if parts else None)
-                parts.append(_gather_mm(rows, w, idx, True))
+                w = dequantized.weight(self, x.dtype, experts)
+                parts.append(dequantized.admit(_gather_mm(rows, w, idx, True)))
             else:
                 parts.append(self(rows, idx, True, experts))
         y = parts[0] if len(parts) == 1 else mx.concatenate(parts)
@@ -341,13 +341,12 @@ class Experts(nn.Module):
             return self.by_expert(x, indices)
         return self.gathered(x, indices, indices.size >= self.sort_threshold)
 
-    def reads_host(self, pairs: int, dtype: mx.Dtype) -> bool:
-        """Whether a forward of ``pairs`` (token, expert) pairs in ``dtype`` reads the router's
-        choice on the host (so cannot be compiled): ``by_expert`` on the CPU, or experts
-        dequantised in several groups on CUDA (``copy_groups``)."""
-        if self._by_expert_here(pairs):
-            return True
-        return 0 < self.experts_per_copy(pairs, dtype) < self.num_experts
+    def syncs(self, pairs: int, dtype: mx.Dtype) -> bool:
+        """Whether a forward of ``pairs`` (token, expert) pairs in ``dtype`` evaluates part of
+        its graph on the way (so cannot be compiled): ``by_expert`` reads the router's choice on
+        the host (the CPU); copies of the experts (CUDA, ``copy_groups``) wait for earlier
+        ones to be freed, and in several groups read the expert counts."""
+        return self._by_expert_here(pairs) or self.experts_per_copy(pairs, dtype) > 0
 
     def _by_expert_here(self, pairs: int) -> bool:
         """Whether ``pairs`` take ``by_expert``: on the CPU, from ``BY_EXPERT_ROWS`` pairs per
@@ -672,7 +671,7 @@ class MoE(nn.Module):
         router = self.gate.float32() if self.scoring == "sigmoid" else ()
         if x.shape[-2] <= COMPILED_TOKENS and self.sharding_group is None:
             tokens = math.prod(x.shape[:-1])
-            if not self.experts.reads_host(tokens * self.top_k, x.dtype):
+            if not self.experts.syncs(tokens * self.top_k, x.dtype):
                 return self._compiled_step()(x, *router)
         return self._forward(x, *router)
 
