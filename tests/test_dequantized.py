@@ -143,3 +143,22 @@ def test_experts_per_copy_keeps_each_copy_within_the_limit(experts, gib, per):
     assert per == 1 or per * largest / experts <= limit
     if groups > 1 and per > 1:  # one group fewer would pass the limit
         assert -(-experts // (groups - 1)) * largest / experts > limit
+
+
+def test_admit_starts_each_product_and_waits_for_the_one_before(monkeypatch):
+    """``admit`` starts evaluating a product and waits for the one admitted before it (as a
+    one-element array made from it, which holds none of its memory once evaluated), so at most
+    two copies' products are in flight; it hands the product back unchanged."""
+    monkeypatch.setattr(dequantized, "_admitted", None)
+    calls = []
+    real_start, real_wait = mx.async_eval, mx.eval
+    monkeypatch.setattr(mx, "async_eval", lambda a: calls.append(("start", a)) or real_start(a))
+    monkeypatch.setattr(mx, "eval", lambda a: calls.append(("wait", a)) or real_wait(a))
+    first, second = (mx.random.normal((4, 1, 8), key=mx.random.key(s)) for s in (1, 2))
+    assert dequantized.admit(first) is first
+    assert [c[0] for c in calls] == ["start"]
+    assert dequantized.admit(second) is second
+    assert [c[0] for c in calls] == ["start", "start", "wait"]
+    waited = calls[2][1]
+    assert waited is calls[0][1] and waited.size == 1
+    np.testing.assert_allclose(waited.item(), np.array(first[:1]).sum(), rtol=1e-6)

@@ -521,6 +521,36 @@ def test_cuda_prefill_copies_large_stacks_in_groups(monkeypatch, mode):
     assert gathers == group_calls * 2
 
 
+def test_a_copying_block_runs_uncompiled_and_admits_each_copy(monkeypatch):
+    """A batch of one-token rows whose pairs reach ``EXPERT_ROWS`` per expert copies the experts
+    (CUDA faked on the CPU): the block then skips its compiled step, since each copy's product
+    goes through ``dequantized.admit``, which evaluates. The output is the compiled
+    ``gather_qmm`` block's."""
+    from mlxc.runtime.model import moe as moe_module
+    from mlxc.runtime.model.dequantized import EXPERT_ROWS
+
+    block = _random_moe(39, hidden=64, inter=32)
+    nn.quantize(block, 32, 4, class_predicate=lambda _, m: hasattr(m, "to_quantized"))
+    rows = EXPERT_ROWS * E // K
+    x = mx.random.normal((rows, 1, 64), key=mx.random.key(40))
+    monkeypatch.setattr(moe_module, "BY_EXPERT_ROWS", 10**9)  # not the CPU's by_expert
+    monkeypatch.setattr(cuda_attention, "available", lambda: True)
+    compiled, admitted = [], []
+    real_step, real_admit = MoE._compiled_step, dequantized.admit
+    monkeypatch.setattr(MoE, "_compiled_step", lambda self: compiled.append(1) or real_step(self))
+    monkeypatch.setattr(dequantized, "admit", lambda p: admitted.append(p.shape) or real_admit(p))
+    monkeypatch.setattr(dequantized, "EXPERT_ROWS", 10**9)  # no copy: compiled gather_qmm
+    want = np.array(block(x))
+    assert (len(compiled), admitted) == (1, [])
+    monkeypatch.setattr(dequantized, "EXPERT_ROWS", EXPERT_ROWS)
+    got = np.array(block(x))
+    assert len(compiled) == 1  # not compiled this time
+    # gate, up (not fused: loading fuses them), then down
+    assert admitted == [(rows * K, 1, 32), (rows * K, 1, 32), (rows * K, 1, 64)]
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert np.abs(want).mean() > 0.1
+
+
 def _experts_in_numpy(experts: Experts, x: np.ndarray, indices: np.ndarray) -> np.ndarray:
     """``experts(x, indices)`` in float64 from MLX's dequantised weights: gate|up (fused), SwiGLU,
     down, one token and expert at a time."""
