@@ -38,7 +38,7 @@ CPU_ROWS = 3
 PIECE_BYTES = 4 << 20
 EXPERT_ROWS = 16
 # Larger stacks (Qwen3-235B's 3 GiB gate|up, DeepSeek-V3's 14 GiB) are copied in groups of
-# experts, one group at a time.
+# experts within it (``experts_per_copy``).
 EXPERT_BYTES = 1 << 30
 
 
