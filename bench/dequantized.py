@@ -79,7 +79,9 @@ DENSE = [("2,048 x 2,048", 2048, 2048), ("gate|up 16,384 x 2,048", 16384, 2048)]
 DENSE_ROWS = {"cpu": [1, 2, 3, 4, 8, 16, 64, 256], "gpu": [16, 256, 1024, 2048, 4096]}
 
 
-def measure_products(repeats: int) -> list[dict]:
+def measure_products(repeats: int, rows: list[dict], on_row) -> None:
+    """Time each dense weight at each row count, appending to ``rows``, ``on_row()`` after
+    each."""
     import mlx.core as mx
     from mlx import nn
 
@@ -87,7 +89,6 @@ def measure_products(repeats: int) -> list[dict]:
 
     device = "cpu" if mx.default_device() == mx.cpu else "gpu"
     dtype = mx.float32 if device == "cpu" else mx.bfloat16
-    rows = []
     for name, out, width in DENSE[: 1 if device == "cpu" else None]:
         layer = nn.QuantizedLinear(width, out, bias=False, group_size=64, bits=4)
         layer.set_dtype(dtype)
@@ -110,15 +111,18 @@ def measure_products(repeats: int) -> list[dict]:
             row["speedup"] = row["quantized_matmul_ms"] / row["dequantized_ms"]
             rows.append(row)
             print(row, flush=True)
-    return rows
+            on_row()
 
 
-def measure_experts(repeats: int, shapes: list[str] | None = None) -> list[dict]:
+def measure_experts(repeats: int, shapes: list[str] | None, rows: list[dict], on_row) -> None:
+    """Time one MoE block's expert products three ways for each shape (those whose names
+    contain one of ``shapes``; None: all) and prompt length, appending to ``rows``,
+    ``on_row()`` after each."""
     import mlx.core as mx
 
     from mlxc.runtime.model import dequantized
 
-    rows, rule = [], (dequantized.EXPERT_ROWS, dequantized.EXPERT_BYTES)
+    rule = (dequantized.EXPERT_ROWS, dequantized.EXPERT_BYTES)
     ways = {  # name -> (EXPERT_ROWS, EXPERT_BYTES, the call)
         "gather_qmm": (10**9, 0, lambda e, x, i: e.gathered(x, i, True)),
         "dequantized": (0, rule[1], lambda e, x, i: e.gathered(x, i, True)),
@@ -159,8 +163,8 @@ def measure_experts(repeats: int, shapes: list[str] | None = None) -> list[dict]
                 row[way + "_speedup"] = row["gather_qmm_ms"] / row[way + "_ms"]
             rows.append(row)
             print(row, flush=True)
+            on_row()
     dequantized.EXPERT_ROWS, dequantized.EXPERT_BYTES = rule
-    return rows
 
 
 def markdown(result: dict) -> str:
@@ -172,6 +176,8 @@ def markdown(result: dict) -> str:
             f"{result['repeats']} evaluated calls; speed-up: MLX's time over the copy's."
         ),
     ]
+    if result.get("partial"):
+        lines += ["", "**Partial**: the run stopped before its last row."]
     if result.get("products"):
         lines += [
             "",
@@ -280,18 +286,25 @@ def main(argv: list[str] | None = None) -> None:
         "expert_rows": dequantized.EXPERT_ROWS,
         "expert_mib": dequantized.EXPERT_BYTES / 2**20,
     }
+
+    def save() -> None:
+        """Write what is measured so far: a run cut short (a lent GPU's time limit) keeps its
+        rows, marked partial until the last."""
+        if args.out:
+            with open(args.out + ".json", "w") as f:
+                json.dump(result, f, indent=1)
+            with open(args.out + ".md", "w") as f:
+                f.write(markdown(result))
+
+    result["partial"] = True
     if args.part in ("products", "both"):
-        result["products"] = measure_products(args.repeats)
+        measure_products(args.repeats, result.setdefault("products", []), save)
     if args.part in ("experts", "both"):
         shapes = args.shapes.split(",") if args.shapes else None
-        result["experts"] = measure_experts(args.repeats, shapes)
-    text = markdown(result)
-    print(text)
-    if args.out:
-        with open(args.out + ".json", "w") as f:
-            json.dump(result, f, indent=1)
-        with open(args.out + ".md", "w") as f:
-            f.write(text)
+        measure_experts(args.repeats, shapes, result.setdefault("experts", []), save)
+    result["partial"] = False
+    save()
+    print(markdown(result))
 
 
 if __name__ == "__main__":
