@@ -513,8 +513,8 @@ def test_cuda_prefill_copies_large_stacks_in_groups(monkeypatch, mode):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
     assert np.abs(want).mean() > 0.1
     # Experts 3-5 through a copy, 6-7 through gather_qmm, for gate|up then down; 0-2 nowhere.
-    # Indices count from the group's first expert (MLX's CPU gathers wrap larger ones around,
-    # which the numbers alone would not show here).
+    # Indices count from the group's first expert: on the CPU, MLX's gathers gave the same
+    # numbers with indices not counted from it, so the numbers alone would not show it.
     assert [c.shape[0] for c in copies] == [3, 3]
     assert all(c.nbytes <= dequantized.EXPERT_BYTES for c in copies)
     group_calls = [("gather_mm", 3, [0, 1, 2]), ("gather_qmm", 2, [0, 1])]
