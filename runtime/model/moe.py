@@ -74,6 +74,7 @@ loader (``runtime/checkpoint/loading.py: quantization``) makes those experts
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 from functools import partial
@@ -383,11 +384,11 @@ class Experts(nn.Module):
         E = self.num_experts
         if per >= E:
             return [ExpertGroup(0, E, 0, indices.size, True)]
-        stops = np.concatenate([[0], np.cumsum(np.bincount(np.asarray(indices), minlength=E))])
+        starts = _expert_starts(indices, E)
         groups = []
         for first in range(0, E, per):
             stop = min(first + per, E)
-            start, end = int(stops[first]), int(stops[stop])
+            start, end = int(starts[first]), int(starts[stop])
             if end > start:
                 copy = end - start >= dequantized.EXPERT_ROWS * (stop - first)
                 groups.append(ExpertGroup(first, stop, start, end, copy))
@@ -423,9 +424,8 @@ class Experts(nn.Module):
         it evaluates the router first."""
         N, k = indices.shape
         flat, order, inverse = _by_expert_order(indices)
-        counts = np.bincount(np.asarray(flat), minlength=1)
-        stops = np.cumsum(counts)
-        runs = [(e, int(b - n), int(b)) for e, (n, b) in enumerate(zip(counts, stops)) if n]
+        starts = _expert_starts(flat, self.num_experts)
+        runs = [(e, int(a), int(b)) for e, (a, b) in enumerate(itertools.pairwise(starts)) if b > a]
         x = x[order // k]  # [N*k, H], grouped by expert
         y = self._experts(x, lambda linear, rows: linear.by_runs(rows, runs))
         return y[inverse].reshape(N, k, -1)
@@ -448,6 +448,13 @@ class Experts(nn.Module):
         else:
             h = self.act(product(self.up_proj, x))
         return product(self.down_proj, h)
+
+
+def _expert_starts(indices: mx.array, num_experts: int) -> np.ndarray:
+    """Where each expert's rows start once the pairs ``indices`` are sorted by expert, and
+    where the last ends (``[E + 1]``): counted on the host, so the router is evaluated."""
+    counts = np.bincount(np.asarray(indices).reshape(-1), minlength=num_experts)
+    return np.concatenate([[0], np.cumsum(counts)])
 
 
 def _by_expert_order(indices: mx.array) -> tuple[mx.array, mx.array, mx.array]:
