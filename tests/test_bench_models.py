@@ -82,8 +82,8 @@ MLX_LM_DEPARTS = {"minicpm3", "jamba", "gpt_oss"}
 VOCAB = 256
 
 
-def _checkpoint(arch: str, path):
-    cfg = {**models.config(arch, "small"), **TINY[arch], "vocab_size": VOCAB}
+def _checkpoint(arch: str, path, sizes: dict | None = None):
+    cfg = {**models.config(arch, "small"), **(sizes or TINY[arch]), "vocab_size": VOCAB}
     if cfg.get("pad_token_id") is not None:  # transformers checks it against the vocabulary
         cfg["pad_token_id"] = VOCAB - 1
     path.mkdir()
@@ -116,3 +116,60 @@ def test_bench_checkpoint_is_what_transformers_mlxc_and_mlx_lm_read(arch, tmp_pa
     theirs = np.array(peer(mx.array(ids), cache=make_prompt_cache(peer)))
     if arch not in MLX_LM_DEPARTS:
         np.testing.assert_allclose(theirs, want, atol=1e-4, rtol=0)
+
+
+# What mlx-lm's converter writes (mlx-community's 4-bit checkpoints): the MoE routers at 8 bits
+# as per-layer overrides keyed by mlx-lm's module names (gpt-oss's ``mlp.router``, jamba's
+# ``feed_forward.router``, granite's ``block_sparse_moe.router.layer``, which mlxc's sanitize
+# renames), and MLA's kv_b_proj quantised whole (deepseek_v2) or split per head into embed_q /
+# unembed_out, each quantised along its own input axis (glm4_moe_lite, as deepseek_v3).
+GLM4_TINY = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 8,
+    "num_hidden_layers": 3,
+}
+MLA_QUANTISED = {"deepseek_v2": "kv_b_proj", "glm4_moe_lite": "unembed_out"}
+
+
+@pytest.mark.parametrize(
+    "arch", ["deepseek_v2", "glm4_moe_lite", "gpt_oss", "jamba", "granitemoehybrid"]
+)
+def test_mlx_lm_quantized_checkpoint(arch, tmp_path):
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model as peer_load
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    sizes = GLM4_TINY if arch == "glm4_moe_lite" else None
+    peer, config = peer_load(peer_checkpoint(_checkpoint(arch, tmp_path / arch, sizes)))
+    peer, config = quantize_model(peer, config, group_size=32, bits=4)
+    out = tmp_path / "mlx-lm-q4"
+    out.mkdir()
+    save_model(out, peer)
+    save_config(config, out / "config.json")
+    overrides = [k for k, v in config["quantization"].items() if isinstance(v, dict)]
+    saved = mx.load(str(out / "model.safetensors"))
+
+    ours = mlxc.load_model(out)  # each layer quantised as its tensors are
+    eight_bit = [p for p, m in ours.named_modules() if getattr(m, "bits", None) == 8]
+    assert len(eight_bit) == len(overrides)
+    if arch in MLA_QUANTISED:
+        assert any(k.endswith(f"{MLA_QUANTISED[arch]}.scales") for k in saved)
+    else:
+        assert overrides and all(p.endswith(".gate") for p in eight_bit)
+
+    ids = mx.array(np.random.default_rng(0).integers(0, VOCAB, size=(1, 20)))
+    got = np.array(ours(ids, cache=ours.make_cache()).astype(mx.float32))
+    peer.set_dtype(mx.float32)  # as mlxc computes on the CPU; the quantised weights unchanged
+    theirs = np.array(peer(ids, cache=make_prompt_cache(peer)))
+    assert np.abs(theirs).max() > 0.1
+    if arch not in MLX_LM_DEPARTS:
+        np.testing.assert_allclose(got, theirs, atol=1e-4, rtol=0)

@@ -361,7 +361,9 @@ def _quantize(
         # mlx-lm checkpoints may carry per-layer overrides keyed by the layer path.
         if isinstance(quant.get(path), (bool, dict)):
             return quant[path]
-        return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+        if not (hasattr(module, "to_quantized") and f"{path}.scales" in weights):
+            return False
+        return _layer_settings(module, weights[f"{path}.weight"], weights[f"{path}.scales"], quant)
 
     try:
         nn.quantize(
@@ -373,6 +375,23 @@ def _quantize(
         )
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"cannot quantise with {config_file} settings {quant!r}: {e}") from e
+
+
+def _layer_settings(
+    module: nn.Module, packed: mx.array, scales: mx.array, quant: dict
+) -> bool | dict:
+    """True for a layer quantised as ``quant`` says, else its own bits and group size.
+
+    An mlx-lm checkpoint keys its per-layer overrides (a MoE router at 8 bits where the rest
+    is 4) by mlx-lm's module paths, which ``sanitize`` may rename (gpt-oss's ``mlp.router`` is
+    mlxc's ``mlp.gate``). The tensors tell them whatever the name, as mlx-lm infers them: the
+    packed width gives the bits and the scales' count the group size (shapes only: nothing is
+    read)."""
+    in_dims = module.weight.shape[-1]
+    bits, group_size = packed.shape[-1] * 32 // in_dims, in_dims // scales.shape[-1]
+    if (bits, group_size) == (quant["bits"], quant["group_size"]):
+        return True
+    return {"bits": bits, "group_size": group_size, "mode": quant.get("mode", "affine")}
 
 
 def _target_dtype(dtype: mx.Dtype | str | None) -> mx.Dtype | None:

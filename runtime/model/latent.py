@@ -49,7 +49,13 @@ def _dense(weights: dict[str, mx.array], prefix: str, in_dims: int) -> mx.array:
         raise ValueError(f"{prefix}: only an affine-quantised (scales and biases) split is read")
     # As mlx-lm infers them: the packed width and the scales' count give bits and group size.
     bits, group_size = w.shape[-1] * 32 // in_dims, in_dims // scales.shape[-1]
-    return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
+    f32 = mx.float32
+    w = mx.dequantize(w, scales.astype(f32), biases.astype(f32), group_size=group_size, bits=bits)
+    # Exact in float32. Kept so on the CPU, where the loader computes in float32 (its
+    # _target_dtype): a bf16 copy would round every weight that mlx-lm's quantised product
+    # reads exactly, and on random MoE weights that moved whole-model logits by 1-30% (routing
+    # flips). Elsewhere in the checkpoint's float dtype, the one the model computes in.
+    return w if mx.default_device() == mx.cpu else w.astype(scales.dtype)
 
 
 def split_kv_b(
