@@ -72,8 +72,10 @@ def randomise(model, seed: int) -> None:
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
 
 
-def save_hub(model, path) -> None:
-    """The hub (transformers-4) layout: vision_model. level, language_model.model., tied head."""
+def save_hub(model, path, mlx_vlm: bool = False) -> None:
+    """The hub (transformers-4) layout: vision_model. level, language_model.model., tied head.
+    ``mlx_vlm``: as mlx-vlm's conversion writes it (mlx-community's): the same names, the patch
+    kernel channels-last, and the tied head saved as a tensor of its own."""
     model.save_pretrained(path)
     renames = {
         "model.vision_tower.": "vision_tower.vision_model.",
@@ -84,18 +86,24 @@ def save_hub(model, path) -> None:
     for k, v in model.state_dict().items():
         for old, new in renames.items():
             k = k.replace(old, new)
+        if mlx_vlm and k.endswith("patch_embedding.weight"):
+            v = v.permute(0, 2, 3, 1)
         if k != "lm_head.weight":
             state[k] = v.contiguous()
+    if mlx_vlm:
+        state["language_model.lm_head.weight"] = state[
+            "language_model.model.embed_tokens.weight"
+        ].clone()
     (path / "model.safetensors").unlink()
     save_file(state, str(path / "model.safetensors"))
 
 
 @pytest.mark.parametrize("window", [3, 6])
-@pytest.mark.parametrize("layout", ["transformers-5", "hub"])
+@pytest.mark.parametrize("layout", ["transformers-5", "hub", "mlx-vlm"])
 def test_logits_with_images_match_transformers(window, layout, tmp_path, rng):
     hf = build_hf(window)
-    if layout == "hub":
-        save_hub(hf, tmp_path)
+    if layout != "transformers-5":
+        save_hub(hf, tmp_path, mlx_vlm=layout == "mlx-vlm")
     else:
         hf.save_pretrained(tmp_path)
     model = mlxc.load_model(tmp_path)

@@ -184,22 +184,31 @@ def test_chunked_prefill_inside_an_image_and_decode_equal_transformers(checkpoin
     np.testing.assert_allclose(np.concatenate(parts, axis=1), want, atol=ATOL, rtol=0)
 
 
-def test_both_weight_layouts_load_to_the_same_model(checkpoint, tmp_path):
+TO_TRANSFORMERS_5 = {
+    "language_model.model.": "model.language_model.",
+    "language_model.lm_head.": "lm_head.",
+    "vision_tower.": "model.vision_tower.",
+    "multi_modal_projector.": "model.multi_modal_projector.",
+}
+# mlx-vlm's conversion (mlx-community's checkpoints): the hub names with the pixtral tower one
+# level deeper, its patch kernel channels-last.
+TO_MLX_VLM = {"vision_tower.": "vision_tower.vision_model."}
+
+
+@pytest.mark.parametrize("layout", ["transformers-5", "mlx-vlm"])
+def test_other_weight_layouts_load_to_the_same_model(checkpoint, layout, tmp_path):
     # save_pretrained writes the hub (transformers 4) names; the in-memory transformers 5 names
-    # (what mlx-vlm-style converters may write) must load the same.
+    # and mlx-vlm's must load the same model.
     _, path = checkpoint
     weights = load_file(str(path / "model.safetensors"))
     assert any(k.startswith("language_model.model.") for k in weights)
-    to_new = {
-        "language_model.model.": "model.language_model.",
-        "language_model.lm_head.": "lm_head.",
-        "vision_tower.": "model.vision_tower.",
-        "multi_modal_projector.": "model.multi_modal_projector.",
-    }
+    to = TO_TRANSFORMERS_5 if layout == "transformers-5" else TO_MLX_VLM
     renamed = {}
     for k, v in weights.items():
-        old = next(p for p in to_new if k.startswith(p))
-        renamed[to_new[old] + k[len(old) :]] = v
+        old = next((p for p in to if k.startswith(p)), "")
+        if layout == "mlx-vlm" and k.endswith("patch_conv.weight"):
+            v = np.ascontiguousarray(v.transpose(0, 2, 3, 1))
+        renamed[to.get(old, old) + k[len(old) :]] = v
     save_file(renamed, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     rng = np.random.default_rng(2)

@@ -173,3 +173,45 @@ def test_trim_after_an_image_keeps_positions_monotonic(checkpoint):
     nxt = cache.rope_state(np.array([[1]]), cache.offset)
     assert np.array_equal(nxt, plain_cache.rope_state(np.array([[1]]), plain_cache.offset))
     assert int(nxt.max()) > max_kv
+
+
+# mlx-vlm's conversion (mlx-community's checkpoints): the text under language_model.model. (its
+# head language_model.lm_head.), the tower under vision_tower., its patch kernel channels-last,
+# and qwen3_vl_moe's experts as mlx-lm stacks them (switch_mlp, [experts, out, in]).
+TO_MLX_VLM = {
+    "model.language_model.": "language_model.model.",
+    "model.visual.": "vision_tower.",
+    "visual.": "vision_tower.",
+    "lm_head.": "language_model.lm_head.",
+    "model.": "language_model.model.",
+}
+
+
+def test_mlx_vlm_layout_loads_to_the_same_model(checkpoint, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    _, path, name = checkpoint
+    renamed = {}
+    for k, v in load_file(str(path / "model.safetensors")).items():
+        old = next(p for p in TO_MLX_VLM if k.startswith(p))
+        if k.endswith("patch_embed.proj.weight"):  # [out, in, t, p, p] -> [out, t, p, p, in]
+            v = np.ascontiguousarray(v.transpose(0, 2, 3, 4, 1))
+        k = TO_MLX_VLM[old] + k[len(old) :]
+        # transformers 5 saves them out-major: gate_up [E, 2I, H] (gate, then up), down [E, H, I]
+        if k.endswith("experts.gate_up_proj"):
+            for proj, w in zip(("gate_proj", "up_proj"), np.split(v, 2, axis=1)):
+                renamed[k.replace("experts.gate_up_proj", f"switch_mlp.{proj}.weight")] = (
+                    np.ascontiguousarray(w)  # safetensors writes a view's buffer, not its values
+                )
+        elif k.endswith("experts.down_proj"):
+            renamed[k.replace("experts.", "switch_mlp.") + ".weight"] = v
+        else:
+            renamed[k] = v
+    if "moe" in name:
+        assert any(".switch_mlp." in k for k in renamed)
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    pv, grid = pixels(CASES["one-image"])
+    ids = prompt(grid.tolist(), np.random.default_rng(5))
+    want = ours(mlxc.load_model(path), ids, pv, grid)
+    np.testing.assert_array_equal(ours(mlxc.load_model(tmp_path), ids, pv, grid), want)

@@ -11,6 +11,7 @@ import mlx.core as mx
 
 log = logging.getLogger("mlxc.load")
 _TEXT_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_TIED_HEAD = re.compile(r"^lm_head\.(weight|scales|biases)$")
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,6 @@ class WeightRules:
         if drop_layers_from is not None:
             weights = _drop_layers(weights, drop_layers_from)
         drops = [re.compile(p) for p in self.drop]
-        if tied_lm_head:
-            drops.append(re.compile(r"^lm_head\.weight$"))
         renames = [(re.compile(p), to) for p, to in self.rename]
         out: dict[str, mx.array] = {}
         for name, tensor in weights.items():
@@ -44,6 +43,10 @@ class WeightRules:
                 name = pattern.sub(to, name)
             if layer_rules is not None:
                 name = _layer_renamed(name, *layer_rules)
+            # A tied head is the embedding's; a copy on disk goes, under any layout's name
+            # (mlx-vlm writes Gemma 3's as language_model.lm_head, quantised where the rest is).
+            if tied_lm_head and _TIED_HEAD.match(name):
+                continue
             out[name] = tensor
         return out
 
