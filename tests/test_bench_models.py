@@ -140,31 +140,24 @@ GLM4_TINY = {
 MLA_QUANTISED = {"deepseek_v2": "kv_b_proj", "glm4_moe_lite": "unembed_out"}
 
 
-@pytest.mark.parametrize(
-    "arch", ["deepseek_v2", "glm4_moe_lite", "gpt_oss", "jamba", "granitemoehybrid"]
-)
-def test_mlx_lm_quantized_checkpoint(arch, tmp_path):
-    from mlx_lm.models.cache import make_prompt_cache
+def _mlx_lm_quantized(arch, tmp_path, sizes=None, **quantize):
+    """``arch``'s tiny checkpoint quantised by mlx-lm and saved as its converter saves it:
+    (mlxc's model of the saved directory, mlx-lm's quantised model, the config it wrote, the
+    saved tensors)."""
     from mlx_lm.utils import load_model as peer_load
     from mlx_lm.utils import quantize_model, save_config, save_model
 
-    sizes = GLM4_TINY if arch == "glm4_moe_lite" else None
     peer, config = peer_load(peer_checkpoint(_checkpoint(arch, tmp_path / arch, sizes)))
-    peer, config = quantize_model(peer, config, group_size=32, bits=4)
-    out = tmp_path / "mlx-lm-q4"
+    peer, config = quantize_model(peer, config, **quantize)
+    out = tmp_path / "mlx-lm-quantised"
     out.mkdir()
     save_model(out, peer)
     save_config(config, out / "config.json")
-    overrides = [k for k, v in config["quantization"].items() if isinstance(v, dict)]
-    saved = mx.load(str(out / "model.safetensors"))
+    return mlxc.load_model(out), peer, config, mx.load(str(out / "model.safetensors"))
 
-    ours = mlxc.load_model(out)  # each layer quantised as its tensors are
-    eight_bit = [p for p, m in ours.named_modules() if getattr(m, "bits", None) == 8]
-    assert len(eight_bit) == len(overrides)
-    if arch in MLA_QUANTISED:
-        assert any(k.endswith(f"{MLA_QUANTISED[arch]}.scales") for k in saved)
-    else:
-        assert overrides and all(p.endswith(".gate") for p in eight_bit)
+
+def _same_logits(arch, ours, peer):
+    from mlx_lm.models.cache import make_prompt_cache
 
     ids = mx.array(np.random.default_rng(0).integers(0, VOCAB, size=(1, 20)))
     got = np.array(ours(ids, cache=ours.make_cache()).astype(mx.float32))
@@ -173,3 +166,38 @@ def test_mlx_lm_quantized_checkpoint(arch, tmp_path):
     assert np.abs(theirs).max() > 0.1
     if arch not in MLX_LM_DEPARTS:
         np.testing.assert_allclose(got, theirs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "arch", ["deepseek_v2", "glm4_moe_lite", "gpt_oss", "jamba", "granitemoehybrid"]
+)
+def test_mlx_lm_quantized_checkpoint(arch, tmp_path):
+    sizes = GLM4_TINY if arch == "glm4_moe_lite" else None
+    ours, peer, config, saved = _mlx_lm_quantized(arch, tmp_path, sizes, group_size=32, bits=4)
+    overrides = [k for k, v in config["quantization"].items() if isinstance(v, dict)]
+    # each layer quantised as its tensors are
+    eight_bit = [p for p, m in ours.named_modules() if getattr(m, "bits", None) == 8]
+    assert len(eight_bit) == len(overrides)
+    if arch in MLA_QUANTISED:
+        assert any(k.endswith(f"{MLA_QUANTISED[arch]}.scales") for k in saved)
+    else:
+        assert overrides and all(p.endswith(".gate") for p in eight_bit)
+    _same_logits(arch, ours, peer)
+
+
+def test_mlx_lm_mixed_mode_checkpoint(tmp_path):
+    """A mixed recipe: the experts in mxfp4 (uint8 scales, no biases), the rest 8-bit affine.
+    mlx-lm keys the experts' overrides ``mlp.switch_mlp.*``, mlxc's ``mlp.experts.*``: their
+    mode comes from the tensors."""
+    mxfp4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    recipe = {
+        "group_size": 32,
+        "bits": 8,
+        "quant_predicate": lambda p, m: mxfp4 if "switch_mlp" in p else True,
+    }
+    ours, peer, config, _ = _mlx_lm_quantized("deepseek_v2", tmp_path, **recipe)
+    assert any(".switch_mlp." in k and v == mxfp4 for k, v in config["quantization"].items())
+    modes = {p: m.mode for p, m in ours.named_modules() if hasattr(m, "mode")}
+    assert {m for p, m in modes.items() if ".experts." in p} == {"mxfp4"}
+    assert {m for p, m in modes.items() if ".experts." not in p} == {"affine"}
+    _same_logits("deepseek_v2", ours, peer)
