@@ -204,3 +204,18 @@ def test_quantized_checkpoint(tmp_path):
 def test_bad_quantization_config(tmp_path):
     config = dict(toy.CONFIG, quantization={"bits": 4})
     expect_error(toy.write_checkpoint(tmp_path, config=config), "group_size")
+
+
+def test_unread_hf_quantization_is_named(tmp_path):
+    """A GPTQ checkpoint packs its linears as qweight / qzeros / scales: the mismatch names the
+    format, not a config.json that does not belong."""
+    weights = toy.random_weights()
+    w = weights.pop("model.layers.0.self_attn.q_proj.weight")
+    out, inp = w.shape
+    weights["model.layers.0.self_attn.q_proj.qweight"] = mx.zeros((inp // 8, out), mx.int32)
+    weights["model.layers.0.self_attn.q_proj.qzeros"] = mx.zeros((inp // 32, out // 8), mx.int32)
+    weights["model.layers.0.self_attn.q_proj.scales"] = mx.ones((inp // 32, out), mx.float16)
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    path = toy.write_checkpoint(tmp_path, weights, dict(toy.CONFIG, quantization_config=gptq))
+    message = expect_error(path, "q_proj.qweight", "quant_method is 'gptq'", "mlxc convert")
+    assert "belongs to these weights" not in message

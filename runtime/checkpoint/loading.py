@@ -277,11 +277,12 @@ def _check_weights(
     source: dict[str, str],
     where: str,
     reads: dict[str, Any] | None = None,
+    advice: str | None = None,
 ) -> None:
     """Raise unless ``weights`` has exactly the model's tensors with the model's shapes.
 
     ``reads``: the config.json entries the model was built from; those that give a size the
-    weights do not have are named.
+    weights do not have are named. ``advice`` ends the message (by default: check config.json).
     """
     expected = dict(tree_flatten(model.parameters()))
 
@@ -324,7 +325,10 @@ def _check_weights(
     if problems:
         raise CheckpointError(
             f"weights in {where} do not match the model: {'; '.join(problems)}. "
-            "Check that config.json belongs to these weights (re-convert or re-download)"
+            + (
+                advice
+                or "Check that config.json belongs to these weights (re-convert or re-download)"
+            )
         )
 
 
@@ -345,6 +349,27 @@ def quantization(config: dict[str, Any]) -> Any:
     if isinstance(hf, dict) and hf.get("quant_method") == "mxfp4":
         return dict(MXFP4)
     return None
+
+
+# Hugging Face quantisation formats whose tensors the loader reads (MXFP4 experts; FP8 block
+# scales, dequantised); others (GPTQ, AWQ, bitsandbytes, ...) pack weights under other names.
+READ_QUANT_METHODS = ("mxfp4", "fp8")
+
+
+def _unread_quantization_advice(config: dict[str, Any]) -> str | None:
+    """What to do about a Hugging Face quantisation the loader does not read, if config.json
+    names one (an MLX checkpoint's ``quantization`` entry is read whatever else it holds)."""
+    hf = config.get("quantization_config")
+    if config.get("quantization") is not None or not isinstance(hf, dict):
+        return None
+    method = hf.get("quant_method")
+    if method in (None, *READ_QUANT_METHODS):
+        return None
+    return (
+        f"config.json's quantization_config.quant_method is {method!r}, a format mlxc does not "
+        "read: load the unquantised checkpoint (`mlxc convert --quantize` makes a 4-bit one) or "
+        "one quantised by MLX (mlx-lm, mlx-vlm, mlxc)"
+    )
 
 
 def _quantize(
@@ -495,7 +520,7 @@ def load_model(
         _quantize(model, quant, weights, path / "config.json")
 
     where = files[0] if len(files) == 1 else path
-    _check_weights(model, weights, source, str(where), reads)
+    _check_weights(model, weights, source, str(where), reads, _unread_quantization_advice(config))
 
     weights = _cast(weights, target, explicit=dtype is not None)
     if group is not None and group.size() > 1:
