@@ -31,6 +31,7 @@ from mlxc.runtime import blas
 from mlxc.runtime.checkpoint import fp8
 from mlxc.runtime.model import cuda_matmul, dequantized, layers
 from mlxc.runtime.model.config import ConfigError, context_length, lookup, recording_reads
+from mlxc.runtime.model.weights import packed_settings
 
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_LISTED = 10  # tensor names listed per kind of mismatch; the rest are counted
@@ -410,20 +411,13 @@ def _layer_settings(
     An mlx-lm checkpoint keys its per-layer overrides (a MoE router at 8 bits where the rest
     is 4, experts in mxfp4 where the rest is 8-bit affine) by mlx-lm's module paths, which
     ``sanitize`` may rename (gpt-oss's ``mlp.router`` is mlxc's ``mlp.gate``). The tensors tell
-    the settings whatever the name (shapes and dtypes only: nothing is read): the packed width
-    gives the bits, the scales' count the group size, and their dtype the mode (affine keeps
-    float scales; each other mode has uint8 scales and one bits-group pair)."""
-    in_dims = module.weight.shape[-1]
-    bits, group_size = packed.shape[-1] * 32 // in_dims, in_dims // scales.shape[-1]
-    if scales.dtype != mx.uint8:
-        mode = "affine"
-    else:
-        mode = _UINT8_SCALE_MODES.get((bits, group_size))
-        if mode is None:
-            raise CheckpointError(
-                f"cannot tell the quantisation mode of a layer with uint8 scales, {bits} bits "
-                f"and groups of {group_size} (shapes {tuple(packed.shape)}, {tuple(scales.shape)})"
-            )
+    the settings whatever the name (``weights.packed_settings``)."""
+    bits, group_size, mode = packed_settings(packed, scales, module.weight.shape[-1])
+    if mode is None:
+        raise CheckpointError(
+            f"cannot tell the quantisation mode of a layer with uint8 scales, {bits} bits and "
+            f"groups of {group_size} (shapes {tuple(packed.shape)}, {tuple(scales.shape)})"
+        )
     if (bits, group_size, mode) == (
         quant["bits"],
         quant["group_size"],
@@ -431,10 +425,6 @@ def _layer_settings(
     ):
         return True
     return {"bits": bits, "group_size": group_size, "mode": mode}
-
-
-# The quantisation modes whose scales are uint8 (exponents), by their one (bits, group size).
-_UINT8_SCALE_MODES = {(4, 32): "mxfp4", (4, 16): "nvfp4", (8, 32): "mxfp8"}
 
 
 def _target_dtype(dtype: mx.Dtype | str | None) -> mx.Dtype | None:

@@ -17,6 +17,7 @@ import re
 import mlx.core as mx
 
 from mlxc.runtime.model import cuda_attention
+from mlxc.runtime.model.weights import packed_settings
 
 _SPLIT = re.compile(r"^(.*\.self_attn)\.embed_q\.weight$")
 
@@ -47,8 +48,7 @@ def _dense(weights: dict[str, mx.array], prefix: str, in_dims: int) -> mx.array:
     biases = weights.pop(f"{prefix}.biases", None)
     if biases is None:
         raise ValueError(f"{prefix}: only an affine-quantised (scales and biases) split is read")
-    # As mlx-lm infers them: the packed width and the scales' count give bits and group size.
-    bits, group_size = w.shape[-1] * 32 // in_dims, in_dims // scales.shape[-1]
+    bits, group_size, _ = packed_settings(w, scales, in_dims)
     f32 = mx.float32
     w = mx.dequantize(w, scales.astype(f32), biases.astype(f32), group_size=group_size, bits=bits)
     # Exact in float32. Kept so on the CPU, where the loader computes in float32 (its

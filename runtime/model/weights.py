@@ -51,6 +51,23 @@ class WeightRules:
         return out
 
 
+# The quantisation modes whose scales are uint8 (exponents), by their one (bits, group size).
+_UINT8_SCALE_MODES = {(4, 32): "mxfp4", (4, 16): "nvfp4", (8, 32): "mxfp8"}
+
+
+def packed_settings(
+    packed: mx.array, scales: mx.array, in_dims: int
+) -> tuple[int, int, str | None]:
+    """(bits, group size, mode) of an MLX-quantised weight of ``in_dims`` inputs, from its
+    tensors' shapes and dtypes (nothing is read), as mlx-lm infers them: the packed width gives
+    the bits, the scales' count the group size, their dtype the mode (affine keeps float scales;
+    each other mode has uint8 scales and one bits-group pair; None where none has this one)."""
+    bits, group_size = packed.shape[-1] * 32 // in_dims, in_dims // scales.shape[-1]
+    if scales.dtype != mx.uint8:
+        return bits, group_size, "affine"
+    return bits, group_size, _UINT8_SCALE_MODES.get((bits, group_size))
+
+
 def _layer_renamed(name: str, prefix: str, rules: Callable[[int], list[tuple[str, str]]]) -> str:
     match = re.match(re.escape(prefix) + r"(\d+)\.", name)
     if match is None:
