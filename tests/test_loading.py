@@ -219,3 +219,23 @@ def test_unread_hf_quantization_is_named(tmp_path):
     path = toy.write_checkpoint(tmp_path, weights, dict(toy.CONFIG, quantization_config=gptq))
     message = expect_error(path, "q_proj.qweight", "quant_method is 'gptq'", "mlxc convert")
     assert "belongs to these weights" not in message
+
+
+def test_a_tied_head_is_dropped_under_any_layout_name():
+    """mlx-vlm saves Gemma 3's tied head as ``language_model.lm_head`` (quantised where the rest
+    is): after the renames it is the model's ``lm_head``, which a tied model does not have."""
+    from mlxc.runtime.model.weights import WeightRules
+
+    rules = WeightRules(
+        rename=((r"^language_model\.lm_head\.", "lm_head."), (r"^language_model\.", ""))
+    )
+    head = [f"language_model.lm_head.{part}" for part in ("weight", "scales", "biases")]
+    weights = {k: mx.zeros((2,)) for k in ["language_model.model.embed_tokens.weight", *head]}
+    assert set(rules.apply(weights, tied_lm_head=True)) == {"model.embed_tokens.weight"}
+    untied = rules.apply(weights, tied_lm_head=False)
+    assert set(untied) == {
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "lm_head.scales",
+        "lm_head.biases",
+    }
