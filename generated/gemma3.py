@@ -331,9 +331,12 @@ class VisionLanguageModel(nn.Module):
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        projector = siglip.Gemma3ProjectorArgs.from_config(args.config)
-        self.vision_tower = siglip.SiglipVisionModel(projector.vision)
-        self.multi_modal_projector = siglip.Gemma3MultiModalProjector(projector)
+        # mlx-lm's conversions of a VL model keep the text model only, and drop vision_config:
+        # then there is no tower to build (the loader serves such a checkpoint as a text model).
+        if args.config.get("vision_config"):
+            projector = siglip.Gemma3ProjectorArgs.from_config(args.config)
+            self.vision_tower = siglip.SiglipVisionModel(projector.vision)
+            self.multi_modal_projector = siglip.Gemma3MultiModalProjector(projector)
         self.language_model = TextModel(args)
         self.image_token_id = args.image_token_index
 

@@ -221,12 +221,15 @@ class VisionLanguageModel(nn.Module):
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.vision_tower = pixtral.PixtralVisionModel(
-            pixtral.PixtralVisionArgs.from_config(args.config["vision_config"])
-        )
-        projector = pixtral.Mistral3ProjectorArgs.from_config(args.config)
-        self.multi_modal_projector = pixtral.Mistral3MultiModalProjector(projector)
-        self.vision_feature_layer = projector.vision_feature_layer
+        # mlx-lm's conversions of a VL model keep the text model only, and drop vision_config:
+        # then there is no tower to build (the loader serves such a checkpoint as a text model).
+        if args.config.get("vision_config"):
+            self.vision_tower = pixtral.PixtralVisionModel(
+                pixtral.PixtralVisionArgs.from_config(args.config["vision_config"])
+            )
+            projector = pixtral.Mistral3ProjectorArgs.from_config(args.config)
+            self.multi_modal_projector = pixtral.Mistral3MultiModalProjector(projector)
+            self.vision_feature_layer = projector.vision_feature_layer
         self.language_model = TextModel(args)
 
     def image_features(self, pixel_values: mx.array, image_sizes: mx.array) -> ImageFeatures:

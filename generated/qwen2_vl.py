@@ -234,8 +234,11 @@ class VisionLanguageModel(nn.Module):
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        vision_config = args.config["vision_config"]
-        self.visual = qwen.Qwen2VisionTower(vision_config)
+        # mlx-lm's conversions of a VL model keep the text model only, and drop vision_config:
+        # then there is no tower to build (the loader serves such a checkpoint as a text model).
+        vision_config = args.config.get("vision_config") or {}
+        if vision_config:
+            self.visual = qwen.Qwen2VisionTower(vision_config)
         self.language_model = TextModel(args)
         # rope_index settings: how image tokens are laid out in MRoPE positions
         self.spatial_merge_size = vision_config.get("spatial_merge_size", 2)
@@ -257,6 +260,8 @@ class VisionLanguageModel(nn.Module):
     def sanitize_vision(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         prefix = "model.visual."
         tower = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+        if not tower:  # a checkpoint saved without its tower
+            return weights
         weights = {k: v for k, v in weights.items() if not k.startswith(prefix)}
         return weights | {prefix + k: v for k, v in self.visual.sanitize(tower).items()}
 

@@ -420,11 +420,11 @@ def generate(
         model_dir, _ = _resolve_model(model_dir)
     pil_images = []
 
-    def refuse_images(config, module) -> None:  # before the tokenizer and the weights load
-        if images and getattr(module, "VISION_TOWER", None) is None:
+    def refuse_images(config, tower) -> None:  # before the tokenizer and the weights load
+        if images and tower is None:
             raise click.BadParameter(
                 f"the {config.get('model_type')} model at {model_dir} takes no images "
-                "(it has no vision tower)",
+                "(it has no vision tower, or its checkpoint was saved without one)",
                 param_hint="'--image'",
             )
         try:

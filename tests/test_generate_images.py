@@ -413,6 +413,28 @@ def test_cli_image_errors(checkpoint, text_checkpoint, tmp_path, monkeypatch):
     assert_one_error_line(gen(path, tmp_path), "directory")
 
 
+def test_cli_a_checkpoint_saved_without_its_tower_generates_text(checkpoint, tmp_path):
+    """As mlx-lm converts a VL model (the text model only; its save_config drops
+    vision_config): text generates, and an image is refused before the weights load."""
+    from safetensors.numpy import load_file, save_file
+
+    _, path, _, files = checkpoint
+    text_only = tmp_path / "text-only"
+    shutil.copytree(path, text_only, ignore=shutil.ignore_patterns("*.safetensors*"))
+    weights = {k: v for f in path.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    vision = ("visual.", "vision_tower.", "multi_modal_projector.")
+    text = {k: v for k, v in weights.items() if not any(p in k for p in vision)}
+    assert len(text) < len(weights)
+    save_file(text, str(text_only / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    del config["vision_config"]
+    (text_only / "config.json").write_text(json.dumps(config))
+    run = run_cli("--model", text_only, "--prompt", "hi", "--max-tokens", 2)
+    assert run.exit_code == 0, run.output
+    refused = run_cli("--model", text_only, "--image", files[0], "--prompt", "hi")
+    assert_one_error_line(refused, "--image", "takes no images", "saved without one")
+
+
 def make_qwen2_5_vl_3b(path):
     """A tiny qwen2_5_vl with Qwen2.5-VL-3B-Instruct's own tokenizer_config.json (a text-only
     chat template) and chat_template.json (the VL one), and an image: (path, image path)."""

@@ -49,13 +49,13 @@ def test_errors_in_order(tmp_path, use_toy):
         load_checkpoint(path, tokenizer_hint="read prompts")
     seen = []
 
-    def refuse(config, module):
-        seen.append((config["model_type"], module))
+    def refuse(config, tower):
+        seen.append((config["model_type"], tower))
         raise RuntimeError("refused")
 
     with pytest.raises(RuntimeError, match="refused"):  # the hook runs before the tokenizer
         load_checkpoint(path, before_tokenizer=refuse)
-    assert seen == [("toy", toy)]
+    assert seen == [("toy", None)]  # a text model: no vision tower
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="no config.json"):  # before the hook
         load_checkpoint(tmp_path / "empty", before_tokenizer=refuse)

@@ -8,6 +8,7 @@ logits by 1e-2 or more.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 
@@ -219,6 +220,28 @@ def test_other_weight_layouts_load_to_the_same_model(checkpoint, layout, tmp_pat
     )
     assert mx.array_equal(a, b)
     assert json.loads((path / "config.json").read_text())["model_type"] == "mistral3"
+
+
+def test_a_checkpoint_without_its_tower_loads_as_a_text_model(checkpoint, tmp_path):
+    """mlx-lm's conversion of a VL model keeps only the text model (its sanitize drops the
+    tower and the projector; here config.json keeps vision_config, as its save_config does with
+    keep_vision_config): mlxc loads it as a text model,
+    with the whole model's text logits, and reports no tower (no processor; images refused)."""
+    from mlxc.runtime.checkpoint import loading, processor
+
+    _, path = checkpoint
+    weights = load_file(str(path / "model.safetensors"))
+    text = {k: v for k, v in weights.items() if k.startswith("language_model.")}
+    assert len(text) < len(weights)
+    save_file(text, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    ids, _, _ = prompt(np.random.default_rng(6), [])
+    ours, whole = mlxc.load_model(tmp_path), mlxc.load_model(path)
+    assert mx.array_equal(ours(mx.array(ids)), whole(mx.array(ids)))
+    assert processor.vision_tower(ours) is None and processor.vision_tower(whole) == "pixtral"
+    module = importlib.import_module(type(ours).__module__)
+    assert loading.vision_tower(module, text) is None
+    assert loading.vision_tower(module, weights) == "pixtral"
 
 
 def test_more_image_tokens_than_features_is_a_clear_error(checkpoint):

@@ -17,7 +17,7 @@ import copy
 import importlib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from types import ModuleType
@@ -333,6 +333,35 @@ def _check_weights(
         )
 
 
+# --- a VL checkpoint without its vision tower ----------------------------------------------
+
+# Every layout's vision tensors name the tower: the hub's ``visual.`` (Qwen), transformers 5's
+# ``model.visual.``, and ``vision_tower.`` (pixtral, SigLIP, mlx-vlm's conversions); a text
+# decoder's never do.
+_VISION_TENSOR = re.compile(r"(^|\.)(visual|vision_tower)\.")
+
+
+def vision_tower(module: ModuleType, names: Iterable[str]) -> str | None:
+    """The ``VISION_TOWER`` of ``module`` for a checkpoint holding the tensors ``names``: None
+    for a text model, and for a VL checkpoint saved without its tower (mlx-lm's conversions
+    of VL models keep only the text model), which loads and serves as a text model."""
+    tower = getattr(module, "VISION_TOWER", None)
+    if tower is not None and not any(_VISION_TENSOR.search(n) for n in names):
+        return None
+    return tower
+
+
+def _without_vision(model: nn.Module) -> None:
+    """A VL model for a checkpoint without its tower, in place: the tower and the projector
+    (the parts of ``model.model`` beside its ``language_model``) go, so the weights are
+    checked against the text model alone, and the model reports no tower (images refused as
+    for any text model)."""
+    parts = model.model
+    for name in [k for k in parts.children() if k != "language_model"]:
+        parts.pop(name)
+    model.vision_tower = None
+
+
 # --- quantisation and dtype -----------------------------------------------------------------
 
 # Hugging Face MXFP4 checkpoints (gpt-oss: ``quantization_config.quant_method: mxfp4``) store
@@ -493,7 +522,9 @@ def load_model(
     # The weights are read lazily: here only their headers (names and shapes).
     files = weight_files(path)
     weights, source = _read_weights(files)
-    _check_layer_counts(config, list(weights), path / "config.json")
+    text_only = getattr(module, "VISION_TOWER", None) and vision_tower(module, weights) is None
+    counted = {k: v for k, v in config.items() if k != "vision_config"} if text_only else config
+    _check_layer_counts(counted, list(weights), path / "config.json")
     model, reads = _build(module, config, path / "config.json")
     _check_heads(model, reads, path / "config.json")
 
@@ -506,6 +537,8 @@ def load_model(
             f"the weights in {path} do not fit the {module.__name__} weight rules: {e!r}"
         ) from e
 
+    if text_only:
+        _without_vision(model)
     if (quant := quantization(config)) is not None:
         _quantize(model, quant, weights, path / "config.json")
 
@@ -609,12 +642,8 @@ class Checkpoint:
     eos_token_ids: set[int]
     context_length: int | None
     vocab_size: int | None
+    vision_tower: str | None  # the module's VISION_TOWER; None: a text model (:func:`vision_tower`)
     specs: Specs = None
-
-    @property
-    def vision_tower(self) -> str | None:
-        """The module's ``VISION_TOWER`` (None: a text-only model)."""
-        return getattr(self.module, "VISION_TOWER", None)
 
     def load_model(
         self, dtype: mx.Dtype | str | None = None, group: mx.distributed.Group | None = None
@@ -638,11 +667,11 @@ def load_checkpoint(
     chat_template: str | None = None,
     tokenizer_hint: str = "copy the tokenizer files of the model there",
     copy_tokenizer: bool = False,
-    before_tokenizer: Callable[[dict[str, Any], ModuleType], None] | None = None,
+    before_tokenizer: Callable[[dict[str, Any], str | None], None] | None = None,
 ) -> Checkpoint:
     """Read the checkpoint at ``path`` up to its weights: config.json, the generated module
-    (``specs`` as in :func:`load_model`), then ``before_tokenizer(config, module)`` if given
-    (checks to fail before any slow load), the tokenizer (``tokenizer_hint`` ends the "no
+    (``specs`` as in :func:`load_model`), then ``before_tokenizer(config, vision_tower)`` if
+    given (checks to fail before any slow load; the tower as :func:`vision_tower` says), the tokenizer (``tokenizer_hint`` ends the "no
     tokenizer" error), and a VL model's processor (``chat_template`` as in ``load_processor``).
     ``copy_tokenizer``: the processor and ``prompt_tokenizer`` get a deep copy of the tokenizer
     (the server encodes prompts in worker threads). Raises CheckpointError, and
@@ -652,8 +681,12 @@ def load_checkpoint(
     path = Path(path)
     config = read_config(path)  # "not a checkpoint" before anything else
     module = resolve_module(registry_key(config, specs), specs)
+    tower = getattr(module, "VISION_TOWER", None)
+    if tower is not None:  # the tensor names only: no weight data is read
+        files = weight_files(path)
+        tower = vision_tower(module, _read_weights(files)[0])
     if before_tokenizer is not None:
-        before_tokenizer(config, module)
+        before_tokenizer(config, tower)
     tokenizer = load_tokenizer(path)
     if tokenizer is None:
         raise CheckpointError(
@@ -663,7 +696,7 @@ def load_checkpoint(
     prompt_tokenizer = copy.deepcopy(tokenizer) if copy_tokenizer else tokenizer
     processor = None
     # A VL model renders every prompt, with images or without, through its processor.
-    if tower := getattr(module, "VISION_TOWER", None):
+    if tower is not None:
         from mlxc.runtime.checkpoint.processor import load_processor
 
         try:
@@ -680,5 +713,6 @@ def load_checkpoint(
         eos_token_ids=eos_token_ids(tokenizer, path),
         context_length=context_length(config),
         vocab_size=_config_int(config, "vocab_size"),
+        vision_tower=tower,
         specs=specs,
     )

@@ -646,7 +646,11 @@ def vision_tower(model_module_or_tower: Any) -> str | None:
         return model_module_or_tower
     if isinstance(model_module_or_tower, ModuleType):
         return getattr(model_module_or_tower, "VISION_TOWER", None)
-    return getattr(type(model_module_or_tower), "vision_tower", None)
+    # A model loaded from a checkpoint without its tower says so on the instance (loading).
+    model_class = type(model_module_or_tower)
+    return vars(model_module_or_tower).get(
+        "vision_tower", getattr(model_class, "vision_tower", None)
+    )
 
 
 def load_processor(
