@@ -240,8 +240,8 @@ def test_a_checkpoint_without_its_tower_loads_as_a_text_model(checkpoint, tmp_pa
     assert mx.array_equal(ours(mx.array(ids)), whole(mx.array(ids)))
     assert processor.vision_tower(ours) is None and processor.vision_tower(whole) == "pixtral"
     module = importlib.import_module(type(ours).__module__)
-    assert loading.vision_tower(module, text) is None
-    assert loading.vision_tower(module, weights) == "pixtral"
+    assert loading.checkpoint_tower(module, text) is None
+    assert loading.checkpoint_tower(module, weights) == "pixtral"
 
 
 def test_more_image_tokens_than_features_is_a_clear_error(checkpoint):

@@ -341,7 +341,7 @@ def _check_weights(
 _VISION_TENSOR = re.compile(r"(^|\.)(visual|vision_tower)\.")
 
 
-def vision_tower(module: ModuleType, names: Iterable[str]) -> str | None:
+def checkpoint_tower(module: ModuleType, names: Iterable[str]) -> str | None:
     """The ``VISION_TOWER`` of ``module`` for a checkpoint holding the tensors ``names``: None
     for a text model, and for a VL checkpoint saved without its tower (mlx-lm's conversions
     of VL models keep only the text model), which loads and serves as a text model."""
@@ -522,7 +522,8 @@ def load_model(
     # The weights are read lazily: here only their headers (names and shapes).
     files = weight_files(path)
     weights, source = _read_weights(files)
-    text_only = getattr(module, "VISION_TOWER", None) and vision_tower(module, weights) is None
+    has_tower = getattr(module, "VISION_TOWER", None) is not None
+    text_only = has_tower and checkpoint_tower(module, weights) is None  # a VL model's text half
     counted = {k: v for k, v in config.items() if k != "vision_config"} if text_only else config
     _check_layer_counts(counted, list(weights), path / "config.json")
     model, reads = _build(module, config, path / "config.json")
@@ -642,7 +643,9 @@ class Checkpoint:
     eos_token_ids: set[int]
     context_length: int | None
     vocab_size: int | None
-    vision_tower: str | None  # the module's VISION_TOWER; None: a text model (:func:`vision_tower`)
+    vision_tower: (
+        str | None
+    )  # the module's VISION_TOWER; None: a text model (:func:`checkpoint_tower`)
     specs: Specs = None
 
     def load_model(
@@ -671,8 +674,9 @@ def load_checkpoint(
 ) -> Checkpoint:
     """Read the checkpoint at ``path`` up to its weights: config.json, the generated module
     (``specs`` as in :func:`load_model`), then ``before_tokenizer(config, vision_tower)`` if
-    given (checks to fail before any slow load; the tower as :func:`vision_tower` says), the tokenizer (``tokenizer_hint`` ends the "no
-    tokenizer" error), and a VL model's processor (``chat_template`` as in ``load_processor``).
+    given (checks to fail before any slow load; the tower as :func:`checkpoint_tower` says), the
+    tokenizer (``tokenizer_hint`` ends the "no tokenizer" error), and a VL model's processor
+    (``chat_template`` as in ``load_processor``).
     ``copy_tokenizer``: the processor and ``prompt_tokenizer`` get a deep copy of the tokenizer
     (the server encodes prompts in worker threads). Raises CheckpointError, and
     :class:`ProcessorFilesError` (a ValueError) when the processor files do not fit."""
@@ -684,7 +688,7 @@ def load_checkpoint(
     tower = getattr(module, "VISION_TOWER", None)
     if tower is not None:  # the tensor names only: no weight data is read
         files = weight_files(path)
-        tower = vision_tower(module, _read_weights(files)[0])
+        tower = checkpoint_tower(module, _read_weights(files)[0])
     if before_tokenizer is not None:
         before_tokenizer(config, tower)
     tokenizer = load_tokenizer(path)
