@@ -331,8 +331,8 @@ class VisionLanguageModel(nn.Module):
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        # mlx-lm's conversions of a VL model keep the text model only, and drop vision_config:
-        # then there is no tower to build (the loader serves such a checkpoint as a text model).
+        # No vision_config: a checkpoint without its tower (mlx-lm's conversions of VL models),
+        # which the loader builds and serves as a text model.
         if args.config.get("vision_config"):
             projector = siglip.Gemma3ProjectorArgs.from_config(args.config)
             self.vision_tower = siglip.SiglipVisionModel(projector.vision)

@@ -351,17 +351,6 @@ def checkpoint_tower(module: ModuleType, names: Iterable[str]) -> str | None:
     return tower
 
 
-def _without_vision(model: nn.Module) -> None:
-    """A VL model for a checkpoint without its tower, in place: the tower and the projector
-    (the parts of ``model.model`` beside its ``language_model``) go, so the weights are
-    checked against the text model alone, and the model reports no tower (images refused as
-    for any text model)."""
-    parts = model.model
-    for name in [k for k in parts.children() if k != "language_model"]:
-        parts.pop(name)
-    model.vision_tower = None
-
-
 # --- quantisation and dtype -----------------------------------------------------------------
 
 # Hugging Face MXFP4 checkpoints (gpt-oss: ``quantization_config.quant_method: mxfp4``) store
@@ -524,9 +513,12 @@ def load_model(
     weights, source = _read_weights(files)
     has_tower = getattr(module, "VISION_TOWER", None) is not None
     text_only = has_tower and checkpoint_tower(module, weights) is None  # a VL model's text half
-    counted = {k: v for k, v in config.items() if k != "vision_config"} if text_only else config
-    _check_layer_counts(counted, list(weights), path / "config.json")
+    if text_only:  # built without vision_config, the templates build no tower or projector
+        config = {k: v for k, v in config.items() if k != "vision_config"}
+    _check_layer_counts(config, list(weights), path / "config.json")
     model, reads = _build(module, config, path / "config.json")
+    if text_only:
+        model.vision_tower = None  # reported on the instance: images refused as for a text model
     _check_heads(model, reads, path / "config.json")
 
     try:
@@ -538,8 +530,6 @@ def load_model(
             f"the weights in {path} do not fit the {module.__name__} weight rules: {e!r}"
         ) from e
 
-    if text_only:
-        _without_vision(model)
     if (quant := quantization(config)) is not None:
         _quantize(model, quant, weights, path / "config.json")
 
@@ -643,9 +633,8 @@ class Checkpoint:
     eos_token_ids: set[int]
     context_length: int | None
     vocab_size: int | None
-    vision_tower: (
-        str | None
-    )  # the module's VISION_TOWER; None: a text model (:func:`checkpoint_tower`)
+    # The module's VISION_TOWER; None: a text model, or a VL checkpoint without its tower.
+    vision_tower: str | None
     specs: Specs = None
 
     def load_model(
