@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from bench.run import Q4_FILES
+
 
 def _fmt(x: float | str | None) -> str:
     if x is None:
@@ -130,7 +132,7 @@ def markdown(result: dict) -> str:
         (
             f"Parameters: {', '.join(f'{a} {n / 1e6:.0f}M' for a, n in result['params'].items())}. "
             f"Random weights, bf16 checkpoints; q4 = 4-bit, group {s['quantization']['group_size']} "
-            "(mlxc: `mlxc convert`; mlx-lm: its `quantize_model`). `prefill N`: N-token prompt, "
+            f"({s['quantization'].get('q4_file', Q4_FILES['each'])}). `prefill N`: N-token prompt, "
             "tokens/s to the first token; `decode@P`: greedy tokens/s after a P-token prompt "
             f"(up to {s['decode_tokens']} tokens). Median of up to {s['repeats']} interleaved "
             "repeats. Peak memory: own weights + the run's extra peak. Prefill chunks: each side's "

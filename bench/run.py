@@ -10,8 +10,10 @@ writes ``OUT.json`` (every number, every repeat, the machine) and ``OUT.md`` (th
 It writes deterministic random checkpoints (bench/models.py) for each architecture into a
 temporary directory, plus a 4-bit copy made by ``mlxc convert``, and loads the same files into
 mlxc (``mlxc.load_model``) and into mlx-lm (``mlx_lm.utils.load_model``; its 4-bit is mlx-lm's
-own ``quantize_model`` of the bf16 weights, as ``mlx_lm.convert -q`` does). Each measurement runs
-both in one process, interleaved, warmed up, repeated; the median is reported.
+own ``quantize_model`` of the bf16 weights, as ``mlx_lm.convert -q`` does). ``--q4-file mlx-lm``
+times both sides on one 4-bit file instead, mlx-lm's conversion (what mlx-community publishes),
+so the 4-bit rows compare the same bytes. Each measurement runs both in one process,
+interleaved, warmed up, repeated; the median is reported.
 
 On a CPU device the comparison is made twice, in two child processes, because a BLAS can only
 be chosen before MLX is imported (runtime/blas.py):
@@ -43,6 +45,10 @@ DEFAULTS = {
 }
 QUANTS = ("bf16", "q4")
 GROUP_SIZE, BITS = 64, 4
+Q4_FILES = {  # --q4-file: where each side's 4-bit model comes from
+    "each": "each side's own converter (mlxc convert; mlx-lm quantize_model)",
+    "mlx-lm": "mlx-lm's conversion, loaded by both sides",
+}
 
 
 def _log(msg: str) -> None:
@@ -52,8 +58,11 @@ def _log(msg: str) -> None:
 # --- parent: checkpoints, children, report ---------------------------------------------------
 
 
-def prepare(archs: list[str], size: str, quants: list[str], work: Path) -> dict:
-    """Write each checkpoint (and its 4-bit conversion); {arch: {quant: dir}}."""
+def prepare(
+    archs: list[str], size: str, quants: list[str], work: Path, q4_file: str = "each"
+) -> dict:
+    """Write each checkpoint (and its 4-bit conversion); {arch: {quant: dir}}. The "q4" dir is
+    mlxc's conversion, or with ``q4_file="mlx-lm"`` mlx-lm's, which both sides then load."""
     from bench import models
     from mlxc.runtime.checkpoint.convert import convert
 
@@ -65,9 +74,12 @@ def prepare(archs: list[str], size: str, quants: list[str], work: Path) -> dict:
             models.write_checkpoint(bf16, arch, size)
         dirs[arch] = {"bf16": str(bf16)}
         if "q4" in quants:
-            q4 = work / f"{arch}-{size}-q4"
-            if not (q4 / "config.json").exists():
-                convert(bf16, q4, quantize=True, bits=BITS, group_size=GROUP_SIZE)
+            if q4_file == "mlx-lm":
+                q4 = peer_convert(bf16, work / f"{arch}-{size}-q4-mlx-lm")
+            else:
+                q4 = work / f"{arch}-{size}-q4"
+                if not (q4 / "config.json").exists():
+                    convert(bf16, q4, quantize=True, bits=BITS, group_size=GROUP_SIZE)
             dirs[arch]["q4"] = str(q4)
         n = models.parameter_count(arch, size)
         _log(f"checkpoint {arch} ({size}, {n / 1e6:.0f}M params): {time.perf_counter() - t:.1f} s")
@@ -164,6 +176,10 @@ def spawn(mode: str, args, dirs: dict, out_json: Path) -> dict:
         str(args.kv_bits or 0),
         "--kv-group-size",
         str(args.kv_group_size),
+        "--q4-file",
+        args.q4_file,
+        "--quants",
+        args.quants,
     ]
     _log(f"== {mode} pass ==")
     r = subprocess.run(cmd, env=env, check=False, cwd=Path(__file__).resolve().parent.parent)
@@ -229,21 +245,45 @@ def load_peer(bf16: Path, quant: str):
     """mlx-lm's model of the bf16 checkpoint ``bf16`` (in its layout: ``peer_checkpoint``);
     for "q4" quantised by its own ``quantize_model`` (as ``mlx_lm.convert -q`` does), not
     loaded from mlxc's conversion."""
+    q4 = {"group_size": GROUP_SIZE, "bits": BITS}
+    return _peer_model(bf16, q4 if quant == "q4" else None)[0]
+
+
+def _peer_model(bf16: Path, quantize: dict | None):
+    """(model, config) of mlx-lm for ``bf16``, quantised by ``quantize_model(**quantize)``."""
     from mlx_lm.utils import load_model as peer_load
 
     peer, config = peer_load(peer_checkpoint(bf16))
-    if quant == "q4":
+    if quantize is not None:
         import contextlib
         import io
 
         from mlx_lm.utils import quantize_model
 
         with contextlib.redirect_stdout(io.StringIO()):
-            peer, _ = quantize_model(peer, config, group_size=GROUP_SIZE, bits=BITS)
-    return peer
+            peer, config = quantize_model(peer, config, **quantize)
+    return peer, config
 
 
-def _load_sides(mode: str, device: str, arch_dirs: dict, quant: str, kv_quant=None) -> list:
+def peer_convert(bf16: Path, out: Path, **quantize) -> Path:
+    """mlx-lm's quantised conversion of ``bf16`` written to ``out`` (once), as ``mlx_lm.convert
+    -q`` writes it: its layout, its recipe (8-bit MoE routers), its config. ``quantize``:
+    ``quantize_model``'s arguments; by default 4-bit, group 64."""
+    if (out / "config.json").exists():
+        return out
+    from mlx_lm.utils import save_config, save_model
+
+    peer, config = _peer_model(bf16, quantize or {"group_size": GROUP_SIZE, "bits": BITS})
+    tmp = out.with_name(out.name + ".partial")
+    save_model(tmp, peer)
+    save_config(config, tmp / "config.json")
+    tmp.rename(out)
+    return out
+
+
+def _load_sides(
+    mode: str, device: str, arch_dirs: dict, quant: str, kv_quant=None, q4_file: str = "each"
+) -> list:
     """The sides to compare in this pass, for one architecture and quantisation."""
     import mlx.core as mx
 
@@ -256,7 +296,12 @@ def _load_sides(mode: str, device: str, arch_dirs: dict, quant: str, kv_quant=No
     if kv_quant is not None:  # the same model on quantised KV caches (--kv-bits)
         sides.append(Side(kv_side(kv_quant.bits), "ours", ours, ours_dtype, kv_quant=kv_quant))
 
-    peer = load_peer(Path(arch_dirs["bf16"]), quant)
+    if q4_file == "mlx-lm" and quant == "q4":  # the file mlxc has just loaded
+        from mlx_lm.utils import load_model as peer_load
+
+        peer = peer_load(Path(arch_dirs["q4"]))[0]
+    else:
+        peer = load_peer(Path(arch_dirs["bf16"]), quant)
     mx.eval(peer.parameters())
     if mode == "openblas":
         # Same BLAS and the same float32 compute as mlxc: the kernel-level comparison.
@@ -324,9 +369,9 @@ def child(args) -> None:
     _log(f"[{args.child}] {st.reason}")
     for arch, arch_dirs in dirs.items():
         vocab = json.loads((Path(arch_dirs["bf16"]) / "config.json").read_text())["vocab_size"]
-        for quant in [q for q in QUANTS if q in arch_dirs]:
+        for quant in [q for q in QUANTS if q in args.quants.split(",")]:
             _log(f"  {arch} {quant}")
-            sides = _load_sides(args.child, args.device, arch_dirs, quant, kv_quant)
+            sides = _load_sides(args.child, args.device, arch_dirs, quant, kv_quant, args.q4_file)
             failed = {}
             for s in list(sides):  # a short run first on every side (allocations, kernel set-up)
                 try:
@@ -398,6 +443,12 @@ def main(argv: list[str] | None = None) -> None:
         help="also run mlxc on KV caches quantised to this many bits (a side 'mlxc kvN'); 0: not",
     )
     p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64)
+    p.add_argument(
+        "--q4-file",
+        choices=list(Q4_FILES),
+        default="each",
+        help="4-bit rows: each side's own conversion, or mlx-lm's conversion on both sides",
+    )
     p.add_argument("--work-dir", default=None, help="keep checkpoints here (default: temp)")
     p.add_argument("--modes", default=None, help="CPU passes: openblas,reference")
     p.add_argument(
@@ -440,7 +491,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="mlxc-bench-") as tmp:
         work = Path(args.work_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        dirs = prepare(archs, size, quants, work)
+        dirs = prepare(archs, size, quants, work, args.q4_file)
         passes = {}
         for mode in modes:
             passes[mode] = spawn(mode, args, dirs, work / f"pass-{mode}.json")
@@ -454,7 +505,11 @@ def main(argv: list[str] | None = None) -> None:
             "decode_tokens": args.decode_tokens,
             "repeats": args.repeats,
             "budget_s": args.budget,
-            "quantization": {"bits": BITS, "group_size": GROUP_SIZE},
+            "quantization": {
+                "bits": BITS,
+                "group_size": GROUP_SIZE,
+                "q4_file": Q4_FILES[args.q4_file],
+            },
             "kv_quantization": (
                 {"bits": args.kv_bits, "group_size": args.kv_group_size} if args.kv_bits else None
             ),

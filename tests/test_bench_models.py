@@ -17,7 +17,7 @@ import torch
 
 import mlxc
 from bench import models
-from bench.run import peer_checkpoint
+from bench.run import peer_checkpoint, peer_convert
 
 TINY = {  # sizes only; every other key as bench.models writes it
     "qwen2": {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 96},
@@ -141,18 +141,13 @@ MLA_QUANTISED = {"deepseek_v2": "kv_b_proj", "glm4_moe_lite": "unembed_out"}
 
 
 def _mlx_lm_quantized(arch, tmp_path, sizes=None, **quantize):
-    """``arch``'s tiny checkpoint quantised by mlx-lm and saved as its converter saves it:
-    (mlxc's model of the saved directory, mlx-lm's quantised model, the config it wrote, the
-    saved tensors)."""
+    """``arch``'s tiny checkpoint quantised by mlx-lm and saved as its converter saves it
+    (``bench.run.peer_convert``): (mlxc's model of the saved directory, mlx-lm's, the config
+    it wrote, the saved tensors)."""
     from mlx_lm.utils import load_model as peer_load
-    from mlx_lm.utils import quantize_model, save_config, save_model
 
-    peer, config = peer_load(peer_checkpoint(_checkpoint(arch, tmp_path / arch, sizes)))
-    peer, config = quantize_model(peer, config, **quantize)
-    out = tmp_path / "mlx-lm-quantised"
-    out.mkdir()
-    save_model(out, peer)
-    save_config(config, out / "config.json")
+    out = peer_convert(_checkpoint(arch, tmp_path / arch, sizes), tmp_path / "mlx-lm", **quantize)
+    peer, config = peer_load(out)  # the file, as bench.run --q4-file mlx-lm loads it
     return mlxc.load_model(out), peer, config, mx.load(str(out / "model.safetensors"))
 
 
