@@ -17,7 +17,11 @@ step is built twice: as the CPU runs it (``cpu_graph`` in the JSON), and under
 ``fast_kernels``, which swaps each ``mx.fast`` call for one stand-in node with the call's
 output shape and inputs: those counts (``kernels``, ``views``, ``by_primitive``) are the ones
 the tables report, the kernels a GPU launches, give or take a fast kernel that launches two
-(MLX's two-pass attention for long keys).
+(MLX's two-pass attention for long keys). mlxc also takes paths of its own on a CPU (attention
+in blocks of queries, a compiled polynomial exp, float copies of quantised weights), chosen by
+asking ``mx.default_device()``: for the kernel counts its model is loaded again and run under
+``gpu_paths``, which answers "a GPU", so they are of the graph mlxc builds for one (CUDA's own
+kernels, ``cuda_attention`` and ``cuda_matmul``, aside: each is one kernel where it applies).
 
 Each primitive is classed as a **kernel** (launches work on the device) or a **view** (shares
 its input's buffer, launches nothing). The classes come from MLX 0.32's GPU backend,
@@ -47,10 +51,11 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+from bench.run import peer_checkpoint, peer_convert
 
 # Primitives that launch nothing (see the module docstring for where each comes from).
 VIEWS = frozenset(
@@ -174,22 +179,53 @@ def step_counts(step, state) -> dict:
     return {"cpu_graph": summary(cpu), **summary(fast)}
 
 
+@contextlib.contextmanager
+def gpu_paths():
+    """mlxc told that the default device is a GPU: its CPU-only paths (attention in blocks of
+    queries, a compiled polynomial exp, float copies of quantised weights, experts by expert)
+    ask ``mx.default_device()``, so under this it builds the graph a GPU runs. MLX's own ops
+    still run on the CPU (their stream is chosen in C++, not by this function)."""
+    import mlx.core as mx
+
+    default_device = mx.default_device
+    mx.default_device = lambda: mx.Device(mx.gpu)
+    try:
+        yield
+    finally:
+        mx.default_device = default_device
+
+
 def mlxc_step(path: str) -> dict:
+    """mlxc's counts; on a CPU the kernel counts are of the graph it builds for a GPU
+    (``gpu_paths``, a second load), ``cpu_graph`` of the one it runs on the CPU."""
+    import mlx.core as mx
+
+    counts = _mlxc_step(path, on_gpu_paths=False)
+    if mx.default_device() == mx.cpu:
+        gpu = _mlxc_step(path, on_gpu_paths=True)
+        counts = {**gpu, "cpu_graph": counts["cpu_graph"]}
+    return counts
+
+
+def _mlxc_step(path: str, on_gpu_paths: bool) -> dict:
     import mlx.core as mx
 
     from mlxc import load_model
     from mlxc.runtime.model.cache import cache_arrays
 
-    model = load_model(path)
-    cache = model.make_cache()
-    ids = mx.array([list(range(10, 10 + PROMPT_TOKENS))])
-    y = mx.argmax(model(ids, cache=cache, last_only=True)[:, -1, :], axis=-1)
-    mx.eval(y, cache_arrays(cache))
-    # What generate_tokens' step builds: the last position's logits of one new token.
-    return step_counts(
-        lambda: model(y[:, None], cache=cache, last_only=True)[:, -1, :],
-        lambda: cache_arrays(cache),
-    )
+    model = load_model(path)  # outside gpu_paths: a CPU's float32 copy of bf16 weights
+    with gpu_paths() if on_gpu_paths else contextlib.nullcontext():
+        # Compiled functions trace their Python (and its device checks) on the first call, so
+        # the prompt's forward is under gpu_paths too.
+        cache = model.make_cache()
+        ids = mx.array([list(range(10, 10 + PROMPT_TOKENS))])
+        y = mx.argmax(model(ids, cache=cache, last_only=True)[:, -1, :], axis=-1)
+        mx.eval(y, cache_arrays(cache))
+        # What generate_tokens' step builds: the last position's logits of one new token.
+        return step_counts(
+            lambda: model(y[:, None], cache=cache, last_only=True)[:, -1, :],
+            lambda: cache_arrays(cache),
+        )
 
 
 def mlx_lm_step(path: str) -> dict:
@@ -197,7 +233,7 @@ def mlx_lm_step(path: str) -> dict:
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model as peer_load
 
-    model, _ = peer_load(Path(path))
+    model, _ = peer_load(peer_checkpoint(Path(path)))  # gpt_oss: its experts' layout
     if mx.default_device() == mx.cpu:
         model.set_dtype(mx.float32)  # as mlxc computes a bf16 checkpoint on a CPU
     cache = make_prompt_cache(model)
@@ -210,36 +246,18 @@ def mlx_lm_step(path: str) -> dict:
     )
 
 
-def _quantized(path: str, out: str, cfg: dict, bits: int, row: dict) -> str:
-    """``path`` quantised (group 64) into ``out``: by mlx-lm's convert (mlx-lm does not read
-    the stacked experts ``mlxc convert`` writes), or by mlxc's where mlx-lm's cannot (it reads
-    the config through transformers); ``row["quantised_by"]`` says which."""
-    from mlx_lm import convert as lm_convert
-
-    from bench import models
-    from mlxc.runtime.checkpoint.convert import convert
-
-    models.write_tokenizer(Path(path), cfg["vocab_size"])  # mlx-lm's convert reads it
-    try:
-        lm_convert(path, mlx_path=out, quantize=True, q_bits=bits, q_group_size=64)
-        row["quantised_by"] = "mlx-lm"
-    except Exception as e:  # noqa: BLE001 - a config transformers does not read
-        shutil.rmtree(out, ignore_errors=True)
-        convert(path, out, quantize=True, bits=bits, group_size=64)
-        row["quantised_by"] = f"mlxc (mlx-lm's convert: {type(e).__name__}: {e})"[:200]
-    return out
-
-
 def measure(arch: str, size: str, bits: int | None = None, log=print) -> dict:
-    """``bits``: the checkpoint quantised first (``_quantized``); both sides load that one."""
+    """``bits``: the checkpoint quantised first, by mlx-lm (``bench.run.peer_convert``, as
+    ``mlx_lm.convert -q`` writes it); both sides load that one."""
     from bench import models
 
     cfg = models.config(arch, size)
     row: dict = {"layers": cfg.get("num_hidden_layers")}
     with tempfile.TemporaryDirectory(prefix="mlxc-nodes-") as tmp:
         path = str(models.write_checkpoint(Path(tmp) / "m", arch, size))
-        if bits is not None:
-            path = _quantized(path, str(Path(tmp) / "q"), cfg, bits, row)
+        if bits is not None:  # mlx-lm's conversion, which both sides read (group 64)
+            path = str(peer_convert(Path(path), Path(tmp) / "q", group_size=64, bits=bits))
+            row["quantised_by"] = "mlx-lm (`bench.run.peer_convert`)"
         row["mlxc"] = mlxc_step(path)
         try:
             row["mlx-lm"] = mlx_lm_step(path)
@@ -265,8 +283,9 @@ def markdown(result: dict) -> str:
         f"One batch-1 decode step after a {PROMPT_TOKENS}-token prompt, the forward's logits "
         "(`python -m bench.graph_nodes`). Kernels: primitives that launch device work, each "
         "`mx.fast` call (rms_norm, rope, attention) one, as a GPU runs it; views: reshapes, "
-        "transposes, slices, broadcasts (no launch). CPU graph: the kernels of the graph the "
-        "CPU runs, where each fast call is its fallback ops."
+        "transposes, slices, broadcasts (no launch); mlxc's counted on the paths it takes on a "
+        "GPU. CPU graph: the kernels of the graph the CPU runs, where each fast call is its "
+        "fallback ops."
     )
     header = (
         "| arch | layers | mlxc kernels | mlx-lm kernels | mlxc / mlx-lm | mlxc kernels / layer "
