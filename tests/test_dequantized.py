@@ -18,7 +18,7 @@ from mlx import nn
 
 from mlxc.runtime import blas
 from mlxc.runtime.model import dequantized
-from mlxc.runtime.model.dequantized import CPU_ROWS, DequantizingEmbedding, DequantizingLinear
+from mlxc.runtime.model.dequantized import CPU_ROWS, CPUQuantizedEmbedding, CPUQuantizedLinear
 
 QUANTS = [  # (group size, bits, mode)
     (32, 4, "affine"),
@@ -92,8 +92,8 @@ def test_products_of_several_rows_take_the_copy(monkeypatch):
         x = mx.random.normal((rows, 64), key=mx.random.key(rows))
         unrouted[rows] = (model.layers[0](x), model.layers[1].as_linear(x))
     dequantized.route(model)
-    assert type(model.layers[0]) is DequantizingLinear
-    assert type(model.layers[1]) is DequantizingEmbedding
+    assert type(model.layers[0]) is CPUQuantizedLinear
+    assert type(model.layers[1]) is CPUQuantizedEmbedding
     real, calls = mx.quantized_matmul, []
     monkeypatch.setattr(mx, "quantized_matmul", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     for rows, want in unrouted.items():
@@ -109,12 +109,12 @@ def test_products_of_several_rows_take_the_copy(monkeypatch):
 
 
 def test_no_copy_without_a_fast_blas_or_off_the_cpu(monkeypatch):
-    """MLX's reference BLAS gives the copy no edge: there, and where the default device is not
-    the CPU, ``route`` changes nothing and no product takes the copy."""
+    """MLX's reference BLAS gives the copy no edge: there no product takes it (the layers are
+    routed for the split over the cores); where the default device is not the CPU, ``route``
+    changes nothing."""
     monkeypatch.setattr(blas, "fast_cpu_matmul", lambda: False)
     model = nn.Sequential(nn.Linear(64, 64))
     nn.quantize(model, 32, 4)
-    assert type(dequantized.route(model).layers[0]) is nn.QuantizedLinear
     assert not dequantized.on_cpu(mx.zeros((16, 64)))
     monkeypatch.setattr(blas, "fast_cpu_matmul", lambda: True)
     assert dequantized.on_cpu(mx.zeros((16, 64)))
@@ -122,6 +122,58 @@ def test_no_copy_without_a_fast_blas_or_off_the_cpu(monkeypatch):
     monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
     assert not dequantized.on_cpu(mx.zeros((16, 64)))
     assert type(dequantized.route(model).layers[0]) is nn.QuantizedLinear
+
+
+@pytest.mark.parametrize(("group", "bits", "mode"), QUANTS)
+@pytest.mark.parametrize("fast", [True, False])
+def test_products_split_over_the_cores(monkeypatch, group, bits, mode, fast):
+    """The products that keep MLX's kernel (fewer than CPU_ROWS rows; any number without an
+    optimised BLAS) go out to one stream per core in parts of the output rows, the last one
+    short: bit for bit MLX's one product. Under ``SPLIT_BYTES``, or on one core, one product."""
+    monkeypatch.setattr(blas, "fast_cpu_matmul", lambda: fast)
+    streams = tuple(mx.new_stream(mx.cpu) for _ in range(3))
+    monkeypatch.setattr(dequantized, "cpu_streams", lambda: streams)
+    monkeypatch.setattr(dequantized, "SPLIT_BYTES", 0)
+    linear = nn.QuantizedLinear(128, 100, bias=True, group_size=group, bits=bits, mode=mode)
+    linear.update(
+        nn.utils.tree_map(
+            lambda p: mx.random.normal(p.shape, key=mx.random.key(4)), {"bias": linear.bias}
+        )
+    )
+    head = _quantized((100, 128), group, bits, mode, seed=5)
+    embedding = nn.QuantizedEmbedding(100, 128, group_size=group, bits=bits, mode=mode)
+    embedding.update({k: head[k] for k in ("weight", "scales", "biases") if k in head})
+    model = dequantized.route(nn.Sequential(linear, embedding))
+    used, real = [], mx.quantized_matmul
+    monkeypatch.setattr(
+        mx, "quantized_matmul", lambda *a, **kw: used.append(kw.get("stream")) or real(*a, **kw)
+    )
+    for rows in (1, CPU_ROWS - 1) if fast else (1, CPU_ROWS, 9):
+        x = mx.random.normal((rows, 128), key=mx.random.key(rows))
+        want = (
+            real(
+                x,
+                linear.weight,
+                linear.scales,
+                linear.get("biases"),
+                transpose=True,
+                group_size=group,
+                bits=bits,
+                mode=mode,
+            )
+            + linear.bias,
+            _peer(x, head),
+        )
+        del used[:]
+        got = (model.layers[0](x), model.layers[1].as_linear(x))
+        assert used == list(streams) * 2  # 100 rows: 34 + 34 + 32
+        for g, w in zip(got, want):
+            assert mx.array_equal(g, w).item()
+    monkeypatch.setattr(dequantized, "SPLIT_BYTES", linear.weight.nbytes + 1)
+    assert dequantized.split_product(x, linear) is None
+    monkeypatch.setattr(dequantized, "SPLIT_BYTES", 0)
+    monkeypatch.setattr(dequantized, "cpu_streams", lambda: ())
+    assert dequantized.split_product(x, linear) is None
 
 
 @pytest.mark.parametrize(
@@ -162,3 +214,17 @@ def test_admit_starts_each_product_and_waits_for_the_one_before(monkeypatch):
     waited = calls[2][1]
     assert waited is calls[0][1] and waited.size == 1
     np.testing.assert_allclose(waited.item(), np.array(first[:1]).sum(), rtol=1e-6)
+
+
+def test_cpu_threads_setting(monkeypatch):
+    """``MLXC_CPU_THREADS`` sets how many streams share a product out; 1: none (MLX's one)."""
+    for setting, count in (("3", 3), ("1", 0)):
+        monkeypatch.setenv("MLXC_CPU_THREADS", setting)
+        dequantized.cpu_streams.cache_clear()
+        assert len(dequantized.cpu_streams()) == count
+    monkeypatch.setenv("MLXC_CPU_THREADS", "two")
+    dequantized.cpu_streams.cache_clear()
+    with pytest.raises(ValueError, match="MLXC_CPU_THREADS"):
+        dequantized.cpu_streams()
+    monkeypatch.delenv("MLXC_CPU_THREADS")
+    dequantized.cpu_streams.cache_clear()

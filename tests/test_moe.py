@@ -679,3 +679,24 @@ def test_quantized_experts_match_their_dequantized_weights():
     ref.load_weights(list(dense.items()), strict=True)
     x = mx.random.normal((2, 40, 64), key=mx.random.key(12))
     np.testing.assert_allclose(np.array(moe(x)), np.array(ref(x)), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_decode_tokens_chosen_experts_split_over_the_cores(monkeypatch, bias):
+    """On the CPU a few tokens' chosen quantised experts go out to one stream per core, each
+    running the whole expert MLP for its share of the choices (``dequantized.split_choices``):
+    bit for bit the one computation, inside the compiled block too."""
+    experts = _quantized_experts(7, "affine", bias)
+    x = mx.random.normal((3, 64), key=mx.random.key(8))
+    indices = mx.array([[0, 5, 2, 7], [1, 1, 6, 3], [4, 0, 2, 5]])
+    monkeypatch.setattr(dequantized, "cpu_streams", lambda: ())
+    want = experts(x, indices)
+    streams = tuple(mx.new_stream(mx.cpu) for _ in range(3))
+    monkeypatch.setattr(dequantized, "cpu_streams", lambda: streams)
+    real, calls = mx.gather_qmm, []
+    monkeypatch.setattr(mx, "gather_qmm", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    got = experts(x, indices)
+    assert len(calls) == 4  # k = 4 over 3 streams: two choices each, two linears
+    assert [c["rhs_indices"].shape for c in calls] == [(3, 2)] * 4
+    assert mx.array_equal(got, want).item()
+    assert mx.array_equal(mx.compile(experts)(x, indices), want).item()

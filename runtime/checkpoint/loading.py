@@ -559,7 +559,7 @@ def load_model(
 def _finish(model: nn.Module, fuse: bool) -> nn.Module:
     """A loaded model as it runs: projections of one input fused (``fuse``), on CUDA its dense
     projections' products of a few rows through mlxc's kernel (``cuda_matmul.route``), on the
-    CPU its quantised products of several rows through a float copy (``dequantized.route``)."""
+    CPU its quantised products through a float copy or over its cores (``dequantized.route``)."""
     return dequantized.route(cuda_matmul.route(layers.fuse(model) if fuse else model))
 
 

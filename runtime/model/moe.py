@@ -404,8 +404,12 @@ class Experts(nn.Module):
         # and OpenBLAS's GEMM on a transposed one-row operand runs 3-5x slower.
         if not do_sort:
             x = x.reshape(N, 1, 1, H)  # broadcasts against indices [N, k]
-            y = self._experts(x, lambda linear, rows: linear(rows, indices, False))
-            return y.squeeze(-2)
+
+            def chosen(idx: mx.array) -> mx.array:
+                return self._experts(x, lambda linear, rows: linear(rows, idx, False))
+
+            y = dequantized.split_choices(chosen, indices) if self._quantized() else None
+            return (chosen(indices) if y is None else y).squeeze(-2)
         flat, order, inverse = _by_expert_order(indices)
         idx = flat[order]  # [N*k]
         x = x[order // k].reshape(N * k, 1, H)
@@ -436,6 +440,9 @@ class Experts(nn.Module):
         if self.gate_up_proj is not None:
             return ["gate_up_proj", "down_proj"]
         return [name for name in PROJS if name in self]
+
+    def _quantized(self) -> bool:
+        return isinstance(self.down_proj, QuantizedExpertLinear)
 
     def _experts(self, x: mx.array, product) -> mx.array:
         """``down(glu(gate(x), up(x)))`` (ungated: ``down(act(up(x)))``), ``product(linear,
