@@ -1,29 +1,48 @@
 """bench.graph_nodes counts the kernels of a decode step as a GPU builds it. On a CPU mlxc takes
-paths of its own (here: the gated MLP's activation through a compiled polynomial exp, whose
-bit trick is a ``LeftShift``); the kernel counts must be of the graph mlxc builds for a GPU
-(``gpu_paths``), the CPU graph of the one it runs."""
+paths of its own (the gated MLP's activation through a compiled polynomial exp, whose bit trick
+is a ``LeftShift``; a quantised product shared out over the cores); the kernel counts must be of
+the graph mlxc builds for a GPU (``gpu_paths``), the CPU graph of the one it runs."""
 
 from __future__ import annotations
 
 import json
 
+import mlx.core as mx
+
 from bench import graph_nodes, models
+from bench.run import peer_convert
+from mlxc.runtime.model import dequantized
 
 TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
 
 
-def _has_polynomial_exp(by_primitive: dict) -> bool:
-    return any("LeftShift" in name for name in by_primitive)
+def _checkpoint(path, **sizes):
+    cfg = {**models.config("llama", "small"), **TINY, "num_hidden_layers": 2, "vocab_size": 256}
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({**cfg, **sizes}))
+    models.write_tensors(path, models.shapes({**cfg, **sizes}), seed=1)
+    return path
 
 
 def test_mlxc_counted_on_its_gpu_paths(tmp_path):
-    cfg = {**models.config("llama", "small"), **TINY, "num_hidden_layers": 2, "vocab_size": 256}
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    models.write_tensors(tmp_path, models.shapes(cfg), seed=1)
-
-    on_cpu = graph_nodes._mlxc_step(str(tmp_path), on_gpu_paths=False)
-    assert _has_polynomial_exp(on_cpu["by_primitive"])  # the CPU's own path is there to avoid
-    counts = graph_nodes.mlxc_step(str(tmp_path))
-    assert not _has_polynomial_exp(counts["by_primitive"])
+    path = str(_checkpoint(tmp_path / "m"))
+    on_cpu = graph_nodes._mlxc_step(path, on_gpu_paths=False)
+    assert any("LeftShift" in name for name in on_cpu["by_primitive"])  # the CPU's own exp
+    counts = graph_nodes.mlxc_step(path)
+    assert not any("LeftShift" in name for name in counts["by_primitive"])
     assert counts["kernels"] < on_cpu["kernels"]
     assert counts["cpu_graph"] == on_cpu["cpu_graph"]  # the CPU graph stays the CPU's
+
+
+def test_a_quantised_step_counted_on_its_gpu_paths(tmp_path, monkeypatch):
+    """4-bit: on the CPU each product of the fused gate|up (128 KiB packed) goes out to two
+    streams, two ``QuantizedMatmul`` where a GPU runs one."""
+    q4 = peer_convert(_checkpoint(tmp_path / "m", intermediate_size=2048), tmp_path / "q4")
+    streams = (mx.new_stream(mx.cpu), mx.new_stream(mx.cpu))
+    monkeypatch.setattr(dequantized, "cpu_streams", lambda: streams)
+    monkeypatch.setattr(dequantized, "SPLIT_BYTES", 100 << 10)
+    on_cpu = graph_nodes._mlxc_step(str(q4), on_gpu_paths=False)
+    counts = graph_nodes.mlxc_step(str(q4))
+    assert (
+        on_cpu["by_primitive"]["QuantizedMatmul"] == counts["by_primitive"]["QuantizedMatmul"] + 2
+    )

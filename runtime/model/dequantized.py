@@ -169,10 +169,10 @@ def cpu_streams() -> tuple[mx.Stream, ...]:
 def split_product(x: mx.array, layer: nn.Module) -> mx.array | None:
     """``x @ W.T`` for ``layer``'s quantised weight ``W [out, in]`` by MLX's
     ``quantized_matmul``, its output rows shared out over ``cpu_streams`` (contiguous slices,
-    no copy) and the parts joined; None where it stays one product (one core, or a weight
-    under ``SPLIT_BYTES``)."""
+    no copy) and the parts joined; None where it stays one product (not the CPU, one core, or
+    a weight under ``SPLIT_BYTES``)."""
     streams, packed = cpu_streams(), layer["weight"]
-    if not streams or packed.nbytes < SPLIT_BYTES:
+    if mx.default_device() != mx.cpu or not streams or packed.nbytes < SPLIT_BYTES:
         return None
     biases = layer.get("biases")
     step = -(-packed.shape[0] // len(streams))
