@@ -45,6 +45,7 @@ DEFAULTS = {
 }
 QUANTS = ("bf16", "q4")
 GROUP_SIZE, BITS = 64, 4
+Q4 = {"group_size": GROUP_SIZE, "bits": BITS}  # quantize_model's arguments for the q4 rows
 Q4_FILES = {  # --q4-file: where each side's 4-bit model comes from
     "each": "each side's own converter (mlxc convert; mlx-lm quantize_model)",
     "mlx-lm": "mlx-lm's conversion, loaded by both sides",
@@ -245,8 +246,7 @@ def load_peer(bf16: Path, quant: str):
     """mlx-lm's model of the bf16 checkpoint ``bf16`` (in its layout: ``peer_checkpoint``);
     for "q4" quantised by its own ``quantize_model`` (as ``mlx_lm.convert -q`` does), not
     loaded from mlxc's conversion."""
-    q4 = {"group_size": GROUP_SIZE, "bits": BITS}
-    return _peer_model(bf16, q4 if quant == "q4" else None)[0]
+    return _peer_model(bf16, Q4 if quant == "q4" else None)[0]
 
 
 def _peer_model(bf16: Path, quantize: dict | None):
@@ -273,7 +273,7 @@ def peer_convert(bf16: Path, out: Path, **quantize) -> Path:
         return out
     from mlx_lm.utils import save_config, save_model
 
-    peer, config = _peer_model(bf16, quantize or {"group_size": GROUP_SIZE, "bits": BITS})
+    peer, config = _peer_model(bf16, quantize or Q4)
     tmp = out.with_name(out.name + ".partial")
     save_model(tmp, peer)
     save_config(config, tmp / "config.json")

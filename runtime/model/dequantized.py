@@ -171,8 +171,11 @@ def split_product(x: mx.array, layer: nn.Module) -> mx.array | None:
     ``quantized_matmul``, its output rows shared out over ``cpu_streams`` (contiguous slices,
     no copy) and the parts joined; None where it stays one product (not the CPU, one core, or
     a weight under ``SPLIT_BYTES``)."""
-    streams, packed = cpu_streams(), layer["weight"]
-    if mx.default_device() != mx.cpu or not streams or packed.nbytes < SPLIT_BYTES:
+    packed = layer["weight"]
+    if mx.default_device() != mx.cpu or packed.nbytes < SPLIT_BYTES:
+        return None
+    streams = cpu_streams()
+    if not streams:
         return None
     biases = layer.get("biases")
     step = -(-packed.shape[0] // len(streams))
@@ -198,9 +201,10 @@ def split_choices(experts: Callable[[mx.array], mx.array], indices: mx.array) ->
     the CPU, each core's stream computing it for its share of the ``k`` choices, the parts
     joined along that axis: MLX's CPU ``gather_qmm`` uses one core. None where it stays one
     computation (not the CPU, one core, one choice)."""
-    streams = cpu_streams()
-    k = indices.shape[-1]
-    if mx.default_device() != mx.cpu or not streams or k < 2:
+    if mx.default_device() != mx.cpu or indices.shape[-1] < 2:
+        return None  # before cpu_streams: a GPU process makes no CPU streams (threads)
+    streams, k = cpu_streams(), indices.shape[-1]
+    if not streams:
         return None
     step = -(-k // min(len(streams), k))
     parts = []
