@@ -37,8 +37,8 @@ MODEL_FEATURES = ("moe", "mrope", "conv_weights", "mla")
 
 # What model.py.j2 imports from the runtime for itself, whatever the blocks (module -> names).
 MODEL_IMPORTS = {
-    # layers: where a kind, a norm or the softcap uses it; parallel: Model.shard
-    "mlxc.runtime.model": {"masks", "parallel"},
+    # layers: TextModel's early_dispatch (and kinds, norms, the softcap); parallel: Model.shard
+    "mlxc.runtime.model": {"layers", "masks", "parallel"},
     "mlxc.runtime.model.cache": {"KVCache"},
     "mlxc.runtime.model.config": {"read"},
     "mlxc.runtime.model.layers": {"AttentionInputs", "attend"},  # TextModel resolves the inputs
@@ -131,7 +131,6 @@ class _Gen:
         self.layer_scope = expr.Scope(params, frozenset(self.layers.fields), layer_idx=True)
         self.uses_math = False
         self.uses_round_up = False
-        self.uses_layers = False  # runtime.model.layers as a module (its RMSNorm, softcap)
 
     def py(self, value, args: str = "args", layer: bool = True) -> str:
         """Compile a literal or expression to Python; note which helpers it needs."""
@@ -149,7 +148,6 @@ class _Gen:
 
     def norm(self, norm: schema.Norm, dims: str, layer: bool = True) -> str:
         """The constructor of a norm over ``dims`` (Python source)."""
-        self.uses_layers |= norm.unit_offset
         cls = "layers.RMSNorm" if norm.unit_offset else "nn.RMSNorm"
         return f"{cls}({dims}, eps={self.py(norm.eps, layer=layer)})"
 
@@ -428,8 +426,6 @@ def model_context(spec: schema.Spec, source: str, spec_label: str) -> dict:
     ctx["uses_math"] = gen.uses_math
     if gen.uses_round_up:
         imports["mlxc.runtime.model.config"].add("round_up")
-    if gen.uses_layers or ctx["logit_softcap"]:
-        imports["mlxc.runtime.model"].add("layers")
     if not any(p.type == "rope" for p in spec.params.values()):
         # a model without positional encoding (nemotron_h) reads no rope config
         imports["mlxc.runtime.model.rope"].discard("RopeConfig")

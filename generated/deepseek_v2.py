@@ -342,8 +342,13 @@ class TextModel(nn.Module):
             },
             offset=offset,
         )
-        for layer, layer_cache in zip(self.layers, cache):
+        # A forward of several tokens is read as soon as it is built: on a GPU its first layers
+        # go to the device while the host builds the rest (layers.early_dispatch).
+        early = layers.early_dispatch(L, len(self.layers))
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
             h = layer(h, layer_cache, inputs)
+            if i in early:
+                mx.async_eval(h)
         return self.norm(h)
 
 

@@ -288,9 +288,14 @@ class TextModel(nn.Module):
             },
             offset=offset,
         )
+        # A forward of several tokens is read as soon as it is built: on a GPU its first layers
+        # go to the device while the host builds the rest (layers.early_dispatch).
+        early = layers.early_dispatch(L, len(self.layers))
         caches = iter(cache)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             h = layer(h, next(caches) if layer.new_cache else None, inputs)
+            if i in early:
+                mx.async_eval(h)
         return self.norm(h)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx import nn
 
-from mlxc.runtime.model import masks, moe, parallel
+from mlxc.runtime.model import layers, masks, moe, parallel
 from mlxc.runtime.model.cache import KVCache, attention_cache
 from mlxc.runtime.model.config import read
 from mlxc.runtime.model.layers import AttentionInputs, attend
@@ -284,9 +284,14 @@ class TextModel(nn.Module):
             },
             offset=offset,
         )
+        # A forward of several tokens is read as soon as it is built: on a GPU its first layers
+        # go to the device while the host builds the rest (layers.early_dispatch).
+        early = layers.early_dispatch(L, len(self.layers))
         caches = iter(cache)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             h = layer(h, next(caches) if layer.new_cache else None, inputs)
+            if i in early:
+                mx.async_eval(h)
         return self.norm(h)
 
 

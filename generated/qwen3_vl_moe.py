@@ -274,10 +274,15 @@ class TextModel(nn.Module):
                 dtype=h.dtype,
             ),
         )
+        # A forward of several tokens is read as soon as it is built: on a GPU its first layers
+        # go to the device while the host builds the rest (layers.early_dispatch).
+        early = layers.early_dispatch(L, len(self.layers))
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
             h = layer(h, layer_cache, inputs)
             if rows is not None and i < len(cache.images.extra):
                 h = rows.add(h, cache.images.extra[i])  # DeepStack: tower features of layer i
+            if i in early:
+                mx.async_eval(h)
         return self.norm(h)
 
 

@@ -222,6 +222,31 @@ def unfuse(model: nn.Module) -> bool:
     return any_fused
 
 
+# Layers a piece of a forward of several tokens sends to the GPU at once (``early_dispatch``);
+# 0 sends nothing early. Measured in ``bench.verify_probe`` (``docs/performance.md``).
+PIECE_LAYERS = 4
+
+
+def early_dispatch(tokens: int, n_layers: int) -> frozenset[int]:
+    """The layers after which the generated ``TextModel`` sends the hidden state to the device
+    (``mx.async_eval``): every ``PIECE_LAYERS``-th on a GPU, for a forward of several tokens a
+    row; none otherwise.
+
+    Such a forward (a prompt chunk, a speculative verification) is read back as soon as it is
+    built, and MLX would start its device work only once the host had built and encoded every
+    layer: for a verification's few tokens, where host and device take about as long, that
+    serialises the two. Sent in pieces, the first layers run while the host builds the next.
+    A one-token decode step is left whole: its loop already overlaps a step's device work with
+    the next step's building (``generate_tokens``, the scheduler), and each piece costs a
+    launch of its own. The CPU is left whole too: its forward is bound by its arithmetic, done
+    by the same cores that would build the pieces.
+    """
+    every = PIECE_LAYERS
+    if tokens < 2 or every < 1 or mx.default_device() == mx.cpu:
+        return frozenset()
+    return frozenset(range(every - 1, n_layers - 1, every))
+
+
 @dataclass
 class AttentionInputs:
     """What every attention layer of one forward reads, resolved once from the cache by the
