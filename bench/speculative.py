@@ -69,9 +69,15 @@ def timed_pair(a, b, repeats: int) -> tuple[float, float, object, object]:
     return statistics.median(times[0]), statistics.median(times[1]), *outs
 
 
+PIPELINED_STEPS = 16  # one-token steps per timing of the pipelined loop (``step_cost``)
+
+
 def step_cost(model, prompt: list[int], k: int, repeats: int) -> dict:
     """Median seconds of one forward of 1 and of k + 1 tokens on the prompt's cache (rewound
-    after each, so every timing starts from the same state)."""
+    after each, so every timing starts from the same state), each read back before the next
+    as a verification is; and of a one-token step in plain decoding's pipelined loop (each
+    step queued before the one before it is read: ``pipelined_step_s``), which a
+    verification's time replaces."""
     import mlx.core as mx
 
     from mlxc.runtime.model.cache import cache_arrays, make_caches, rewind_caches
@@ -89,7 +95,27 @@ def step_cost(model, prompt: list[int], k: int, repeats: int) -> dict:
 
         forward()  # warm-up
         out[n], _ = timed(forward, repeats * 5)
-    return {"one_token_s": out[1], "verify_s": out[k + 1], "ratio": out[k + 1] / out[1]}
+
+    def pipelined():
+        y = mx.array([prompt[-1:]])
+        for _ in range(PIPELINED_STEPS):
+            y_next = mx.argmax(model(y, cache=cache)[:, -1:, :], axis=-1)
+            mx.async_eval(y_next)
+            y.item()  # the step before, read once the next is queued (generate_tokens)
+            y = y_next
+        y.item()
+        rewind_caches(cache, PIPELINED_STEPS)
+
+    pipelined()
+    loop, _ = timed(pipelined, repeats)
+    step = loop / PIPELINED_STEPS
+    return {
+        "one_token_s": out[1],
+        "verify_s": out[k + 1],
+        "ratio": out[k + 1] / out[1],
+        "pipelined_step_s": step,
+        "ratio_pipelined": out[k + 1] / step,
+    }
 
 
 def served(model, tokenizer, prompts: list[list[int]], n: int, speculation) -> tuple[float, list]:
@@ -204,16 +230,18 @@ def report(result: dict) -> str:
         "",
         (
             "| drafter | K | greedy identical | tokens/s | speed-up | acceptance | tokens/step "
-            "| 1-token step ms | K+1 verify ms | verify / step |"
+            "| 1-token step ms | K+1 verify ms | verify / step | pipelined step ms "
+            "| verify / pipelined step |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.get('drafter', 'prompt lookup')} | {r['k']} | "
             f"{'yes' if r['identical'] else 'NO'} | {r['tps']:.1f} | "
             f"{r['speedup']:.2f}x | {r['acceptance']:.0%} | {r['tokens_per_step']:.2f} | "
-            f"{r['one_token_s'] * 1e3:.2f} | {r['verify_s'] * 1e3:.2f} | {r['ratio']:.2f}x |"
+            f"{r['one_token_s'] * 1e3:.2f} | {r['verify_s'] * 1e3:.2f} | {r['ratio']:.2f}x | "
+            f"{r['pipelined_step_s'] * 1e3:.2f} | {r['ratio_pipelined']:.2f}x |"
         )
     if result.get("server"):
         lines += [

@@ -1,0 +1,32 @@
+"""bench.speculative's step costs: every timing starts from the prompt's cache (each forward and
+the pipelined loop rewind what they added), and the ratios are of the times it reports."""
+
+from pathlib import Path
+
+import mlx.core as mx
+import yaml
+
+from bench import speculative
+from mlxc.generated import llama
+from mlxc.runtime.model import cache as cache_module
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_step_cost_rewinds_and_reports(monkeypatch):
+    config = yaml.safe_load((ROOT / "specs" / "llama.yaml").read_text())["tiny_config"]
+    model = llama.Model(llama.ModelArgs.from_config(config))
+    made = []
+    make_caches = cache_module.make_caches
+    monkeypatch.setattr(
+        cache_module, "make_caches", lambda m: made.append(make_caches(m)) or made[-1]
+    )
+    prompt = [3, 9, 4, 7, 1, 8, 2, 6]
+    cost = speculative.step_cost(model, prompt, k=3, repeats=1)
+    (cache,) = made
+    assert cache.offset == len(prompt)  # every forward and the loop rewound
+    assert all(cost[key] > 0 for key in ("one_token_s", "verify_s", "pipelined_step_s"))
+    assert cost["ratio"] == cost["verify_s"] / cost["one_token_s"]
+    assert cost["ratio_pipelined"] == cost["verify_s"] / cost["pipelined_step_s"]
+    mx.eval(model(mx.array([prompt[-1:]]), cache=cache))  # the cache still takes a step
+    assert cache.offset == len(prompt) + 1
