@@ -494,6 +494,11 @@ class _Sequence:
         return plain and (s.greedy or (s.top_p == 1 and s.top_k == 0 and s.min_p == 0))
 
 
+# A forward built by Scheduler._build_prompts: (its sequences, the arrays to evaluate, their
+# sampled tokens or None for a prefill chunk, their prompt batch or None)
+_Built = tuple[list[_Sequence], list[mx.array], Sampled | None, BatchCache | None]
+
+
 def _fresh(seq: _Sequence) -> bool:
     """Whether ``seq``'s prompt may still prefill as a row of a prompt batch."""
     return seq.prompt_batchable and seq.prefilled == 0
@@ -1008,7 +1013,18 @@ class Scheduler:
             if len(together) == 1:
                 work.append(together.pop())
 
-        # The batched decode step is queued first and read one tick later: its inputs are the
+        # This tick's prompt forwards (and steps of sequences decoding alone) are built and
+        # queued first, then the batched decode step, then the prompts are read: the device
+        # runs the step while the host reads them and builds the next step. (Read before the
+        # step was queued, the device would idle while the host built it, once per prompt
+        # forward.) The two are independent: a prompt's rows join the batch once read.
+        start = time.perf_counter()
+        built = self._build_prompts(together, work)
+        if built:
+            mx.async_eval([a for _, arrays, _, _ in built for a in arrays])
+            self._spent("prefill", start)
+
+        # The batched decode step is queued next and read one tick later: its inputs are the
         # tokens of the step still in flight, so the device never waits for the host (as in
         # generate_tokens). A row that turns out finished when its token is read has had one
         # step too many; that step's token is dropped with its row.
@@ -1054,11 +1070,13 @@ class Scheduler:
                 for seq in rows:
                     if seq in self._running:
                         self._fail(seq, e)
+        if built:
+            self._read_prompts(built)
 
-        # (sequences, arrays to evaluate, their sampled tokens or None, their prompt batch)
-        built: list[tuple[list[_Sequence], list[mx.array], Sampled | None, BatchCache | None]]
-        built = []
-        start = time.perf_counter()
+    def _build_prompts(self, together: list[_Sequence], work: list[_Sequence]) -> list[_Built]:
+        """Build (lazily) this tick's prompt batch and each of ``work``'s prefill chunk or lone
+        decode step; a sequence whose graph cannot be built fails alone."""
+        built: list[_Built] = []
         if together:
             try:
                 built.append((together, *self._prefill_together(together)))
@@ -1074,7 +1092,12 @@ class Scheduler:
             built.append(([seq], arrays, token, None))
             if seq.prefilling:
                 self._prefill_queue.append(seq)  # back of the round-robin for its next chunk
+        return built
 
+    def _read_prompts(self, built: list[_Built]) -> None:
+        """Evaluate what ``_build_prompts`` queued: store the snapshots, join the prompt batch's
+        rows to the decode batch, hand out first (or lone decode) tokens."""
+        start = time.perf_counter()
         try:
             mx.eval([a for _, arrays, _, _ in built for a in arrays])
         except Exception:  # noqa: BLE001 - retried one by one just below
@@ -1099,8 +1122,7 @@ class Scheduler:
                 self._spent("prefill", start)
                 self._read_tokens(seqs, token)
                 start = time.perf_counter()
-        if built:
-            self._spent("prefill", start)
+        self._spent("prefill", start)
 
     def _batch_rows(self) -> list[_Sequence]:
         """The sequences of the decode batch's rows, in row order."""
