@@ -168,19 +168,7 @@ class LatentAttention(nn.Module):
     def __call__(self, x: mx.array, cache: KVCache, inputs: AttentionInputs) -> mx.array:
         """``inputs``: what attention reads from the cache, resolved once per forward."""
         B, L, _ = x.shape
-        if self.q_kv_a_proj is not None:  # one matmul; the splits are views
-            q_a, kv_a = mx.split(self.q_kv_a_proj(x), [self.q_lora_rank], axis=-1)
-        else:
-            q_a = None if self.q_lora_rank is None else self.q_a_proj(x)
-            kv_a = self.kv_a_proj_with_mqa(x)
-        q = self.q_proj(x) if q_a is None else self.q_b_proj(self.q_a_layernorm(q_a))
-        q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        q_nope, q_pe = mx.split(q, [self.qk_nope_head_dim], axis=-1)
-        latent, k_pe = mx.split(kv_a, [self.kv_lora_rank], axis=-1)
-        latent = self.kv_a_layernorm(latent)[:, None]  # [B, 1, L, kv_lora_rank]: one shared head
-        k_pe = k_pe[:, None]
-        q_pe = self.rope(q_pe, offset=inputs.offset)
-        k_pe = self.rope(k_pe, offset=inputs.offset)
+        q_nope, q_pe, latent, k_pe = layers.step_compiled(self.project, x, inputs.offset)
         # The cache keeps one shared head: the latent as its keys, the rope key as its values.
         # Two arrays, not slices of one [latent | rope key] buffer: such a slice is strided, and
         # MLX's matmuls copy a strided operand before every use (three copies a layer a step).
@@ -211,6 +199,28 @@ class LatentAttention(nn.Module):
             queries = mx.concatenate([q_nope, q_pe], axis=-1)
             out = attend(queries, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def project(
+        self, x: mx.array, offset: int | mx.array
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """The query's two parts ``[B, H, L, *]`` (RoPE turned on ``q_pe``), the normed latent
+        and the RoPE key ``[B, 1, L, *]`` of ``x``: the work before the cache
+        (``layers.step_compiled`` replays it on a GPU)."""
+        B, L, _ = x.shape
+        if self.q_kv_a_proj is not None:  # one matmul; the splits are views
+            q_a, kv_a = mx.split(self.q_kv_a_proj(x), [self.q_lora_rank], axis=-1)
+        else:
+            q_a = None if self.q_lora_rank is None else self.q_a_proj(x)
+            kv_a = self.kv_a_proj_with_mqa(x)
+        q = self.q_proj(x) if q_a is None else self.q_b_proj(self.q_a_layernorm(q_a))
+        q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        q_nope, q_pe = mx.split(q, [self.qk_nope_head_dim], axis=-1)
+        latent, k_pe = mx.split(kv_a, [self.kv_lora_rank], axis=-1)
+        latent = self.kv_a_layernorm(latent)[:, None]  # [B, 1, L, kv_lora_rank]: one shared head
+        k_pe = k_pe[:, None]
+        q_pe = self.rope(q_pe, offset=offset)
+        k_pe = self.rope(k_pe, offset=offset)
+        return q_nope, q_pe, latent, k_pe
 
     def kv_b_halves(self) -> tuple[mx.array, mx.array]:
         """kv_b_proj per head, split once (``latent.split_kv_b``: ``w_k [H, nope,

@@ -111,24 +111,31 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, cache: KVCache, inputs: AttentionInputs) -> mx.array:
         """``inputs``: what attention reads from the cache, resolved once per forward."""
         B, L, _ = x.shape
-        if self.qkv_proj is not None:  # one matmul; the splits by heads are views
-            qkv = self.qkv_proj(x).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
-            qk_heads = self.n_heads + self.n_kv_heads
-            # The q and k heads lie side by side: one rope turns both.
-            qk = self.rope(qkv[:, :qk_heads], offset=inputs.offset)
-            queries, keys, values = qk[:, : self.n_heads], qk[:, self.n_heads :], qkv[:, qk_heads:]
-        else:
-            queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
-            keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
-            values = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
-            queries = self.rope(queries.transpose(0, 2, 1, 3), offset=inputs.offset)
-            keys = self.rope(keys.transpose(0, 2, 1, 3), offset=inputs.offset)
-            values = values.transpose(0, 2, 1, 3)
+        queries, keys, values = layers.step_compiled(self.project, x, inputs.offset)
         if inputs.attn_scale is not None:  # None: llama_4_scaling_beta unset or 0
             queries = queries * inputs.attn_scale
         keys, values = cache.update_and_fetch(keys, values)
         out = attend(queries, keys, values, scale=self.scale, mask=inputs.masks[self.window])
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def project(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries, keys and values ``[B, heads, L, head_dim]`` of ``x``, RoPE turned: the work
+        before the cache (``layers.step_compiled`` replays it on a GPU)."""
+        B, L, _ = x.shape
+        if self.qkv_proj is not None:  # one matmul; the splits by heads are views
+            qkv = self.qkv_proj(x).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
+            qk_heads = self.n_heads + self.n_kv_heads
+            # The q and k heads lie side by side: one rope turns both.
+            qk = self.rope(qkv[:, :qk_heads], offset=offset)
+            queries, keys, values = qk[:, : self.n_heads], qk[:, self.n_heads :], qkv[:, qk_heads:]
+        else:
+            queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
+            keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+            values = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+            queries = self.rope(queries.transpose(0, 2, 1, 3), offset=offset)
+            keys = self.rope(keys.transpose(0, 2, 1, 3), offset=offset)
+            values = values.transpose(0, 2, 1, 3)
+        return queries, keys, values
 
 
 class DecoderLayer(nn.Module):

@@ -192,6 +192,15 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, cache: KVCache, inputs: AttentionInputs) -> mx.array:
         """``inputs``: what attention reads from the cache, resolved once per forward."""
         B, L, _ = x.shape
+        queries, keys, values = layers.step_compiled(self.project, x)
+        keys, values = cache.update_and_fetch(keys, values)
+        out = attend(queries, keys, values, scale=self.scale, mask=inputs.masks[None])
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries, keys and values ``[B, heads, L, head_dim]`` of ``x``: the work
+        before the cache (``layers.step_compiled`` replays it on a GPU)."""
+        B, L, _ = x.shape
         if self.qkv_proj is not None:  # one matmul; the split by heads is a view
             qkv = self.qkv_proj(x).reshape(B, L, -1, self.head_dim)
             queries, keys, values = mx.split(
@@ -204,9 +213,7 @@ class Attention(nn.Module):
         queries = queries.transpose(0, 2, 1, 3)
         keys = keys.transpose(0, 2, 1, 3)
         values = values.transpose(0, 2, 1, 3)
-        keys, values = cache.update_and_fetch(keys, values)
-        out = attend(queries, keys, values, scale=self.scale, mask=inputs.masks[None])
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return queries, keys, values
 
 
 class DecoderLayer(nn.Module):

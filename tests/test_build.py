@@ -73,8 +73,9 @@ def test_lint_error_writes_nothing(tmp_path):
 
 
 def _attention_calls(path: Path):
-    """(what, source) for the offset rope and attention take, the mask's width, and what
-    TextModel assigns the offset from."""
+    """(what, source) for the offset rope and attention take (rope inside ``project``, whose
+    positions ``step_compiled`` passes), the mask's width, and what TextModel assigns the
+    offset from."""
     tree = ast.parse(path.read_text())
     found = []
     for node in ast.walk(tree):
@@ -87,6 +88,8 @@ def _attention_calls(path: Path):
             found += [("rope", ast.unparse(k.value)) for k in node.keywords if k.arg == "offset"]
         if func == "attend":
             found += [("attend", ast.unparse(k.value)) for k in node.keywords if k.arg == "mask"]
+        if func == "layers.step_compiled":  # (self.project, x, *positions)
+            found += [("project", ast.unparse(a)) for a in node.args[2:]]
         if func == "masks.causal":
             found.append(("mask", ast.unparse(node.args[1])))
     return found
@@ -100,7 +103,8 @@ def test_labels_route_to_their_one_accessor(name):
     assert calls == {
         ("offset", "cache.offset"),
         ("mask", "kv.live_len + L"),  # kv: the first layer cache of each window
-        ("rope", "inputs.offset"),
+        ("project", "inputs.offset"),  # the positions project's rope turns by
+        ("rope", "offset"),
         # llama (serving mistral), qwen2 and qwen3 configs may set sliding windows
         ("attend", "inputs.masks[None]" if name == "nemotron_nas" else "inputs.masks[self.window]"),
     }

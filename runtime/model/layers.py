@@ -222,6 +222,47 @@ def unfuse(model: nn.Module) -> bool:
     return any_fused
 
 
+# Inputs of at most this many tokens a row (a decode step, a speculative verification of K + 1,
+# a batch of them) replay an attention layer's projections through ``mx.compile`` on a GPU
+# (``step_compiled``), as ``moe.MoE`` does its block.
+STEP_TOKENS = cuda_attention.MAX_QUERIES
+
+
+def step_compiled(project, x: mx.array, *positions: int | mx.array):
+    """``project(x, *positions)``: an attention layer's work before its cache (projections,
+    norms, RoPE), through ``mx.compile`` where that pays: on a GPU, for ``x`` of at most
+    ``STEP_TOKENS`` tokens a row, in a layer not split over ranks.
+
+    Such a step is bound by the host (``docs/performance.md``): replayed from its trace, the
+    layer's graph is built in C++ instead of Python (a dozen MLX calls: a fast RoPE call alone
+    costs microseconds of Python). One compiled function per layer, its arrays inputs of the
+    trace (so weights loaded later are used), a trace per shape: per batch size and token
+    count, which are few for steps; a prompt's lengths would each cost one, so prompts run
+    ``project`` as written, as does the CPU (its quantised products evaluate inside). An int
+    position (a sequence's offset) goes in as an array, so one trace serves every step.
+    """
+    module = project.__self__
+    if x.shape[-2] > STEP_TOKENS or mx.default_device() == mx.cpu or _split_over_ranks(module):
+        return project(x, *positions)
+    compiled = module.__dict__.get("_step_compiled")
+    if compiled is None:
+        compiled = module.__dict__["_step_compiled"] = mx.compile(project, inputs=module)
+    return compiled(
+        x, *(p if isinstance(p, mx.array) else mx.array(p, mx.int32) for p in positions)
+    )
+
+
+def _split_over_ranks(module: nn.Module) -> bool:
+    """Whether ``module`` holds a tensor-parallel linear (``parallel.shard``): its forward is
+    left as written (the MoE block likewise)."""
+    split = module.__dict__.get("_split_over_ranks")
+    if split is None:
+        split = module.__dict__["_split_over_ranks"] = any(
+            isinstance(m, tuple(_PLAIN)) for _, m in module.named_modules()
+        )
+    return split
+
+
 # Layers a piece of a forward of several tokens sends to the GPU at once (``early_dispatch``);
 # 0 sends nothing early. Measured in ``bench.verify_probe`` (``docs/performance.md``).
 PIECE_LAYERS = 4

@@ -84,8 +84,8 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from mlxc.runtime.model import cuda_attention, dequantized
-from mlxc.runtime.model.layers import ACTIVATIONS, MLP, FusedSwiGLU, SwiGLU, glu
+from mlxc.runtime.model import dequantized
+from mlxc.runtime.model.layers import ACTIVATIONS, MLP, STEP_TOKENS, FusedSwiGLU, SwiGLU, glu
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 # On the CPU, pairs per expert (on average) from which one matmul per expert's run of rows beats
@@ -93,8 +93,8 @@ PROJS = ("gate_proj", "up_proj", "down_proj")
 # bench's small MoE models, crossing over at 10-28 (mistral4, qwen3_moe, gpt_oss).
 BY_EXPERT_ROWS = 16
 # Tokens a row up to which a MoE block runs compiled (``MoE._compiled_step``): a decode step's
-# one, a verification's K + 1 (at most as many as mlxc's CUDA attention kernel takes).
-COMPILED_TOKENS = cuda_attention.MAX_QUERIES
+# one, a verification's K + 1, as an attention layer's projections (``layers.STEP_TOKENS``).
+COMPILED_TOKENS = STEP_TOKENS
 
 
 # --- expert linears ------------------------------------------------------------------------
