@@ -61,16 +61,15 @@ def test_same_logits_compiled(name, monkeypatch):
         assert mx.array_equal(a, b).item()
 
 
-def test_cpu_and_prompts_run_as_written(monkeypatch):
+def test_cpu_prompts_and_split_layers_run_as_written(monkeypatch):
     calls = []
 
     def project(x, offset):
         calls.append(offset)
         return x
 
-    class Layer(dict):  # stands in for a module: only __dict__ and named_modules are read
-        def named_modules(self):
-            return []
+    class Layer:  # stands in for a module: only its __dict__ is read
+        pass
 
     layer = Layer()
     project.__self__ = layer  # what a bound method has
@@ -78,4 +77,6 @@ def test_cpu_and_prompts_run_as_written(monkeypatch):
     layers.step_compiled(project, mx.zeros((1, 1, 4)), 3)
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
     layers.step_compiled(project, mx.zeros((1, layers.STEP_TOKENS + 1, 4)), 5)
-    assert calls == [3, 5] and "_step_compiled" not in layer.__dict__
+    layer.split_over = "group"  # as parallel.split_module marks a layer split over ranks
+    layers.step_compiled(project, mx.zeros((1, 1, 4)), 7)
+    assert calls == [3, 5, 7] and "_step_compiled" not in layer.__dict__

@@ -70,6 +70,13 @@ def compare(
         raise AssertionError("shard() split nothing")
     if fuse and not fused(model):
         raise AssertionError("shard() left the model unfused")
+    unmarked = [
+        n
+        for n, m in model.named_modules()
+        if "project" in dir(m) and "split_over" not in m.__dict__
+    ]
+    if unmarked:  # layers.step_compiled would compile a split layer on a GPU
+        raise AssertionError(f"shard() left {unmarked[0]} unmarked")
     sharded = schedule_logits(model, chunks, vision)
     return max(mx.abs(a - b).max().item() for a, b in zip(whole, sharded))
 

@@ -242,7 +242,13 @@ def step_compiled(project, x: mx.array, *positions: int | mx.array):
     position (a sequence's offset) goes in as an array, so one trace serves every step.
     """
     module = project.__self__
-    if x.shape[-2] > STEP_TOKENS or mx.default_device() == mx.cpu or _split_over_ranks(module):
+    # A layer split over ranks (parallel.split_module marks it) is left as written, as the MoE
+    # block is: its forward may hold a collective.
+    if (
+        x.shape[-2] > STEP_TOKENS
+        or mx.default_device() == mx.cpu
+        or "split_over" in module.__dict__
+    ):
         return project(x, *positions)
     compiled = module.__dict__.get("_step_compiled")
     if compiled is None:
@@ -250,17 +256,6 @@ def step_compiled(project, x: mx.array, *positions: int | mx.array):
     return compiled(
         x, *(p if isinstance(p, mx.array) else mx.array(p, mx.int32) for p in positions)
     )
-
-
-def _split_over_ranks(module: nn.Module) -> bool:
-    """Whether ``module`` holds a tensor-parallel linear (``parallel.shard``): its forward is
-    left as written (the MoE block likewise)."""
-    split = module.__dict__.get("_split_over_ranks")
-    if split is None:
-        split = module.__dict__["_split_over_ranks"] = any(
-            isinstance(m, tuple(_PLAIN)) for _, m in module.named_modules()
-        )
-    return split
 
 
 # Layers a piece of a forward of several tokens sends to the GPU at once (``early_dispatch``);

@@ -173,3 +173,4 @@ def split_module(
         setattr(module, attr, count // n if kv_split else 1)
     if reduces:
         module.sharding_group = group
+    module.__dict__["split_over"] = group  # layers.step_compiled leaves such a module as written
