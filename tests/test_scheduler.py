@@ -396,6 +396,35 @@ def test_a_failing_forward_ends_only_its_request(model, make_scheduler):
     assert out.result()[0] == wants[0]
 
 
+class FailsWhenEvaluated(FaultyModel):
+    """A forward whose input holds POISON builds, and fails only once evaluated (as a kernel's
+    failure would): a singular matrix's inverse is part of its logits."""
+
+    def __call__(self, ids, cache=None, **kwargs):
+        logits = self.model(ids, cache=cache, **kwargs)
+        if POISON in ids.tolist()[0]:
+            singular = mx.linalg.inv(mx.zeros((2, 2)), stream=mx.cpu)  # raises in evaluation
+            logits = logits + singular.sum().astype(logits.dtype) * 0
+        return logits
+
+
+def test_a_forward_failing_in_evaluation_ends_only_its_request(model, make_scheduler):
+    good = [prompt(30, start=1), prompt(45, start=2)]
+    wants = [expected(model, ids, 15, prefill_chunk_size=8) for ids in good]
+    s = make_scheduler(FailsWhenEvaluated(model), prefill_chunk_size=8)
+    outs = [Collector() for _ in range(3)]
+    s.submit(good[0], SamplingParams(max_tokens=15), outs[0])
+    # In its last chunk: the one whose logits are evaluated (the others' caches are).
+    s.submit(prompt(36) + [POISON], SamplingParams(max_tokens=15), outs[1])
+    s.submit(good[1], SamplingParams(max_tokens=15), outs[2])
+    assert outs[0].result()[0] == wants[0]
+    assert outs[2].result()[0] == wants[1]
+    _, _, failed = outs[1].result()
+    assert isinstance(failed, Failed) and "LU factorization" in failed.message
+    stats = wait_idle(s)
+    assert stats["requests"]["failed"] == 1 and stats["pool"]["bytes"] == 0
+
+
 def test_bad_sampling_params_fail_the_request_not_the_loop(model, make_scheduler):
     s = make_scheduler()
     out = Collector()

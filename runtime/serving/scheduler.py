@@ -494,11 +494,6 @@ class _Sequence:
         return plain and (s.greedy or (s.top_p == 1 and s.top_k == 0 and s.min_p == 0))
 
 
-# A forward built by Scheduler._build_prompts: (its sequences, the arrays to evaluate, their
-# sampled tokens or None for a prefill chunk, their prompt batch or None)
-_Built = tuple[list[_Sequence], list[mx.array], Sampled | None, BatchCache | None]
-
-
 def _fresh(seq: _Sequence) -> bool:
     """Whether ``seq``'s prompt may still prefill as a row of a prompt batch."""
     return seq.prompt_batchable and seq.prefilled == 0
@@ -1013,18 +1008,7 @@ class Scheduler:
             if len(together) == 1:
                 work.append(together.pop())
 
-        # This tick's prompt forwards (and steps of sequences decoding alone) are built and
-        # queued first, then the batched decode step, then the prompts are read: the device
-        # runs the step while the host reads them and builds the next step. (Read before the
-        # step was queued, the device would idle while the host built it, once per prompt
-        # forward.) The two are independent: a prompt's rows join the batch once read.
-        start = time.perf_counter()
-        built = self._build_prompts(together, work)
-        if built:
-            mx.async_eval([a for _, arrays, _, _ in built for a in arrays])
-            self._spent("prefill", start)
-
-        # The batched decode step is queued next and read one tick later: its inputs are the
+        # The batched decode step is queued first and read one tick later: its inputs are the
         # tokens of the step still in flight, so the device never waits for the host (as in
         # generate_tokens). A row that turns out finished when its token is read has had one
         # step too many; that step's token is dropped with its row.
@@ -1070,13 +1054,11 @@ class Scheduler:
                 for seq in rows:
                     if seq in self._running:
                         self._fail(seq, e)
-        if built:
-            self._read_prompts(built)
 
-    def _build_prompts(self, together: list[_Sequence], work: list[_Sequence]) -> list[_Built]:
-        """Build (lazily) this tick's prompt batch and each of ``work``'s prefill chunk or lone
-        decode step; a sequence whose graph cannot be built fails alone."""
-        built: list[_Built] = []
+        # (sequences, arrays to evaluate, their sampled tokens or None, their prompt batch)
+        built: list[tuple[list[_Sequence], list[mx.array], Sampled | None, BatchCache | None]]
+        built = []
+        start = time.perf_counter()
         if together:
             try:
                 built.append((together, *self._prefill_together(together)))
@@ -1092,15 +1074,10 @@ class Scheduler:
             built.append(([seq], arrays, token, None))
             if seq.prefilling:
                 self._prefill_queue.append(seq)  # back of the round-robin for its next chunk
-        return built
 
-    def _read_prompts(self, built: list[_Built]) -> None:
-        """Evaluate what ``_build_prompts`` queued: store the snapshots, join the prompt batch's
-        rows to the decode batch, hand out first (or lone decode) tokens."""
-        start = time.perf_counter()
         try:
             mx.eval([a for _, arrays, _, _ in built for a in arrays])
-        except Exception:  # noqa: BLE001 - retried one by one just below
+        except Exception as error:  # noqa: BLE001 - retried one by one just below
             # Find the sequence(s) whose graph fails; the others' results stand.
             ok = []
             for item in built:
@@ -1110,6 +1087,14 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001 - this graph fails
                     for seq in item[0]:
                         self._fail(seq, e)
+            if len(ok) == len(built):
+                # None failed again: the error came from evaluating a kernel, which MLX's CPU
+                # stream reports once, to the next evaluation, leaving the array unfilled. Which
+                # graph it was cannot be told, so none of them is trusted.
+                for seqs, _, _, _ in ok:
+                    for seq in seqs:
+                        self._fail(seq, error)
+                ok = []
             built = ok
         for seqs, _, token, batch in built:
             for seq in seqs:
@@ -1122,7 +1107,8 @@ class Scheduler:
                 self._spent("prefill", start)
                 self._read_tokens(seqs, token)
                 start = time.perf_counter()
-        self._spent("prefill", start)
+        if built:
+            self._spent("prefill", start)
 
     def _batch_rows(self) -> list[_Sequence]:
         """The sequences of the decode batch's rows, in row order."""
