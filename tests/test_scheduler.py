@@ -375,25 +375,30 @@ class FaultyModel:
         return self.model.make_cache()
 
 
-def test_a_failing_forward_ends_only_its_request(model, make_scheduler):
+def _one_of_three_fails(model, scheduler, bad_prompt: list[int], error: str) -> list[int]:
+    """Two good requests and ``bad_prompt`` between them: the good ones answer as alone, the
+    bad one fails with ``error``, nothing is left held. Returns the first good answer."""
     good = [prompt(30, start=1), prompt(45, start=2)]
     wants = [expected(model, ids, 15, prefill_chunk_size=8) for ids in good]
+    outs = [Collector() for _ in range(3)]
+    for ids, out in zip([good[0], bad_prompt, good[1]], outs):
+        scheduler.submit(ids, SamplingParams(max_tokens=15), out)
+    assert [outs[0].result()[0], outs[2].result()[0]] == wants
+    _, _, failed = outs[1].result()
+    assert isinstance(failed, Failed) and error in failed.message
+    stats = wait_idle(scheduler)
+    assert stats["requests"]["failed"] == 1 and stats["pool"]["bytes"] == 0
+    return wants[0]
+
+
+def test_a_failing_forward_ends_only_its_request(model, make_scheduler):
     s = make_scheduler(FaultyModel(model), prefill_chunk_size=8)
     bad_prompt = prompt(20) + [POISON] + prompt(20)  # fails on its third chunk
-    outs = [Collector() for _ in range(3)]
-    s.submit(good[0], SamplingParams(max_tokens=15), outs[0])
-    s.submit(bad_prompt, SamplingParams(max_tokens=15), outs[1])
-    s.submit(good[1], SamplingParams(max_tokens=15), outs[2])
-    assert outs[0].result()[0] == wants[0]
-    assert outs[2].result()[0] == wants[1]
-    _, _, failed = outs[1].result()
-    assert isinstance(failed, Failed) and "broadcast" in failed.message
-    stats = wait_idle(s)
-    assert stats["requests"]["failed"] == 1 and stats["pool"]["bytes"] == 0
+    want = _one_of_three_fails(model, s, bad_prompt, "broadcast")
     # ... and the scheduler still serves.
     out = Collector()
-    s.submit(good[0], SamplingParams(max_tokens=15), out)
-    assert out.result()[0] == wants[0]
+    s.submit(prompt(30, start=1), SamplingParams(max_tokens=15), out)
+    assert out.result()[0] == want
 
 
 class FailsWhenEvaluated(FaultyModel):
@@ -409,20 +414,9 @@ class FailsWhenEvaluated(FaultyModel):
 
 
 def test_a_forward_failing_in_evaluation_ends_only_its_request(model, make_scheduler):
-    good = [prompt(30, start=1), prompt(45, start=2)]
-    wants = [expected(model, ids, 15, prefill_chunk_size=8) for ids in good]
     s = make_scheduler(FailsWhenEvaluated(model), prefill_chunk_size=8)
-    outs = [Collector() for _ in range(3)]
-    s.submit(good[0], SamplingParams(max_tokens=15), outs[0])
     # In its last chunk: the one whose logits are evaluated (the others' caches are).
-    s.submit(prompt(36) + [POISON], SamplingParams(max_tokens=15), outs[1])
-    s.submit(good[1], SamplingParams(max_tokens=15), outs[2])
-    assert outs[0].result()[0] == wants[0]
-    assert outs[2].result()[0] == wants[1]
-    _, _, failed = outs[1].result()
-    assert isinstance(failed, Failed) and "LU factorization" in failed.message
-    stats = wait_idle(s)
-    assert stats["requests"]["failed"] == 1 and stats["pool"]["bytes"] == 0
+    _one_of_three_fails(model, s, prompt(36) + [POISON], "LU factorization")
 
 
 def test_bad_sampling_params_fail_the_request_not_the_loop(model, make_scheduler):
