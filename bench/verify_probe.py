@@ -29,6 +29,7 @@ several rows) instead of mlxc's kernel (``runtime.model.cuda_matmul``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -85,7 +86,6 @@ def probe(
     import numpy as np
 
     from bench.speculative import timed_pair
-    from mlxc.runtime.model import layers
     from mlxc.runtime.model.cache import cache_arrays, make_caches, rewind_caches
 
     rng = np.random.default_rng(0)
@@ -103,27 +103,34 @@ def probe(
             rewind_caches(cache, n)
 
         def forward_whole(forward=forward):
-            pieces, layers.PIECE_LAYERS = layers.PIECE_LAYERS, 0
-            try:
+            with _in_one_piece():
                 forward()
-            finally:
-                layers.PIECE_LAYERS = pieces
 
         forward()
         forward_whole()
         row["forward_s"], row["forward_whole_s"], *_ = timed_pair(
             forward, forward_whole, repeats * 5
         )
-        pieces, layers.PIECE_LAYERS = layers.PIECE_LAYERS, 0  # the parts of the whole forward
-        try:
+        with _in_one_piece():  # the parts of the whole forward
             row |= _forward_parts(model, ids, cache, n, repeats * 5)
-        finally:
-            layers.PIECE_LAYERS = pieces
         if parts:
             row |= _parts(model, ids, cache, n, prompt_len, count, repeats, forward)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     return rows
+
+
+@contextlib.contextmanager
+def _in_one_piece():
+    """Forwards of several tokens built and sent to the device whole (``layers.PIECE_LAYERS``
+    0), as before ``layers.early_dispatch``."""
+    from mlxc.runtime.model import layers
+
+    pieces, layers.PIECE_LAYERS = layers.PIECE_LAYERS, 0
+    try:
+        yield
+    finally:
+        layers.PIECE_LAYERS = pieces
 
 
 def _parts(model, ids, cache, n: int, prompt_len: int, count: int, repeats: int, forward) -> dict:

@@ -30,3 +30,23 @@ def test_step_cost_rewinds_and_reports(monkeypatch):
     assert cost["ratio_pipelined"] == cost["verify_s"] / cost["pipelined_step_s"]
     mx.eval(model(mx.array([prompt[-1:]]), cache=cache))  # the cache still takes a step
     assert cache.offset == len(prompt) + 1
+
+
+def test_verify_probe_times_pieces_and_whole_and_restores_the_setting(monkeypatch):
+    from bench import verify_probe
+    from mlxc.runtime.model import layers
+
+    config = yaml.safe_load((ROOT / "specs" / "llama.yaml").read_text())["tiny_config"]
+    model = llama.Model(llama.ModelArgs.from_config(config))
+    seen = []
+    early_dispatch = layers.early_dispatch
+    monkeypatch.setattr(
+        layers,
+        "early_dispatch",
+        lambda t, n: seen.append(layers.PIECE_LAYERS) or early_dispatch(t, n),
+    )
+    rows = verify_probe.probe(model, 12, [1, 3], count=1, repeats=1, parts=False)
+    assert [r["queries"] for r in rows] == [1, 3]
+    for key in ("forward_s", "forward_whole_s", "forward_build_s", "forward_device_s"):
+        assert all(r[key] > 0 for r in rows)
+    assert set(seen) == {layers.PIECE_LAYERS, 0}  # both ways, and the setting given back
