@@ -697,3 +697,21 @@ def make_granitemoehybrid(path, seed: int = 0) -> Path:
     from test_granitemoehybrid import make_granite
 
     return make_granite(path, seed)[1]
+
+
+SPECS_DIR = Path(__file__).resolve().parents[1] / "specs"
+SPEC_NAMES = sorted(p.stem for p in SPECS_DIR.glob("*.yaml"))
+
+
+def spec_model(name: str, seed: int = 0):
+    """The generated model of ``specs/NAME.yaml`` (``mlxc.generated``) built from the spec's
+    ``tiny_config``, its weights randomised as ``mlxc verify`` does."""
+    import yaml
+
+    from mlxc.verify import randomize
+
+    module = importlib.import_module(f"mlxc.generated.{name}")
+    config = yaml.safe_load((SPECS_DIR / f"{name}.yaml").read_text())["tiny_config"]
+    model = module.Model(module.ModelArgs.from_config(config))
+    randomize(model, seed)
+    return model

@@ -3,25 +3,18 @@ per layer: one mask per attention window, one set of MRoPE tables, one Llama-4 s
 
 from __future__ import annotations
 
-import importlib
 from collections import Counter
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
-import yaml
+from checkpoints import SPEC_NAMES, spec_model
 
 from mlxc.runtime.model import masks, mrope, yarn
 
-ROOT = Path(__file__).resolve().parents[1]
-SPECS = sorted(p.stem for p in (ROOT / "specs").glob("*.yaml"))
 
-
-@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("name", SPEC_NAMES)
 def test_attention_inputs_are_built_once_per_forward(name, monkeypatch):
-    module = importlib.import_module(f"mlxc.generated.{name}")
-    config = yaml.safe_load((ROOT / "specs" / f"{name}.yaml").read_text())["tiny_config"]
-    model = module.Model(module.ModelArgs.from_config(config))
+    model = spec_model(name)
     calls = Counter()
 
     def counting(name, fn):

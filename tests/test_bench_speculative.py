@@ -1,21 +1,15 @@
 """bench.speculative's step costs: every timing starts from the prompt's cache (each forward and
 the pipelined loop rewind what they added), and the ratios are of the times it reports."""
 
-from pathlib import Path
-
 import mlx.core as mx
-import yaml
+from checkpoints import spec_model
 
 from bench import speculative
-from mlxc.generated import llama
 from mlxc.runtime.model import cache as cache_module
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_step_cost_rewinds_and_reports(monkeypatch):
-    config = yaml.safe_load((ROOT / "specs" / "llama.yaml").read_text())["tiny_config"]
-    model = llama.Model(llama.ModelArgs.from_config(config))
+    model = spec_model("llama")
     made = []
     make_caches = cache_module.make_caches
     monkeypatch.setattr(
@@ -36,8 +30,7 @@ def test_verify_probe_times_pieces_and_whole_and_restores_the_setting(monkeypatc
     from bench import verify_probe
     from mlxc.runtime.model import layers
 
-    config = yaml.safe_load((ROOT / "specs" / "llama.yaml").read_text())["tiny_config"]
-    model = llama.Model(llama.ModelArgs.from_config(config))
+    model = spec_model("llama")
     seen = []
     early_dispatch = layers.early_dispatch
     monkeypatch.setattr(

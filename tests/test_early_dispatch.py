@@ -4,18 +4,12 @@ are the same bit for bit with the pieces sent early as without."""
 
 from __future__ import annotations
 
-import importlib
-from pathlib import Path
-
 import mlx.core as mx
 import pytest
-import yaml
+from checkpoints import SPEC_NAMES, spec_model
 
 from mlxc.runtime.model import layers
 from mlxc.runtime.model.cache import cache_arrays
-
-ROOT = Path(__file__).resolve().parents[1]
-SPECS = sorted(p.stem for p in (ROOT / "specs").glob("*.yaml"))
 
 
 @pytest.fixture
@@ -39,12 +33,9 @@ def test_cpu_stays_whole(monkeypatch):
     assert layers.early_dispatch(9, 16) == frozenset()
 
 
-@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("name", SPEC_NAMES)
 def test_same_logits_with_pieces(name, monkeypatch):
-    module = importlib.import_module(f"mlxc.generated.{name}")
-    config = yaml.safe_load((ROOT / "specs" / f"{name}.yaml").read_text())["tiny_config"]
-    model = module.Model(module.ModelArgs.from_config(config))
-    mx.eval(model.parameters())
+    model = spec_model(name)
     prompt, step = mx.array([[5, 9, 2, 7, 1]]), mx.array([[3]])
 
     def run(every: int) -> list[mx.array]:

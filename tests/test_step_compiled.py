@@ -6,26 +6,12 @@ are taken by ``mx.default_device`` answering a GPU; MLX's ops still run on the C
 
 from __future__ import annotations
 
-import importlib
-from pathlib import Path
-
 import mlx.core as mx
 import pytest
-import yaml
+from checkpoints import SPEC_NAMES, spec_model
 
 from mlxc.runtime.model import layers
 from mlxc.runtime.model.batch import BatchCache
-
-ROOT = Path(__file__).resolve().parents[1]
-SPECS = sorted(p.stem for p in (ROOT / "specs").glob("*.yaml"))
-
-
-def _model(name: str):
-    module = importlib.import_module(f"mlxc.generated.{name}")
-    config = yaml.safe_load((ROOT / "specs" / f"{name}.yaml").read_text())["tiny_config"]
-    model = module.Model(module.ModelArgs.from_config(config))
-    mx.eval(model.parameters())
-    return model
 
 
 def _forwards(model, compiled: bool, monkeypatch) -> list[mx.array]:
@@ -45,9 +31,9 @@ def _forwards(model, compiled: bool, monkeypatch) -> list[mx.array]:
     return out
 
 
-@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("name", SPEC_NAMES)
 def test_same_logits_compiled(name, monkeypatch):
-    model = _model(name)
+    model = spec_model(name)
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
     calls = []
     compile_ = mx.compile

@@ -253,9 +253,13 @@ def step_compiled(project, x: mx.array, *positions: int | mx.array):
     compiled = module.__dict__.get("_step_compiled")
     if compiled is None:
         compiled = module.__dict__["_step_compiled"] = mx.compile(project, inputs=module)
-    return compiled(
-        x, *(p if isinstance(p, mx.array) else mx.array(p, mx.int32) for p in positions)
-    )
+    return compiled(x, *(_position(p) if isinstance(p, int) else p for p in positions))
+
+
+@functools.lru_cache(maxsize=8)
+def _position(offset: int) -> mx.array:
+    """``offset`` as the array a compiled step takes: made once for every layer of a step."""
+    return mx.array(offset, mx.int32)
 
 
 # Layers a piece of a forward of several tokens sends to the GPU at once (``early_dispatch``);
