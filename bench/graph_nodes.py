@@ -112,20 +112,23 @@ def summary(counts: collections.Counter) -> dict:
 
 # Element-wise primitives no model step uses, standing in for one fast kernel each while a
 # step's graph is built under ``fast_kernels`` (renamed in the counts).
+# Each stand-in is a scan: a primitive mx.compile does not fuse with its neighbours, so a fast
+# call inside a compiled function (attention's ``project``) stays one node there too.
 STAND_INS = {
-    "ArcTanh": "fast.rope",
-    "ArcSinh": "fast.rms_norm",
-    "ArcCosh": "fast.layer_norm",
-    "ErfInv": "fast.scaled_dot_product_attention",
+    "CumMax": "fast.rope",
+    "CumMin": "fast.rms_norm",
+    "CumProd": "fast.layer_norm",
+    "CumLogAddExp": "fast.scaled_dot_product_attention",
 }
 
 
 def _stand_in(op, like, *deps):
-    """One ``op`` node shaped as ``like`` whose result depends on every array in ``deps``."""
+    """One ``op`` node (a scan along the last axis) shaped as ``like`` whose result depends on
+    every array in ``deps``."""
     import mlx.core as mx
 
     deps = [d for d in deps if isinstance(d, mx.array)]
-    out = op(like)
+    out = op(like, axis=-1)
     return mx.depends([out], deps)[0] if deps else out
 
 
@@ -141,17 +144,17 @@ def fast_kernels():
     saved["scaled_dot_product_attention"] = fast.scaled_dot_product_attention
 
     def rope(x, dims, *, offset=0, freqs=None, **_):
-        return _stand_in(mx.arctanh, x, offset, freqs)
+        return _stand_in(mx.cummax, x, offset, freqs)
 
     def rms_norm(x, weight, eps, **_):
-        return _stand_in(mx.arcsinh, x, weight)
+        return _stand_in(mx.cummin, x, weight)
 
     def layer_norm(x, weight, bias, eps, **_):
-        return _stand_in(mx.arccosh, x, weight, bias)
+        return _stand_in(mx.cumprod, x, weight, bias)
 
     def sdpa(q, k, v, *, scale, mask=None, sinks=None, **_):
         like = mx.broadcast_to(q[..., :1], (*q.shape[:-1], v.shape[-1]))
-        return _stand_in(mx.erfinv, like, k, v, mask, sinks)
+        return _stand_in(mx.logcumsumexp, like, k, v, mask, sinks)
 
     fast.rope, fast.rms_norm, fast.layer_norm = rope, rms_norm, layer_norm
     fast.scaled_dot_product_attention = sdpa
@@ -162,19 +165,17 @@ def fast_kernels():
             setattr(fast, name, fn)
 
 
-def step_counts(step, state) -> dict:
-    """Counts of one decode step ``step()`` (it appends one token to the cache): on the CPU
-    graph, then (the first evaluated with ``state()``, so the second does not reach into it)
-    with each fast kernel one node."""
-    import mlx.core as mx
-
-    out = step()
-    cpu = count(out)
+def step_counts(make_step) -> dict:
+    """Counts of one decode step: ``make_step()`` loads the model afresh, forwards its prompt
+    and returns ``step`` (a function building one decode step's graph). Counted on the CPU
+    graph, then, with each fast kernel one node, on another fresh model: its compiled
+    functions trace their graphs on their first call, so they must first be called under the
+    stand-ins."""
+    cpu = count(make_step()())
     if any(name in cpu for name in STAND_INS):
         raise RuntimeError(f"a model step uses a stand-in primitive: {sorted(cpu)}")
-    mx.eval(out, state())
     with fast_kernels():
-        fast = count(step())
+        fast = count(make_step()())
     fast = collections.Counter({STAND_INS.get(k, k): v for k, v in fast.items()})
     return {"cpu_graph": summary(cpu), **summary(fast)}
 
@@ -213,19 +214,25 @@ def _mlxc_step(path: str, on_gpu_paths: bool) -> dict:
     from mlxc import load_model
     from mlxc.runtime.model.cache import cache_arrays
 
-    model = load_model(path)  # outside gpu_paths: a CPU's float32 copy of bf16 weights
-    with gpu_paths() if on_gpu_paths else contextlib.nullcontext():
+    paths = gpu_paths if on_gpu_paths else contextlib.nullcontext
+
+    def make_step():
+        model = load_model(path)  # outside gpu_paths: a CPU's float32 copy of bf16 weights
         # Compiled functions trace their Python (and its device checks) on the first call, so
         # the prompt's forward is under gpu_paths too.
-        cache = model.make_cache()
-        ids = mx.array([list(range(10, 10 + PROMPT_TOKENS))])
-        y = mx.argmax(model(ids, cache=cache, last_only=True)[:, -1, :], axis=-1)
-        mx.eval(y, cache_arrays(cache))
-        # What generate_tokens' step builds: the last position's logits of one new token.
-        return step_counts(
-            lambda: model(y[:, None], cache=cache, last_only=True)[:, -1, :],
-            lambda: cache_arrays(cache),
-        )
+        with paths():
+            cache = model.make_cache()
+            ids = mx.array([list(range(10, 10 + PROMPT_TOKENS))])
+            y = mx.argmax(model(ids, cache=cache, last_only=True)[:, -1, :], axis=-1)
+            mx.eval(y, cache_arrays(cache))
+
+        def step():  # what generate_tokens' step builds: the last position's logits
+            with paths():
+                return model(y[:, None], cache=cache, last_only=True)[:, -1, :]
+
+        return step
+
+    return step_counts(make_step)
 
 
 def mlx_lm_step(path: str) -> dict:
@@ -233,17 +240,18 @@ def mlx_lm_step(path: str) -> dict:
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model as peer_load
 
-    model, _ = peer_load(peer_checkpoint(Path(path)))  # gpt_oss: its experts' layout
-    if mx.default_device() == mx.cpu:
-        model.set_dtype(mx.float32)  # as mlxc computes a bf16 checkpoint on a CPU
-    cache = make_prompt_cache(model)
-    ids = mx.array([list(range(10, 10 + PROMPT_TOKENS))])
-    y = mx.argmax(model(ids, cache=cache)[:, -1, :], axis=-1)
-    mx.eval(y, [c.state for c in cache])
-    # What mlx_lm.generate's step builds before sampling.
-    return step_counts(
-        lambda: model(y[:, None], cache=cache)[:, -1, :], lambda: [c.state for c in cache]
-    )
+    def make_step():
+        model, _ = peer_load(peer_checkpoint(Path(path)))  # gpt_oss: its experts' layout
+        if mx.default_device() == mx.cpu:
+            model.set_dtype(mx.float32)  # as mlxc computes a bf16 checkpoint on a CPU
+        cache = make_prompt_cache(model)
+        ids = mx.array([list(range(10, 10 + PROMPT_TOKENS))])
+        y = mx.argmax(model(ids, cache=cache)[:, -1, :], axis=-1)
+        mx.eval(y, [c.state for c in cache])
+        # What mlx_lm.generate's step builds before sampling.
+        return lambda: model(y[:, None], cache=cache)[:, -1, :]
+
+    return step_counts(make_step)
 
 
 def measure(arch: str, size: str, bits: int | None = None, log=print) -> dict:

@@ -46,3 +46,18 @@ def test_a_quantised_step_counted_on_its_gpu_paths(tmp_path, monkeypatch):
     assert (
         on_cpu["by_primitive"]["QuantizedMatmul"] == counts["by_primitive"]["QuantizedMatmul"] + 2
     )
+
+
+def test_fast_calls_inside_a_compiled_function_count_once(tmp_path, monkeypatch):
+    """Attention's ``project`` runs compiled on a GPU's steps (``layers.step_compiled``); traced
+    on the CPU, each fast call in it would be its fallback's ops, fused, so its stand-in is a
+    primitive mx.compile leaves alone, and the traces are made under the stand-ins."""
+    from mlxc.runtime.model import layers
+
+    path = str(_checkpoint(tmp_path / "m"))
+    compiled = graph_nodes.mlxc_step(path)["by_primitive"]
+    monkeypatch.setattr(layers, "STEP_TOKENS", 0)
+    as_written = graph_nodes.mlxc_step(path)["by_primitive"]
+    assert compiled["fast.rope"] == as_written["fast.rope"] == 2  # q|k turned at once, 2 layers
+    assert not {"Sin", "Cos", "Square", "Rsqrt"} & set(compiled)
+    assert compiled == as_written  # nothing in llama's project for mx.compile to fuse

@@ -1,5 +1,6 @@
-"""bench.speculative's step costs: every timing starts from the prompt's cache (each forward and
-the pipelined loop rewind what they added), and the ratios are of the times it reports."""
+"""The step benches: bench.speculative's step costs (every timing starts from the prompt's cache,
+each forward and the pipelined loop rewind what they added, and the ratios are of the times it
+reports), bench.verify_probe's forward in pieces and whole, bench.step_compile's two ways."""
 
 import mlx.core as mx
 from checkpoints import spec_model
@@ -43,3 +44,38 @@ def test_verify_probe_times_pieces_and_whole_and_restores_the_setting(monkeypatc
     for key in ("forward_s", "forward_whole_s", "forward_build_s", "forward_device_s"):
         assert all(r[key] > 0 for r in rows)
     assert set(seen) == {layers.PIECE_LAYERS, 0}  # both ways, and the setting given back
+
+
+def test_step_compile_times_both_ways_and_restores_the_settings(monkeypatch):
+    from bench import step_compile
+    from mlxc.runtime.model import layers
+
+    model = spec_model("llama")
+    seen = []
+    step_compiled = layers.step_compiled
+    monkeypatch.setattr(
+        layers,
+        "step_compiled",
+        lambda *a: seen.append((layers.STEP_TOKENS, mx.default_device())) or step_compiled(*a),
+    )
+    default, pieces = layers.STEP_TOKENS, layers.PIECE_LAYERS
+    with step_compile._gpu_paths(True):
+        got = step_compile.measure(model, [3, 9, 4, 7, 1, 8], queries=3, repeats=1, decode_tokens=4)
+    assert mx.default_device() == mx.cpu and layers.PIECE_LAYERS == pieces
+    assert layers.STEP_TOKENS == default
+    assert {s for s, _ in seen} == {0, default} and all(d == mx.gpu for _, d in seen)
+    for way in step_compile.WAYS:
+        assert set(got[way]) == {"forward_1q", "forward_3q", "decode_tps"}
+        assert got[way]["decode_tps"] > 0
+        assert all(t > 0 for t in got[way]["forward_3q"].values())
+    assert "| llama | 3q build |" in step_compile.report(
+        {
+            "device": "cpu",
+            "mlx": "x",
+            "size": "tiny",
+            "quant": "bf16",
+            "prompt_len": 6,
+            "gpu_paths": True,
+            "archs": {"llama": got},
+        }
+    )
