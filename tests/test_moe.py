@@ -291,6 +291,42 @@ def test_a_few_tokens_a_row_take_the_block_compiled(scoring):
     assert mx.array_equal(again, as_written(x))
 
 
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_the_compiled_step_sums_the_chosen_experts_in_fused_adds(scoring):
+    """In the compiled step the sums over the chosen experts (the weights' total, the weighted
+    outputs) are adds that fuse with their neighbours: no ``Sum`` kernel is left, where the
+    block as written has two (``bench.graph_nodes``: 2-3 kernels fewer a MoE layer)."""
+    from bench.graph_nodes import count
+
+    mx.random.seed(5)
+    moe = MoE(H, I, E, K, scoring=scoring, norm_topk_prob=True, shared_hidden=I)
+    params = nn.utils.tree_flatten(moe.parameters())
+    moe.update(nn.utils.tree_unflatten([(k, mx.random.normal(v.shape) * 0.3) for k, v in params]))
+    mx.eval(moe.parameters())
+    x = mx.array(_input((1, 1, H), 3))
+    router = moe.gate.float32() if scoring == "sigmoid" else ()
+    mx.eval(router)
+    assert count(moe._forward(x, *router))["Sum"] == 2
+    assert "Sum" not in count(moe._compiled_step()(x, *router))
+
+
+def test_sum_chosen_in_bf16_is_float32_summed_once_rounded():
+    from mlxc.runtime.model.moe import _weighted_sum, sum_chosen
+
+    y = mx.array(_input((5, 8, 64), 1)).astype(mx.bfloat16)
+    w = mx.softmax(mx.array(_input((5, 8), 2)), axis=-1)
+    exact = (np.array(y.astype(mx.float32)) * np.array(w)[..., None]).sum(axis=-2)
+    got = np.array(sum_chosen(y, w).astype(mx.float32))
+    # One rounding to bf16 (8 bits of mantissa): within half an ulp of the float32 sum.
+    assert np.all(np.abs(got - exact) <= np.abs(exact) * 2.0**-8 + 1e-6)
+    # No further from the exact sum than the block's sum of bf16 products.
+    before = np.array(_weighted_sum(y, w).astype(mx.float32))
+    assert np.abs(got - exact).max() <= np.abs(before - exact).max()
+    # The router's total of float32 weights ([N, k, 1]: keeps its axis), as a sum gives it.
+    total = np.array(sum_chosen(w[..., None]))
+    assert total.shape == (5, 1) and np.allclose(total, np.array(w).sum(-1, keepdims=True), 0, 1e-6)
+
+
 def test_qwen2_moe_shared_expert_gate():
     from transformers import Qwen2MoeConfig
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock

@@ -513,6 +513,7 @@ def route(
     group_score: str = "top2",
     norm_topk_prob: bool = False,
     routed_scaling_factor: float = 1.0,
+    unrolled: bool = False,
 ) -> tuple[mx.array, mx.array]:
     """Router logits ``[N, E]`` -> (expert indices ``[N, k]``, float32 weights ``[N, k]``).
 
@@ -520,7 +521,8 @@ def route(
     ``bias`` = ``e_score_correction_bias`` shifts the choice only, not the weights).
     ``n_group``/``topk_group``: keep the ``topk_group`` best of ``n_group`` expert groups, a
     group scored by the sum of its two best experts (``top2``: deepseek_v3, mistral4) or by its
-    best one (``max``: deepseek_v2 ``group_limited_greedy``).
+    best one (``max``: deepseek_v2 ``group_limited_greedy``). ``unrolled``: the weights' sum
+    as ``sum_chosen``'s adds, for a compiled step.
     """
     scores = logits.astype(mx.float32)
     if scoring == "softmax":
@@ -548,7 +550,10 @@ def route(
     if norm_topk_prob:
         # softmax weights are positive; sigmoid ones may all be tiny
         eps = 0.0 if scoring == "softmax" else 1e-20
-        total = weights.sum(axis=-1, keepdims=True)
+        if unrolled:
+            total = sum_chosen(weights[..., None])
+        else:
+            total = weights.sum(axis=-1, keepdims=True)
         weights = _normalised(eps, routed_scaling_factor)(weights, total)
     elif routed_scaling_factor != 1.0:  # a decode step pays a kernel per operation
         weights = weights * routed_scaling_factor
@@ -571,6 +576,21 @@ def _weighted_sum(y: mx.array, weights: mx.array) -> mx.array:
     """The chosen experts' outputs ``[N, k, H]`` weighted by ``weights [N, k]`` (float32) and
     summed: the cast and the product one kernel, the sum another."""
     return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+
+
+def sum_chosen(y: mx.array, weights: mx.array | None = None) -> mx.array:
+    """``y [N, k, W]`` summed over its k chosen experts, each weighted by ``weights [N, k]``
+    if given, in float32, as k - 1 element-wise adds of slices: in a compiled step (``MoE``)
+    they fuse with the products and the ops after them into one kernel, where a sum is a
+    kernel of its own and a decode step pays a launch per kernel. Outside a compiled
+    function each add is a kernel: there ``y.sum(axis=-2)`` is the one to use."""
+    total = None
+    for i in range(y.shape[-2]):
+        term = y[..., i, :].astype(mx.float32)
+        if weights is not None:
+            term = term * weights[..., i : i + 1]
+        total = term if total is None else total + term
+    return total.astype(y.dtype)
 
 
 @functools.lru_cache
@@ -700,11 +720,14 @@ class MoE(nn.Module):
         (past COMPILED_TOKENS) are not."""
         step = self.__dict__.get("_step")
         if step is None:
-            step = self.__dict__["_step"] = mx.compile(self._forward, inputs=self)
+            forward = functools.partial(self._forward, unrolled=True)
+            step = self.__dict__["_step"] = mx.compile(forward, inputs=self)
         return step
 
-    def _forward(self, x: mx.array, *router: mx.array) -> mx.array:
-        """``router``: the sigmoid router's float32 weight and bias; none for softmax."""
+    def _forward(self, x: mx.array, *router: mx.array, unrolled: bool = False) -> mx.array:
+        """``router``: the sigmoid router's float32 weight and bias; none for softmax.
+        ``unrolled``: sums over the chosen experts as adds that fuse (``sum_chosen``), for the
+        compiled step."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         inds, weights = route(
@@ -717,9 +740,11 @@ class MoE(nn.Module):
             group_score=self.group_score,
             norm_topk_prob=self.norm_topk_prob,
             routed_scaling_factor=self.routed_scaling_factor,
+            unrolled=unrolled,
         )
         routed = self.fc1_latent_proj(x) if "fc1_latent_proj" in self else x
-        y = _weighted_sum(self.experts(routed, inds), weights)  # [N, k, H] -> [N, H]
+        y = self.experts(routed, inds)  # [N, k, H]
+        y = sum_chosen(y, weights) if unrolled else _weighted_sum(y, weights)  # [N, H]
         if "fc2_latent_proj" in self:
             y = self.fc2_latent_proj(y)
         if "shared_experts" in self:
