@@ -742,10 +742,10 @@ class MoE(nn.Module):
         bound by the host (``docs/performance.md``): replayed from its trace, the block's graph
         costs C++ time instead of Python's, and its element-wise runs fuse (on an H200,
         glm4_moe_lite's decode step 9.3 -> 8.4 ms): from the gather of the chosen experts'
-        scores to the weighted sum of their outputs, one kernel (``unrolled``). The weights are inputs of the trace
-        (``inputs=self``), so weights loaded later are used; a trace per shape, so per batch
-        size and token count: a decode or verification's shapes are few, a prompt's lengths
-        (past COMPILED_TOKENS) are not."""
+        scores to the weighted sum of their outputs, one kernel (``unrolled``). The weights
+        are inputs of the trace (``inputs=self``), so weights loaded later are used; a trace
+        per shape, so per batch size and token count: a decode or verification's shapes are
+        few, a prompt's lengths (past COMPILED_TOKENS) are not."""
         step = self.__dict__.get("_step")
         if step is None:
             forward = functools.partial(self._forward, unrolled=True)
@@ -754,8 +754,8 @@ class MoE(nn.Module):
 
     def _forward(self, x: mx.array, *router: mx.array, unrolled: bool = False) -> mx.array:
         """``router``: the sigmoid router's float32 weight and bias; none for softmax.
-        ``unrolled``: sums over the chosen experts as adds that fuse (``sum_chosen``), for the
-        compiled step."""
+        ``unrolled``: the router's weights as columns and the sum over the chosen experts as
+        adds, which fuse (``_weight_columns``, ``sum_chosen``), for the compiled step."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         inds, weights = route(
