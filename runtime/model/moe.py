@@ -76,7 +76,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import operator
 import re
 from functools import partial
 from typing import NamedTuple
@@ -514,24 +513,19 @@ def route(
     group_score: str = "top2",
     norm_topk_prob: bool = False,
     routed_scaling_factor: float = 1.0,
-    unrolled: bool = False,
-) -> tuple[mx.array, mx.array | list[mx.array]]:
+) -> tuple[mx.array, mx.array]:
     """Router logits ``[N, E]`` -> (expert indices ``[N, k]``, float32 weights ``[N, k]``).
 
     ``scoring``: softmax (qwen, mistral4, deepseek_v2) or sigmoid (deepseek_v3, glm4_moe_lite;
     ``bias`` = ``e_score_correction_bias`` shifts the choice only, not the weights).
     ``n_group``/``topk_group``: keep the ``topk_group`` best of ``n_group`` expert groups, a
     group scored by the sum of its two best experts (``top2``: deepseek_v3, mistral4) or by its
-    best one (``max``: deepseek_v2 ``group_limited_greedy``). ``unrolled``: the weights as
-    ``_weight_columns``' k columns, for a compiled step.
+    best one (``max``: deepseek_v2 ``group_limited_greedy``).
     """
     scores = logits.astype(mx.float32)
     if scoring == "softmax":
         scores = mx.softmax(scores, axis=-1)
         choice = scores if bias is None else scores + bias.astype(mx.float32)
-    elif unrolled:  # the weights come from the logits (_weight_columns): the sigmoid fuses here
-        choice = mx.sigmoid(scores)
-        choice = choice if bias is None else choice + bias.astype(mx.float32)
     elif bias is None:
         scores = choice = mx.sigmoid(scores)
     else:
@@ -550,13 +544,10 @@ def route(
     # The k largest, taken from the top of the partition (no negated copy of the scores).
     inds = mx.argpartition(choice, -top_k, axis=-1)[..., -top_k:]
     inds = mx.stop_gradient(inds)
-    # softmax weights are positive; sigmoid ones may all be tiny
-    eps = 0.0 if scoring == "softmax" else 1e-20
-    if unrolled:
-        eps = eps if norm_topk_prob else None
-        return inds, _weight_columns(scores, inds, scoring == "sigmoid", eps, routed_scaling_factor)
     weights = mx.take_along_axis(scores, inds, axis=-1)
     if norm_topk_prob:
+        # softmax weights are positive; sigmoid ones may all be tiny
+        eps = 0.0 if scoring == "softmax" else 1e-20
         total = weights.sum(axis=-1, keepdims=True)
         weights = _normalised(eps, routed_scaling_factor)(weights, total)
     elif routed_scaling_factor != 1.0:  # a decode step pays a kernel per operation
@@ -580,44 +571,6 @@ def _weighted_sum(y: mx.array, weights: mx.array) -> mx.array:
     """The chosen experts' outputs ``[N, k, H]`` weighted by ``weights [N, k]`` (float32) and
     summed: the cast and the product one kernel, the sum another."""
     return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
-
-
-def _weight_columns(
-    scores: mx.array,
-    inds: mx.array,
-    sigmoid: bool,
-    eps: float | None,
-    factor: float,
-) -> list[mx.array]:
-    """``route``'s weights for a compiled step: one float32 column ``[N, 1]`` per chosen expert,
-    sliced from the one gather of ``scores`` (the softmax's; for a sigmoid router its logits,
-    the sigmoid taken column by column), then ``route``'s arithmetic on the columns: with an
-    ``eps`` normalised to their total (``_normalised``), then scaled by ``factor``.
-    Element-wise from the gather on, so it all fuses into the kernel that weighs the experts'
-    outputs (``sum_chosen``), where ``route``'s ops are four kernels (sigmoid, sum, normalise,
-    product) and a decode step pays a launch per kernel."""
-    picked = mx.take_along_axis(scores, inds, axis=-1)
-    columns = [picked[..., i : i + 1] for i in range(inds.shape[-1])]
-    if sigmoid:
-        columns = [mx.sigmoid(c) for c in columns]
-    if eps is not None:
-        total = functools.reduce(operator.add, columns)
-        return [c / (total + eps) * factor for c in columns]
-    if factor != 1.0:
-        return [c * factor for c in columns]
-    return columns
-
-
-def sum_chosen(y: mx.array, weights: list[mx.array]) -> mx.array:
-    """``y [N, k, W]`` summed over its k chosen experts, each weighted by its column of
-    ``weights`` (``_weight_columns``), in float32, as element-wise products and adds of slices:
-    in a compiled step (``MoE``) they fuse with the weights' arithmetic and the ops after
-    them into one kernel, where a sum is a kernel of its own. Outside a compiled function each
-    op is a kernel: there ``_weighted_sum`` is the one to use."""
-    total = functools.reduce(
-        operator.add, (y[..., i, :].astype(mx.float32) * w for i, w in enumerate(weights))
-    )
-    return total.astype(y.dtype)
 
 
 @functools.lru_cache
@@ -741,21 +694,17 @@ class MoE(nn.Module):
         decode step, a speculative verification of K + 1, a batch of them). Such a forward is
         bound by the host (``docs/performance.md``): replayed from its trace, the block's graph
         costs C++ time instead of Python's, and its element-wise runs fuse (on an H200,
-        glm4_moe_lite's decode step 9.3 -> 8.4 ms): from the gather of the chosen experts'
-        scores to the weighted sum of their outputs, one kernel (``unrolled``). The weights
-        are inputs of the trace (``inputs=self``), so weights loaded later are used; a trace
-        per shape, so per batch size and token count: a decode or verification's shapes are
-        few, a prompt's lengths (past COMPILED_TOKENS) are not."""
+        glm4_moe_lite's decode step 9.3 -> 8.4 ms). The weights are inputs of the trace
+        (``inputs=self``), so weights loaded later are used; a trace per shape, so per batch
+        size and token count: a decode or verification's shapes are few, a prompt's lengths
+        (past COMPILED_TOKENS) are not."""
         step = self.__dict__.get("_step")
         if step is None:
-            forward = functools.partial(self._forward, unrolled=True)
-            step = self.__dict__["_step"] = mx.compile(forward, inputs=self)
+            step = self.__dict__["_step"] = mx.compile(self._forward, inputs=self)
         return step
 
-    def _forward(self, x: mx.array, *router: mx.array, unrolled: bool = False) -> mx.array:
-        """``router``: the sigmoid router's float32 weight and bias; none for softmax.
-        ``unrolled``: the router's weights as columns and the sum over the chosen experts as
-        adds, which fuse (``_weight_columns``, ``sum_chosen``), for the compiled step."""
+    def _forward(self, x: mx.array, *router: mx.array) -> mx.array:
+        """``router``: the sigmoid router's float32 weight and bias; none for softmax."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         inds, weights = route(
@@ -768,11 +717,9 @@ class MoE(nn.Module):
             group_score=self.group_score,
             norm_topk_prob=self.norm_topk_prob,
             routed_scaling_factor=self.routed_scaling_factor,
-            unrolled=unrolled,
         )
         routed = self.fc1_latent_proj(x) if "fc1_latent_proj" in self else x
-        y = self.experts(routed, inds)  # [N, k, H]
-        y = sum_chosen(y, weights) if unrolled else _weighted_sum(y, weights)  # [N, H]
+        y = _weighted_sum(self.experts(routed, inds), weights)  # [N, k, H] -> [N, H]
         if "fc2_latent_proj" in self:
             y = self.fc2_latent_proj(y)
         if "shared_experts" in self:
