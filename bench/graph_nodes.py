@@ -35,6 +35,10 @@ reshape that does copy at run time is undercounted here. Everything else (``AsTy
 ``Copy``, ``Concatenate``, ``SliceUpdate``, matmuls, the fast kernels, element-wise ops, and
 ``Compiled``: one fused kernel of an ``mx.compile``'d function) is a kernel.
 
+A view is not free for the host, though: MLX evaluates and encodes every node. A MoE step that
+traded 4 kernels a layer for ~15 views (slices) decoded slower on an H100
+(``docs/performance.md``, s36), so read the kernel count with the total beside it.
+
     python -m bench.graph_nodes --out bench/results/graph-nodes-cpu
     python -m bench.graph_nodes --arch llama --arch qwen3 --out /tmp/nodes
     python -m bench.graph_nodes --bits 4 --out bench/results/graph-nodes-cpu-q4
@@ -110,10 +114,10 @@ def summary(counts: collections.Counter) -> dict:
 
 # --- the fast kernels, one node each --------------------------------------------------------
 
-# Element-wise primitives no model step uses, standing in for one fast kernel each while a
-# step's graph is built under ``fast_kernels`` (renamed in the counts).
-# Each stand-in is a scan: a primitive mx.compile does not fuse with its neighbours, so a fast
-# call inside a compiled function (attention's ``project``) stays one node there too.
+# Primitives no model step uses, standing in for one fast kernel each while a step's graph is
+# built under ``fast_kernels`` (renamed in the counts). Each is a scan, which mx.compile does
+# not fuse with its neighbours, so a fast call inside a compiled function (attention's
+# ``project``) stays one node there too.
 STAND_INS = {
     "CumMax": "fast.rope",
     "CumMin": "fast.rms_norm",

@@ -1,7 +1,7 @@
 """What compiling a step's pieces saves the host: a decode step and a verification with the
 layers' step functions replayed through ``mx.compile`` (``layers.step_compiled``: attention's
-``project``, the dense MLP's half of a layer) against the same model running them as written
-(``layers.STEP_TOKENS`` 0), alternated in one process::
+``project``) against the same model running them as written (``layers.STEP_TOKENS`` 0),
+alternated in one process::
 
     python -m bench.step_compile --device gpu --size medium --arch llama --arch qwen3 \\
         --out bench/results/step-compile-gpu-h200
@@ -12,7 +12,9 @@ architecture and way this reports, at 1 and ``--queries`` tokens on a prompt's c
 after each forward), the median of the forward's graph building (Python), MLX's encoding of it
 (``mx.async_eval`` with the device idle) and the wait for the device after that; and the
 tokens/s of greedy decoding through ``generate_tokens`` (its pipelined loop), the figure users
-see. The MoE block's own compiled step (``moe.COMPILED_TOKENS``) is the same both ways.
+see. The MoE block's own compiled step (``moe.COMPILED_TOKENS``) is the same both ways. On a
+GPU a forward of several tokens goes to the device in pieces (``layers.early_dispatch``), so
+a verification's build includes the encoding of all but its last piece.
 
 ``--gpu-paths`` (CPU only): ``mx.default_device`` answers a GPU, so the model takes the GPU's
 paths (the compiled ones among them) while MLX's ops still run on the CPU. Only the build
