@@ -36,7 +36,7 @@ reshape that does copy at run time is undercounted here. Everything else (``AsTy
 ``Compiled``: one fused kernel of an ``mx.compile``'d function) is a kernel.
 
 A view is not free for the host, though: MLX evaluates and encodes every node. A MoE step that
-traded 4 kernels a layer for ~15 views (slices) decoded slower on an H100
+traded 3-5 kernels a layer for 10 views (slices) decoded slower on an H100
 (``docs/performance.md``, s36), so read the kernel count with the total beside it.
 
     python -m bench.graph_nodes --out bench/results/graph-nodes-cpu
