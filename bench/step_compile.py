@@ -35,41 +35,29 @@ from pathlib import Path
 WAYS = ("as_written", "compiled")
 
 
-def _setting(way: str) -> int:
-    from mlxc.runtime.model import layers
-
-    return 0 if way == "as_written" else layers.STEP_TOKENS
-
-
 def measure(model, prompt: list[int], queries: int, repeats: int, decode_tokens: int) -> dict:
     """``{way: {"forward_<n>q": {build_s, encode_s, device_s}, "decode_tps": x}}`` for ``model``,
     each timing alternated between the two ways so that a shared machine's slow spells fall
     on both."""
     import mlx.core as mx
 
+    from bench.verify_probe import _forward_parts
     from mlxc.runtime.model import layers
-    from mlxc.runtime.model.cache import cache_arrays, make_caches, rewind_caches
+    from mlxc.runtime.model.cache import cache_arrays, make_caches
     from mlxc.runtime.serving.generate import generate_tokens
 
-    settings = {way: _setting(way) for way in WAYS}
     default = layers.STEP_TOKENS
+    settings = {"as_written": 0, "compiled": default}
     cache = make_caches(model)
     mx.eval(model(mx.array([prompt]), cache=cache))
     mx.eval(cache_arrays(cache))
     parts: dict = {way: {} for way in WAYS}
     tps: dict = {way: [] for way in WAYS}
 
-    def forward(n: int) -> tuple[float, float, float]:
-        ids = mx.array([prompt[-n:]])
-        start = time.perf_counter()
-        out = model(ids, cache=cache)
-        built = time.perf_counter()
-        mx.async_eval(out)
-        encoded = time.perf_counter()
-        mx.eval(out)
-        done = time.perf_counter()
-        rewind_caches(cache, n)
-        return built - start, encoded - built, done - encoded
+    def forward(n: int) -> dict[str, float]:
+        """One forward of ``n`` tokens, rewound: its build, encoding and device wait."""
+        got = _forward_parts(model, mx.array([prompt[-n:]]), cache, n, repeats=1)
+        return {k.removeprefix("forward_"): t for k, t in got.items()}
 
     def decode() -> float:
         times = [
@@ -89,8 +77,7 @@ def measure(model, prompt: list[int], queries: int, repeats: int, decode_tokens:
                     samples[way].append(forward(n))
             for way, got in samples.items():
                 parts[way][f"forward_{n}q"] = {
-                    f"{name}_s": statistics.median(t[i] for t in got)
-                    for i, name in enumerate(("build", "encode", "device"))
+                    key: statistics.median(t[key] for t in got) for key in got[0]
                 }
         if decode_tokens:
             for way in WAYS:
@@ -110,21 +97,17 @@ def measure(model, prompt: list[int], queries: int, repeats: int, decode_tokens:
 
 @contextlib.contextmanager
 def _gpu_paths(on: bool):
-    """``mx.default_device`` answering a GPU, and forwards of several tokens built whole (on the
-    CPU a piece sent early would compute inside the build: ``layers.early_dispatch``)."""
-    import mlx.core as mx
-
-    from mlxc.runtime.model import layers
+    """``mx.default_device`` answering a GPU (``graph_nodes.gpu_paths``), and forwards of
+    several tokens built whole (``verify_probe._in_one_piece``: on the CPU a piece sent early
+    would compute inside the build)."""
+    from bench.graph_nodes import gpu_paths
+    from bench.verify_probe import _in_one_piece
 
     if not on:
         yield
         return
-    device, pieces = mx.default_device, layers.PIECE_LAYERS
-    mx.default_device, layers.PIECE_LAYERS = (lambda: mx.Device(mx.gpu)), 0
-    try:
+    with gpu_paths(), _in_one_piece():
         yield
-    finally:
-        mx.default_device, layers.PIECE_LAYERS = device, pieces
 
 
 def report(result: dict) -> str:
