@@ -15,6 +15,14 @@ reference speed). Hence the contract:
   ``from mlxc.runtime import ...``) gets it as long as MLX itself was not imported earlier.
 * :func:`status` / :func:`log_status` say afterwards which BLAS MLX uses, or how to get one.
 
+With OpenBLAS, products of one row (a decode step's) also go to ``cblas_sgemv``: MLX calls
+``cblas_sgemm`` for every float32 matmul, and OpenBLAS's sgemm packs the whole weight even for
+one row (2.5x the time of its sgemv here). ``sgemm_one_row.c``, compiled on first use with the
+system's C compiler into ``$MLXC_HOME/blas`` (:func:`_one_row_library`), is a ``cblas_sgemm``
+that calls the BLAS's sgemv for one row or column and its sgemm otherwise; it is loaded globally
+just ahead of the BLAS, so MLX binds to it. Without a compiler, or with
+``MLXC_BLAS_ONE_ROW=off``, every product stays on sgemm.
+
 Only a CPU device needs it: on macOS MLX uses Accelerate, and with a CUDA (or Metal) backend
 installed the matmuls run on the GPU, so both are left alone. ``MLXC_BLAS=off`` disables the
 preload; ``MLXC_BLAS=/path/libfoo.so`` picks the library. ``LD_PRELOAD=/path/libopenblas.so.0``
@@ -33,6 +41,9 @@ INSTALL_HINT = (
     "`apt-get install libopenblas0-pthread` (Debian/Ubuntu), "
     "`dnf install openblas-threads` (Fedora), `pacman -S openblas` (Arch)"
 )
+
+
+_OFF = ("0", "off", "no", "none", "false")  # MLXC_BLAS / MLXC_BLAS_ONE_ROW settings
 
 
 def _candidates() -> list[str]:
@@ -75,13 +86,23 @@ class BlasStatus:
 
     ``library``: path of the optimised BLAS loaded globally (None: none). ``name``: e.g.
     ``"OpenBLAS 0.3.21 ... Haswell MAX_THREADS=64, 2 threads"``, ``"reference BLAS"``, or
-    ``"not needed"`` (GPU backend). ``reason``: one line for the log.
+    ``"not needed"`` (GPU backend). ``reason``: one line for the log. ``one_row``: the path of
+    the compiled ``sgemm_one_row.c`` MLX's ``cblas_sgemm`` goes through (None: straight to the
+    BLAS).
     """
 
-    __slots__ = ("active", "library", "name", "reason")
+    __slots__ = ("active", "library", "name", "one_row", "reason")
 
-    def __init__(self, active: bool, library: str | None, name: str, reason: str) -> None:
+    def __init__(
+        self,
+        active: bool,
+        library: str | None,
+        name: str,
+        reason: str,
+        one_row: str | None = None,
+    ) -> None:
         self.active, self.library, self.name, self.reason = active, library, name, reason
+        self.one_row = one_row
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -148,8 +169,9 @@ def _describe(lib) -> str:
     return os.path.basename(getattr(lib, "_name", "BLAS"))
 
 
-def _load_global(path: str) -> str | None:
-    """Load ``path`` globally if it exports ``cblas_sgemm``; its name, or None (never raises)."""
+def _load_global(path: str) -> tuple[str, tuple[str | None, str]] | None:
+    """Load ``path`` globally if it exports ``cblas_sgemm``, with the one-row routing ahead of
+    it where it applies: (its name, :func:`_route_one_row`'s answer), or None (never raises)."""
     import ctypes
 
     try:
@@ -157,10 +179,80 @@ def _load_global(path: str) -> str | None:
         local = ctypes.CDLL(path, mode=os.RTLD_LOCAL | os.RTLD_NOW)
         if not hasattr(local, "cblas_sgemm"):
             return None
+        # The global scope is searched in load order: the routing's cblas_sgemm must be first.
+        routed = _route_one_row(path, local)
         lib = ctypes.CDLL(path, mode=os.RTLD_GLOBAL | os.RTLD_NOW)  # promotes it to global
-        return _describe(lib)
+        return _describe(lib), routed
     except OSError:
         return None
+
+
+ONE_ROW_SOURCE = "sgemm_one_row.c"  # next to this file
+
+
+def _route_one_row(path: str, blas) -> tuple[str | None, str]:
+    """Load the compiled ``sgemm_one_row.c`` globally, bound to ``blas`` (loaded locally, not
+    yet global): (its path, "") or (None, why not). Never raises."""
+    import ctypes
+
+    if os.environ.get("MLXC_BLAS_ONE_ROW", "").strip().lower() in _OFF:
+        return None, "disabled (MLXC_BLAS_ONE_ROW=off)"
+    if "openblas" not in os.path.basename(path).lower():
+        return None, "only OpenBLAS's sgemv is measured faster"
+    lib, why = _one_row_library()
+    if lib is None:
+        return None, why
+    try:
+        shim = ctypes.CDLL(lib, mode=os.RTLD_LOCAL | os.RTLD_NOW)
+        if not shim.mlxc_sgemm_one_row_bind(ctypes.c_void_p(blas._handle)):
+            return None, "the BLAS has no cblas_sgemv"
+        ctypes.CDLL(lib, mode=os.RTLD_GLOBAL | os.RTLD_NOW)
+    except (OSError, AttributeError) as e:
+        return None, f"{lib} did not load ({e})"
+    return lib, ""
+
+
+def _one_row_library() -> tuple[str | None, str]:
+    """``sgemm_one_row.c`` compiled into ``$MLXC_HOME/blas`` (once per source and machine, with
+    ``$CC`` or ``cc``; written under a temporary name and renamed, so concurrent first runs
+    never load half a file): (its path, "") or (None, why not). Never raises."""
+    import hashlib
+    import platform
+    import shlex
+    import shutil
+    import subprocess
+    import tempfile
+
+    from mlxc.runtime.home import mlxc_home
+
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), ONE_ROW_SOURCE)
+    try:
+        with open(source, "rb") as f:
+            key = hashlib.sha256(f.read() + platform.machine().encode()).hexdigest()[:16]
+        lib = os.path.join(mlxc_home(), "blas", f"sgemm_one_row-{key}.so")
+        if os.path.isfile(lib):
+            return lib, ""
+        cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or "gcc"]
+        if shutil.which(cc[0]) is None:
+            return None, f"no C compiler to build {ONE_ROW_SOURCE} (install gcc, or set CC)"
+        os.makedirs(os.path.dirname(lib), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(lib))
+        os.close(fd)
+        try:
+            cmd = [*cc, "-O2", "-shared", "-fPIC", "-o", tmp, source, "-ldl"]
+            env = {k: v for k, v in os.environ.items() if k not in ("LD_DEBUG", "LD_PRELOAD")}
+            r = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=120, env=env, check=False
+            )
+            if r.returncode != 0:
+                return None, f"{' '.join(cc)} could not build {ONE_ROW_SOURCE}: {r.stderr[-300:]}"
+            os.replace(tmp, lib)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"could not build {ONE_ROW_SOURCE} ({e})"
+    return lib, ""
 
 
 def preload(device: str | None = None) -> BlasStatus:
@@ -182,7 +274,7 @@ def preload(device: str | None = None) -> BlasStatus:
 
 def _preload(device: str | None) -> BlasStatus:
     setting = os.environ.get("MLXC_BLAS", "").strip()
-    if setting.lower() in ("0", "off", "no", "none", "false"):
+    if setting.lower() in _OFF:
         return BlasStatus(False, None, "reference BLAS", "BLAS preload disabled (MLXC_BLAS=off)")
     if device is None:
         cpu_only = _backend_is_cpu_only()
@@ -210,10 +302,17 @@ def _preload(device: str | None) -> BlasStatus:
         )
     for path in paths:
         chose = _choose_openblas_kernels(path)
-        name = _load_global(path)
-        if name is not None:
+        loaded = _load_global(path)
+        if loaded is not None:
+            name, (one_row, why_not) = loaded
             how = f"; its kernels picked from the CPU's flags: {chose}" if chose else ""
-            return BlasStatus(True, path, name, f"CPU matmuls use {name} ({path}){how}")
+            rows = (
+                f"; products of one row through its sgemv ({one_row})"
+                if one_row
+                else f"; products of one row stay on its sgemm: {why_not}"
+            )
+            reason = f"CPU matmuls use {name} ({path}){how}{rows}"
+            return BlasStatus(True, path, name, reason, one_row)
     if setting:
         return BlasStatus(
             False, None, "reference BLAS", f"MLXC_BLAS={setting} is not a BLAS with cblas_sgemm"

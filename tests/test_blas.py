@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -79,7 +80,9 @@ def test_preload_finds_the_installed_blas_and_mlx_binds_to_it():
     assert st["active"] and os.path.isfile(st["library"])
     assert "reference" not in st["name"]
     bound = _sgemm_binding(r.stderr)
-    assert os.path.basename(st["library"]).split(".so")[0] in bound, bound
+    # with OpenBLAS and a C compiler MLX binds to the one-row routing, which calls the BLAS
+    want = st["one_row"] or st["library"]
+    assert os.path.basename(want).split(".so")[0] in bound, bound
 
 
 def test_openblas_kernels_follow_the_instruction_set():
@@ -204,3 +207,122 @@ def test_log_status_logs_once(caplog, monkeypatch):
         blas.log_status()
         blas.log_status()
     assert len(caplog.records) == 1 and caplog.records[0].levelname == "WARNING"
+
+
+# Products MLX sends to cblas_sgemm with one row or one column, in each layout it passes (rows
+# and columns, either operand transposed), a beta and several rows, against numpy in float64.
+_ONE_ROW_PRODUCTS = """
+import json
+from mlxc.runtime import blas
+st = blas.preload("cpu")
+import mlx.core as mx
+import numpy as np
+
+rng = np.random.default_rng(0)
+w, wt, x, col, c = (rng.standard_normal(s).astype(np.float32)
+                    for s in [(96, 64), (64, 96), (1, 64), (64, 1), (1, 96)])
+m = {k: mx.array(v) for k, v in dict(w=w, wt=wt, x=x, col=col, c=c).items()}
+cases = {
+    "row @ W^T": (lambda: m["x"] @ m["w"].T, x @ w.T),
+    "row @ W": (lambda: m["x"] @ m["wt"], x @ wt),
+    "transposed column @ W": (lambda: m["col"].T @ m["wt"], col.T @ wt),
+    "W @ column": (lambda: m["w"] @ m["col"], w @ col),
+    "W^T^T @ row^T": (lambda: m["wt"].T @ m["x"].T, wt.T @ x.T),
+    "addmm, beta 0.5": (lambda: mx.addmm(m["c"], m["x"], m["w"].T, alpha=2.0, beta=0.5),
+                        0.5 * c + 2.0 * x @ w.T),
+    "five rows": (lambda: mx.array(np.tile(x, (5, 1))) @ m["w"].T, np.tile(x, (5, 1)) @ w.T),
+}
+errors = {}
+for name, (ours, want) in cases.items():
+    got = ours()
+    mx.eval(got)
+    want = want.astype(np.float64)
+    errors[name] = float(np.max(np.abs(np.array(got) - want)) / np.max(np.abs(want)))
+print("ERRORS" + json.dumps(errors))
+print("STATUS" + json.dumps(st.as_dict()))
+"""
+
+
+@installed
+def test_one_row_products_go_through_the_routing_and_equal_numpy(tmp_path):
+    r = _child(_ONE_ROW_PRODUCTS, MLXC_HOME=str(tmp_path), LD_DEBUG="bindings")
+    assert r.returncode == 0, r.stderr[-2000:]
+    st = _status_of(r.stdout)
+    if "openblas" not in st["library"] or not shutil.which("cc"):
+        pytest.skip(f"no one-row routing here: {st['reason']}")
+    assert st["one_row"].startswith(str(tmp_path / "blas"))  # built into $MLXC_HOME
+    assert "sgemm_one_row" in _sgemm_binding(r.stderr)
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("ERRORS"))
+    errors = json.loads(line[len("ERRORS") :])
+    # float32 sums of 64 products against float64: ~1e-7 of the largest
+    assert all(e < 1e-5 for e in errors.values()), errors
+
+
+@installed
+def test_one_row_routing_off_or_without_a_compiler_keeps_the_blas(tmp_path):
+    for env, why in (
+        ({"MLXC_BLAS_ONE_ROW": "off"}, "MLXC_BLAS_ONE_ROW=off"),
+        ({"CC": str(tmp_path / "no-such-cc")}, "no C compiler"),
+    ):
+        r = _child(_PRELOAD_THEN_MATMUL.format(device="cpu"), MLXC_HOME=str(tmp_path), **env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        st = _status_of(r.stdout)
+        assert st["active"] and st["one_row"] is None
+        if "openblas" in st["library"]:
+            assert why in st["reason"], st["reason"]
+    assert not (tmp_path / "blas").exists() or not list((tmp_path / "blas").iterdir())
+
+
+@installed
+@pytest.mark.parametrize("order", ["row", "col"])
+def test_the_routing_follows_cblas_for_every_layout(tmp_path, monkeypatch, order):
+    """``sgemm_one_row.c`` called directly (loaded locally, bound to the installed BLAS), for
+    the layouts MLX never passes too: column-major, padded leading dimensions, transposes."""
+    import ctypes
+
+    import numpy as np
+
+    monkeypatch.setenv("MLXC_HOME", str(tmp_path))
+    path = blas._candidates()[0]
+    lib, why = blas._one_row_library()
+    if lib is None or "openblas" not in path:
+        pytest.skip(f"no one-row routing here: {why}")
+    shim = ctypes.CDLL(lib, mode=os.RTLD_LOCAL)
+    assert shim.mlxc_sgemm_one_row_bind(ctypes.c_void_p(ctypes.CDLL(path)._handle))
+    f32p = ctypes.POINTER(ctypes.c_float)
+    rng = np.random.default_rng(1)
+
+    def stored(mat, trans, pad):
+        """``mat`` (what op() must give) laid out as CBLAS reads it: (buffer, leading dim)."""
+        held = mat.T if trans else mat
+        if order == "col":
+            held = held.T  # column-major storage is the row-major storage of the transpose
+        buf = np.zeros((held.shape[0], held.shape[1] + pad), np.float32)
+        buf[:, : held.shape[1]] = held
+        return buf, buf.shape[1]
+
+    for m, n, k in ((1, 7, 5), (6, 1, 5), (1, 1, 3), (3, 4, 5)):
+        for ta in (False, True):
+            for tb in (False, True):
+                a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+                c0 = rng.standard_normal((m, n))
+                abuf, lda = stored(a, ta, 2)
+                bbuf, ldb = stored(b, tb, 3)
+                cbuf, ldc = stored(c0, False, 1)
+                shim.cblas_sgemm(
+                    101 if order == "row" else 102,
+                    112 if ta else 111,
+                    112 if tb else 111,
+                    *(ctypes.c_int(v) for v in (m, n, k)),
+                    ctypes.c_float(1.5),
+                    abuf.ctypes.data_as(f32p),
+                    ctypes.c_int(lda),
+                    bbuf.ctypes.data_as(f32p),
+                    ctypes.c_int(ldb),
+                    ctypes.c_float(0.5),
+                    cbuf.ctypes.data_as(f32p),
+                    ctypes.c_int(ldc),
+                )
+                got = cbuf[:, :m].T if order == "col" else cbuf[:, :n]
+                want = 1.5 * a @ b + 0.5 * c0
+                assert np.allclose(got, want, rtol=1e-5, atol=1e-5), (m, n, k, ta, tb)

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mlxc.runtime.home import mlxc_home
+
 DEMO_NAME = "demo-v1"  # bump when the recipe changes, so old caches are not reused
 DEMO_MODEL_ID = "mlxc-demo"
 DEMO_DESCRIPTION = (
@@ -75,10 +77,7 @@ def no_model_warning(doing: str, path: Path) -> str:
 
 def demo_dir() -> Path:
     """Where the demo checkpoint lives: ``$MLXC_HOME/demo-v1``, else the user cache dir."""
-    if home := os.environ.get("MLXC_HOME"):
-        return Path(home).expanduser() / DEMO_NAME
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "mlxc" / DEMO_NAME
+    return Path(mlxc_home()) / DEMO_NAME
 
 
 def ensure_demo(path: Path | None = None) -> Path:
