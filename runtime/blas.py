@@ -15,13 +15,13 @@ reference speed). Hence the contract:
   ``from mlxc.runtime import ...``) gets it as long as MLX itself was not imported earlier.
 * :func:`status` / :func:`log_status` say afterwards which BLAS MLX uses, or how to get one.
 
-With OpenBLAS, products of one row (a decode step's) also go to ``cblas_sgemv``: MLX calls
-``cblas_sgemm`` for every float32 matmul, and OpenBLAS's sgemm packs the whole weight even for
-one row (2.5x the time of its sgemv here). ``sgemm_one_row.c``, compiled on first use with the
-system's C compiler into ``$MLXC_HOME/blas`` (:func:`_one_row_library`), is a ``cblas_sgemm``
-that calls the BLAS's sgemv for one row or column and its sgemm otherwise; it is loaded globally
-just ahead of the BLAS, so MLX binds to it. Without a compiler, or with
-``MLXC_BLAS_ONE_ROW=off``, every product stays on sgemm.
+With OpenBLAS, products of up to 4 rows (a decode step's, a short verification's) also go to
+``cblas_sgemv``, one call a row: MLX calls ``cblas_sgemm`` for every float32 matmul, and
+OpenBLAS's sgemm packs the whole weight even for one row (2.5x the time of its sgemv here).
+``sgemm_few_rows.c``, compiled on first use with the system's C compiler into ``$MLXC_HOME/blas``
+(:func:`_few_rows_library`), is a ``cblas_sgemm`` that calls the BLAS's sgemv for up to 4 rows
+or columns and its sgemm otherwise; it is loaded globally just ahead of the BLAS, so MLX binds
+to it. Without a compiler, or with ``MLXC_BLAS_FEW_ROWS=off``, every product stays on sgemm.
 
 Only a CPU device needs it: on macOS MLX uses Accelerate, and with a CUDA (or Metal) backend
 installed the matmuls run on the GPU, so both are left alone. ``MLXC_BLAS=off`` disables the
@@ -43,7 +43,7 @@ INSTALL_HINT = (
 )
 
 
-_OFF = ("0", "off", "no", "none", "false")  # MLXC_BLAS / MLXC_BLAS_ONE_ROW settings
+_OFF = ("0", "off", "no", "none", "false")  # MLXC_BLAS / MLXC_BLAS_FEW_ROWS settings
 
 
 def _candidates() -> list[str]:
@@ -86,12 +86,12 @@ class BlasStatus:
 
     ``library``: path of the optimised BLAS loaded globally (None: none). ``name``: e.g.
     ``"OpenBLAS 0.3.21 ... Haswell MAX_THREADS=64, 2 threads"``, ``"reference BLAS"``, or
-    ``"not needed"`` (GPU backend). ``reason``: one line for the log. ``one_row``: the path of
-    the compiled ``sgemm_one_row.c`` MLX's ``cblas_sgemm`` goes through (None: straight to the
+    ``"not needed"`` (GPU backend). ``reason``: one line for the log. ``few_rows``: the path of
+    the compiled ``sgemm_few_rows.c`` MLX's ``cblas_sgemm`` goes through (None: straight to the
     BLAS).
     """
 
-    __slots__ = ("active", "library", "name", "one_row", "reason")
+    __slots__ = ("active", "few_rows", "library", "name", "reason")
 
     def __init__(
         self,
@@ -99,10 +99,10 @@ class BlasStatus:
         library: str | None,
         name: str,
         reason: str,
-        one_row: str | None = None,
+        few_rows: str | None = None,
     ) -> None:
         self.active, self.library, self.name, self.reason = active, library, name, reason
-        self.one_row = one_row
+        self.few_rows = few_rows
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -170,8 +170,8 @@ def _describe(lib) -> str:
 
 
 def _load_global(path: str) -> tuple[str, tuple[str | None, str]] | None:
-    """Load ``path`` globally if it exports ``cblas_sgemm``, with the one-row routing ahead of
-    it where it applies: (its name, :func:`_route_one_row`'s answer), or None (never raises)."""
+    """Load ``path`` globally if it exports ``cblas_sgemm``, with the few-rows routing ahead of
+    it where it applies: (its name, :func:`_route_few_rows`'s answer), or None (never raises)."""
     import ctypes
 
     try:
@@ -180,31 +180,31 @@ def _load_global(path: str) -> tuple[str, tuple[str | None, str]] | None:
         if not hasattr(local, "cblas_sgemm"):
             return None
         # The global scope is searched in load order: the routing's cblas_sgemm must be first.
-        routed = _route_one_row(path, local)
+        routed = _route_few_rows(path, local)
         lib = ctypes.CDLL(path, mode=os.RTLD_GLOBAL | os.RTLD_NOW)  # promotes it to global
         return _describe(lib), routed
     except OSError:
         return None
 
 
-ONE_ROW_SOURCE = "sgemm_one_row.c"  # next to this file
+FEW_ROWS_SOURCE = "sgemm_few_rows.c"  # next to this file
 
 
-def _route_one_row(path: str, blas) -> tuple[str | None, str]:
-    """Load the compiled ``sgemm_one_row.c`` globally, bound to ``blas`` (loaded locally, not
+def _route_few_rows(path: str, blas) -> tuple[str | None, str]:
+    """Load the compiled ``sgemm_few_rows.c`` globally, bound to ``blas`` (loaded locally, not
     yet global): (its path, "") or (None, why not). Never raises."""
     import ctypes
 
-    if os.environ.get("MLXC_BLAS_ONE_ROW", "").strip().lower() in _OFF:
-        return None, "disabled (MLXC_BLAS_ONE_ROW=off)"
+    if os.environ.get("MLXC_BLAS_FEW_ROWS", "").strip().lower() in _OFF:
+        return None, "disabled (MLXC_BLAS_FEW_ROWS=off)"
     if "openblas" not in os.path.basename(path).lower():
         return None, "only OpenBLAS's sgemv is measured faster"
-    lib, why = _one_row_library()
+    lib, why = _few_rows_library()
     if lib is None:
         return None, why
     try:
         shim = ctypes.CDLL(lib, mode=os.RTLD_LOCAL | os.RTLD_NOW)
-        if not shim.mlxc_sgemm_one_row_bind(ctypes.c_void_p(blas._handle)):
+        if not shim.mlxc_sgemm_few_rows_bind(ctypes.c_void_p(blas._handle)):
             return None, "the BLAS has no cblas_sgemv"
         ctypes.CDLL(lib, mode=os.RTLD_GLOBAL | os.RTLD_NOW)
     except (OSError, AttributeError) as e:
@@ -212,8 +212,8 @@ def _route_one_row(path: str, blas) -> tuple[str | None, str]:
     return lib, ""
 
 
-def _one_row_library() -> tuple[str | None, str]:
-    """``sgemm_one_row.c`` compiled into ``$MLXC_HOME/blas`` (once per source and machine, with
+def _few_rows_library() -> tuple[str | None, str]:
+    """``sgemm_few_rows.c`` compiled into ``$MLXC_HOME/blas`` (once per source and machine, with
     ``$CC`` or ``cc``; written under a temporary name and renamed, so concurrent first runs
     never load half a file): (its path, "") or (None, why not). Never raises."""
     import hashlib
@@ -225,16 +225,16 @@ def _one_row_library() -> tuple[str | None, str]:
 
     from mlxc.runtime.home import mlxc_home
 
-    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), ONE_ROW_SOURCE)
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), FEW_ROWS_SOURCE)
     try:
         with open(source, "rb") as f:
             key = hashlib.sha256(f.read() + platform.machine().encode()).hexdigest()[:16]
-        lib = os.path.join(mlxc_home(), "blas", f"sgemm_one_row-{key}.so")
+        lib = os.path.join(mlxc_home(), "blas", f"sgemm_few_rows-{key}.so")
         if os.path.isfile(lib):
             return lib, ""
         cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or "gcc"]
         if shutil.which(cc[0]) is None:
-            return None, f"no C compiler to build {ONE_ROW_SOURCE} (install gcc, or set CC)"
+            return None, f"no C compiler to build {FEW_ROWS_SOURCE} (install gcc, or set CC)"
         os.makedirs(os.path.dirname(lib), exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(lib))
         os.close(fd)
@@ -245,13 +245,13 @@ def _one_row_library() -> tuple[str | None, str]:
                 cmd, capture_output=True, text=True, timeout=120, env=env, check=False
             )
             if r.returncode != 0:
-                return None, f"{' '.join(cc)} could not build {ONE_ROW_SOURCE}: {r.stderr[-300:]}"
+                return None, f"{' '.join(cc)} could not build {FEW_ROWS_SOURCE}: {r.stderr[-300:]}"
             os.replace(tmp, lib)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     except (OSError, subprocess.SubprocessError) as e:
-        return None, f"could not build {ONE_ROW_SOURCE} ({e})"
+        return None, f"could not build {FEW_ROWS_SOURCE} ({e})"
     return lib, ""
 
 
@@ -304,15 +304,15 @@ def _preload(device: str | None) -> BlasStatus:
         chose = _choose_openblas_kernels(path)
         loaded = _load_global(path)
         if loaded is not None:
-            name, (one_row, why_not) = loaded
+            name, (few_rows, why_not) = loaded
             how = f"; its kernels picked from the CPU's flags: {chose}" if chose else ""
             rows = (
-                f"; products of one row through its sgemv ({one_row})"
-                if one_row
-                else f"; products of one row stay on its sgemm: {why_not}"
+                f"; products of up to 4 rows through its sgemv ({few_rows})"
+                if few_rows
+                else f"; products of few rows stay on its sgemm: {why_not}"
             )
             reason = f"CPU matmuls use {name} ({path}){how}{rows}"
-            return BlasStatus(True, path, name, reason, one_row)
+            return BlasStatus(True, path, name, reason, few_rows)
     if setting:
         return BlasStatus(
             False, None, "reference BLAS", f"MLXC_BLAS={setting} is not a BLAS with cblas_sgemm"

@@ -80,8 +80,8 @@ def test_preload_finds_the_installed_blas_and_mlx_binds_to_it():
     assert st["active"] and os.path.isfile(st["library"])
     assert "reference" not in st["name"]
     bound = _sgemm_binding(r.stderr)
-    # with OpenBLAS and a C compiler MLX binds to the one-row routing, which calls the BLAS
-    want = st["one_row"] or st["library"]
+    # with OpenBLAS and a C compiler MLX binds to the few-rows routing, which calls the BLAS
+    want = st["few_rows"] or st["library"]
     assert os.path.basename(want).split(".so")[0] in bound, bound
 
 
@@ -209,9 +209,10 @@ def test_log_status_logs_once(caplog, monkeypatch):
     assert len(caplog.records) == 1 and caplog.records[0].levelname == "WARNING"
 
 
-# Products MLX sends to cblas_sgemm with one row or one column, in each layout it passes (rows
-# and columns, either operand transposed), a beta and several rows, against numpy in float64.
-_ONE_ROW_PRODUCTS = """
+# Products MLX sends to cblas_sgemm with few rows or columns, in each layout it passes (rows and
+# columns, either operand transposed), with a beta, and more rows than the routing takes, against
+# numpy in float64.
+_FEW_ROWS_PRODUCTS = """
 import json
 from mlxc.runtime import blas
 st = blas.preload("cpu")
@@ -219,9 +220,9 @@ import mlx.core as mx
 import numpy as np
 
 rng = np.random.default_rng(0)
-w, wt, x, col, c = (rng.standard_normal(s).astype(np.float32)
-                    for s in [(96, 64), (64, 96), (1, 64), (64, 1), (1, 96)])
-m = {k: mx.array(v) for k, v in dict(w=w, wt=wt, x=x, col=col, c=c).items()}
+w, wt, x, col, c, x3, x5 = (rng.standard_normal(s).astype(np.float32) for s in
+                            [(96, 64), (64, 96), (1, 64), (64, 1), (1, 96), (3, 64), (5, 64)])
+m = {k: mx.array(v) for k, v in dict(w=w, wt=wt, x=x, col=col, c=c, x3=x3, x5=x5).items()}
 cases = {
     "row @ W^T": (lambda: m["x"] @ m["w"].T, x @ w.T),
     "row @ W": (lambda: m["x"] @ m["wt"], x @ wt),
@@ -230,7 +231,8 @@ cases = {
     "W^T^T @ row^T": (lambda: m["wt"].T @ m["x"].T, wt.T @ x.T),
     "addmm, beta 0.5": (lambda: mx.addmm(m["c"], m["x"], m["w"].T, alpha=2.0, beta=0.5),
                         0.5 * c + 2.0 * x @ w.T),
-    "five rows": (lambda: mx.array(np.tile(x, (5, 1))) @ m["w"].T, np.tile(x, (5, 1)) @ w.T),
+    "three rows": (lambda: m["x3"] @ m["w"].T, x3 @ w.T),
+    "five rows": (lambda: m["x5"] @ m["w"].T, x5 @ w.T),
 }
 errors = {}
 for name, (ours, want) in cases.items():
@@ -244,14 +246,14 @@ print("STATUS" + json.dumps(st.as_dict()))
 
 
 @installed
-def test_one_row_products_go_through_the_routing_and_equal_numpy(tmp_path):
-    r = _child(_ONE_ROW_PRODUCTS, MLXC_HOME=str(tmp_path), LD_DEBUG="bindings")
+def test_few_rows_products_go_through_the_routing_and_equal_numpy(tmp_path):
+    r = _child(_FEW_ROWS_PRODUCTS, MLXC_HOME=str(tmp_path), LD_DEBUG="bindings")
     assert r.returncode == 0, r.stderr[-2000:]
     st = _status_of(r.stdout)
     if "openblas" not in st["library"] or not shutil.which("cc"):
-        pytest.skip(f"no one-row routing here: {st['reason']}")
-    assert st["one_row"].startswith(str(tmp_path / "blas"))  # built into $MLXC_HOME
-    assert "sgemm_one_row" in _sgemm_binding(r.stderr)
+        pytest.skip(f"no few-rows routing here: {st['reason']}")
+    assert st["few_rows"].startswith(str(tmp_path / "blas"))  # built into $MLXC_HOME
+    assert "sgemm_few_rows" in _sgemm_binding(r.stderr)
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("ERRORS"))
     errors = json.loads(line[len("ERRORS") :])
     # float32 sums of 64 products against float64: ~1e-7 of the largest
@@ -259,15 +261,15 @@ def test_one_row_products_go_through_the_routing_and_equal_numpy(tmp_path):
 
 
 @installed
-def test_one_row_routing_off_or_without_a_compiler_keeps_the_blas(tmp_path):
+def test_few_rows_routing_off_or_without_a_compiler_keeps_the_blas(tmp_path):
     for env, why in (
-        ({"MLXC_BLAS_ONE_ROW": "off"}, "MLXC_BLAS_ONE_ROW=off"),
+        ({"MLXC_BLAS_FEW_ROWS": "off"}, "MLXC_BLAS_FEW_ROWS=off"),
         ({"CC": str(tmp_path / "no-such-cc")}, "no C compiler"),
     ):
         r = _child(_PRELOAD_THEN_MATMUL.format(device="cpu"), MLXC_HOME=str(tmp_path), **env)
         assert r.returncode == 0, r.stderr[-2000:]
         st = _status_of(r.stdout)
-        assert st["active"] and st["one_row"] is None
+        assert st["active"] and st["few_rows"] is None
         if "openblas" in st["library"]:
             assert why in st["reason"], st["reason"]
     assert not (tmp_path / "blas").exists() or not list((tmp_path / "blas").iterdir())
@@ -276,7 +278,7 @@ def test_one_row_routing_off_or_without_a_compiler_keeps_the_blas(tmp_path):
 @installed
 @pytest.mark.parametrize("order", ["row", "col"])
 def test_the_routing_follows_cblas_for_every_layout(tmp_path, monkeypatch, order):
-    """``sgemm_one_row.c`` called directly (loaded locally, bound to the installed BLAS), for
+    """``sgemm_few_rows.c`` called directly (loaded locally, bound to the installed BLAS), for
     the layouts MLX never passes too: column-major, padded leading dimensions, transposes."""
     import ctypes
 
@@ -284,11 +286,11 @@ def test_the_routing_follows_cblas_for_every_layout(tmp_path, monkeypatch, order
 
     monkeypatch.setenv("MLXC_HOME", str(tmp_path))
     path = blas._candidates()[0]
-    lib, why = blas._one_row_library()
+    lib, why = blas._few_rows_library()
     if lib is None or "openblas" not in path:
-        pytest.skip(f"no one-row routing here: {why}")
+        pytest.skip(f"no few-rows routing here: {why}")
     shim = ctypes.CDLL(lib, mode=os.RTLD_LOCAL)
-    assert shim.mlxc_sgemm_one_row_bind(ctypes.c_void_p(ctypes.CDLL(path)._handle))
+    assert shim.mlxc_sgemm_few_rows_bind(ctypes.c_void_p(ctypes.CDLL(path)._handle))
     f32p = ctypes.POINTER(ctypes.c_float)
     rng = np.random.default_rng(1)
 
@@ -301,7 +303,7 @@ def test_the_routing_follows_cblas_for_every_layout(tmp_path, monkeypatch, order
         buf[:, : held.shape[1]] = held
         return buf, buf.shape[1]
 
-    for m, n, k in ((1, 7, 5), (6, 1, 5), (1, 1, 3), (3, 4, 5)):
+    for m, n, k in ((1, 7, 5), (6, 1, 5), (1, 1, 3), (4, 7, 5), (6, 3, 5), (6, 7, 5)):
         for ta in (False, True):
             for tb in (False, True):
                 a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
