@@ -208,6 +208,10 @@ def _route_few_rows(path: str, blas) -> tuple[str | None, str]:
             return None, "the BLAS has no cblas_sgemv"
         ctypes.CDLL(lib, mode=os.RTLD_GLOBAL | os.RTLD_NOW)
     except (OSError, AttributeError) as e:
+        try:
+            os.unlink(lib)  # a damaged build (a full disk?): the next process builds it again
+        except OSError:
+            pass
         return None, f"{lib} did not load ({e})"
     return lib, ""
 
