@@ -15,13 +15,14 @@ reference speed). Hence the contract:
   ``from mlxc.runtime import ...``) gets it as long as MLX itself was not imported earlier.
 * :func:`status` / :func:`log_status` say afterwards which BLAS MLX uses, or how to get one.
 
-With OpenBLAS, products of up to 4 rows (a decode step's, a short verification's) also go to
-``cblas_sgemv``, one call a row: MLX calls ``cblas_sgemm`` for every float32 matmul, and
-OpenBLAS's sgemm packs the whole weight even for one row (2.5x the time of its sgemv here).
-``sgemm_few_rows.c``, compiled on first use with the system's C compiler into ``$MLXC_HOME/blas``
-(:func:`_few_rows_library`), is a ``cblas_sgemm`` that calls the BLAS's sgemv for up to 4 rows
-or columns and its sgemm otherwise; it is loaded globally just ahead of the BLAS, so MLX binds
-to it. Without a compiler, or with ``MLXC_BLAS_FEW_ROWS=off``, every product stays on sgemm.
+With OpenBLAS, products of a few rows (a decode step's, a verification's) also stay off its
+GEMM: MLX calls ``cblas_sgemm`` for every float32 matmul, and OpenBLAS's sgemm packs the whole
+weight even for one row (2.5x the time of its sgemv here). ``sgemm_few_rows.c``, compiled on
+first use with the system's C compiler into ``$MLXC_HOME/blas`` (:func:`_few_rows_library`), is
+a ``cblas_sgemm`` that sends one row to the BLAS's sgemv and 2-15 rows to a kernel of its own
+that reads each weight once (AVX2; its threads one per core), everything else to the BLAS's
+sgemm; it is loaded globally just ahead of the BLAS, so MLX binds to it. Without a compiler,
+or with ``MLXC_BLAS_FEW_ROWS=off``, every product stays on sgemm.
 
 Only a CPU device needs it: on macOS MLX uses Accelerate, and with a CUDA (or Metal) backend
 installed the matmuls run on the GPU, so both are left alone. ``MLXC_BLAS=off`` disables the
@@ -169,9 +170,10 @@ def _describe(lib) -> str:
     return os.path.basename(getattr(lib, "_name", "BLAS"))
 
 
-def _load_global(path: str) -> tuple[str, tuple[str | None, str]] | None:
-    """Load ``path`` globally if it exports ``cblas_sgemm``, with the few-rows routing ahead of
-    it where it applies: (its name, :func:`_route_few_rows`'s answer), or None (never raises)."""
+def _load_global(path: str, few_rows: str | None) -> tuple[str, str | None, str] | None:
+    """Load ``path`` globally if it exports ``cblas_sgemm``, with ``few_rows`` (the compiled
+    ``sgemm_few_rows.c``, or None) bound to it and loaded globally ahead of it: (its name, the
+    few-rows library loaded or None, why not), or None (never raises)."""
     import ctypes
 
     try:
@@ -179,10 +181,10 @@ def _load_global(path: str) -> tuple[str, tuple[str | None, str]] | None:
         local = ctypes.CDLL(path, mode=os.RTLD_LOCAL | os.RTLD_NOW)
         if not hasattr(local, "cblas_sgemm"):
             return None
-        # The global scope is searched in load order: the routing's cblas_sgemm must be first.
-        routed = _route_few_rows(path, local)
+        # The global scope is searched in load order: the few-rows cblas_sgemm must be first.
+        why_not = _load_few_rows(few_rows, local) if few_rows else ""
         lib = ctypes.CDLL(path, mode=os.RTLD_GLOBAL | os.RTLD_NOW)  # promotes it to global
-        return _describe(lib), routed
+        return _describe(lib), None if why_not else few_rows, why_not
     except OSError:
         return None
 
@@ -190,30 +192,40 @@ def _load_global(path: str) -> tuple[str, tuple[str | None, str]] | None:
 FEW_ROWS_SOURCE = "sgemm_few_rows.c"  # next to this file
 
 
-def _route_few_rows(path: str, blas) -> tuple[str | None, str]:
-    """Load the compiled ``sgemm_few_rows.c`` globally, bound to ``blas`` (loaded locally, not
-    yet global): (its path, "") or (None, why not). Never raises."""
-    import ctypes
-
+def _few_rows_for(path: str) -> tuple[str | None, str]:
+    """The compiled ``sgemm_few_rows.c`` to put ahead of the BLAS at ``path``: (its path, "")
+    or (None, why not). Never raises."""
     if os.environ.get("MLXC_BLAS_FEW_ROWS", "").strip().lower() in _OFF:
         return None, "disabled (MLXC_BLAS_FEW_ROWS=off)"
     if "openblas" not in os.path.basename(path).lower():
-        return None, "only OpenBLAS's sgemv is measured faster"
-    lib, why = _few_rows_library()
-    if lib is None:
-        return None, why
+        return None, "measured with OpenBLAS only"
+    return _few_rows_library()
+
+
+def _load_few_rows(lib: str, blas) -> str:
+    """Bind ``lib`` to ``blas`` (loaded locally, not yet global) and load it globally: "", or
+    why not. Never raises."""
+    import ctypes
+
     try:
         shim = ctypes.CDLL(lib, mode=os.RTLD_LOCAL | os.RTLD_NOW)
         if not shim.mlxc_sgemm_few_rows_bind(ctypes.c_void_p(blas._handle)):
-            return None, "the BLAS has no cblas_sgemv"
+            return "the BLAS has no cblas_sgemv"
         ctypes.CDLL(lib, mode=os.RTLD_GLOBAL | os.RTLD_NOW)
     except (OSError, AttributeError) as e:
         try:
             os.unlink(lib)  # a damaged build (a full disk?): the next process builds it again
         except OSError:
             pass
-        return None, f"{lib} did not load ({e})"
-    return lib, ""
+        return f"{lib} did not load ({e})"
+    return ""
+
+
+# OpenBLAS's idle threads spin for 2^28 cycles (~0.1 s) after each call before they sleep, so
+# through a forward they hold the cores the few-rows kernel's own threads need: a 9-row
+# verification of the small llama took 85 ms with them spinning, 48 ms with them asleep
+# (2^4 cycles), its one-row steps unchanged. Set before the library loads, unless the user did.
+QUIET_OPENBLAS_THREADS = {"OPENBLAS_THREAD_TIMEOUT": "4"}
 
 
 def _few_rows_library() -> tuple[str | None, str]:
@@ -243,7 +255,7 @@ def _few_rows_library() -> tuple[str | None, str]:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(lib))
         os.close(fd)
         try:
-            cmd = [*cc, "-O2", "-shared", "-fPIC", "-o", tmp, source, "-ldl"]
+            cmd = [*cc, "-O3", "-shared", "-fPIC", "-pthread", "-o", tmp, source, "-ldl"]
             env = {k: v for k, v in os.environ.items() if k not in ("LD_DEBUG", "LD_PRELOAD")}
             r = subprocess.run(
                 cmd, capture_output=True, text=True, timeout=120, env=env, check=False
@@ -306,12 +318,16 @@ def _preload(device: str | None) -> BlasStatus:
         )
     for path in paths:
         chose = _choose_openblas_kernels(path)
-        loaded = _load_global(path)
+        few_rows, why_not = _few_rows_for(path)
+        if few_rows:
+            for key, value in QUIET_OPENBLAS_THREADS.items():
+                os.environ.setdefault(key, value)
+        loaded = _load_global(path, few_rows)
         if loaded is not None:
-            name, (few_rows, why_not) = loaded
+            name, few_rows, why_not = loaded[0], loaded[1], loaded[2] or why_not
             how = f"; its kernels picked from the CPU's flags: {chose}" if chose else ""
             rows = (
-                f"; products of up to 4 rows through its sgemv ({few_rows})"
+                f"; products of up to 15 rows without its sgemm ({few_rows})"
                 if few_rows
                 else f"; products of few rows stay on its sgemm: {why_not}"
             )

@@ -303,7 +303,11 @@ def test_the_routing_follows_cblas_for_every_layout(tmp_path, monkeypatch, order
         buf[:, : held.shape[1]] = held
         return buf, buf.shape[1]
 
-    for m, n, k in ((1, 7, 5), (6, 1, 5), (1, 1, 3), (4, 7, 5), (6, 3, 5), (6, 7, 5)):
+    # (2..15 rows of x @ W^T stream on AVX2; 17 rows go to the BLAS's GEMM; k past 8 and odd
+    # widths exercise the vector loop's tail and an unpaired weight row)
+    shapes = [(1, 7, 5), (6, 1, 5), (1, 1, 3), (4, 7, 5), (6, 3, 5), (17, 7, 5)]
+    shapes += [(m, 33, 21) for m in (2, 3, 6, 7, 12, 15, 16)]
+    for m, n, k in shapes:
         for ta in (False, True):
             for tb in (False, True):
                 a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
