@@ -223,9 +223,11 @@ def _load_few_rows(lib: str, blas) -> str:
 
 # OpenBLAS's idle threads spin for 2^28 cycles (~0.1 s) after each call before they sleep, so
 # through a forward they hold the cores the few-rows kernel's own threads need: a 9-row
-# verification of the small llama took 85 ms with them spinning, 48 ms with them asleep
-# (2^4 cycles), its one-row steps unchanged. Set before the library loads, unless the user did.
-QUIET_OPENBLAS_THREADS = {"OPENBLAS_THREAD_TIMEOUT": "4"}
+# verification of the small llama took 85 ms with them spinning so long, 46-48 ms at 2^4-2^24
+# cycles. 2^24 (~6 ms), because sleeping sooner slows runs of many small products (mlx-lm's MoE
+# prefill 660 tokens/s at 2^28, 617 at 2^24, 510 at 2^4). Set before the library loads, unless
+# the user did.
+QUIET_OPENBLAS_THREADS = {"OPENBLAS_THREAD_TIMEOUT": "24"}
 
 
 def _few_rows_library() -> tuple[str | None, str]:
