@@ -190,6 +190,7 @@ def _load_global(path: str, few_rows: str | None) -> tuple[str, str | None, str]
 
 
 FEW_ROWS_SOURCE = "sgemm_few_rows.c"  # next to this file
+_CFLAGS = ("-O3", "-shared", "-fPIC", "-pthread")  # -O3 unrolls the kernel's loops over rows
 
 
 def _few_rows_for(path: str) -> tuple[str | None, str]:
@@ -246,7 +247,8 @@ def _few_rows_library() -> tuple[str | None, str]:
     source = os.path.join(os.path.dirname(os.path.abspath(__file__)), FEW_ROWS_SOURCE)
     try:
         with open(source, "rb") as f:
-            key = hashlib.sha256(f.read() + platform.machine().encode()).hexdigest()[:16]
+            built = f"{platform.machine()} {' '.join(_CFLAGS)}".encode()
+            key = hashlib.sha256(f.read() + built).hexdigest()[:16]
         lib = os.path.join(mlxc_home(), "blas", f"sgemm_few_rows-{key}.so")
         if os.path.isfile(lib):
             return lib, ""
@@ -257,7 +259,7 @@ def _few_rows_library() -> tuple[str | None, str]:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(lib))
         os.close(fd)
         try:
-            cmd = [*cc, "-O3", "-shared", "-fPIC", "-pthread", "-o", tmp, source, "-ldl"]
+            cmd = [*cc, *_CFLAGS, "-o", tmp, source, "-ldl"]
             env = {k: v for k, v in os.environ.items() if k not in ("LD_DEBUG", "LD_PRELOAD")}
             r = subprocess.run(
                 cmd, capture_output=True, text=True, timeout=120, env=env, check=False

@@ -9,7 +9,8 @@
  *   - M = 1 (or one column): the BLAS's cblas_sgemv;
  *   - 2 <= M <= STREAM_ROWS, x @ W^T with AVX2 and FMA (what nn.Linear asks): `streamed`, which
  *     reads each weight row once for all M rows, over the cores (a verification, a decode
- *     batch of a few rows): 9 rows of a 8192 x 1024 weight in ~1.7 ms against OpenBLAS's 3.6;
+ *     batch of a few rows): 9 rows of an 8192 x 1024 weight took 3.4 ms on one thread, where
+ *     OpenBLAS's sgemm took 3.6 on two;
  *   - otherwise up to FEW_ROWS rows or columns: one cblas_sgemv a row or column;
  *   - everything else: the BLAS's cblas_sgemm.
  * runtime/blas.py compiles this file, binds it to the BLAS it loads (mlxc_sgemm_few_rows_bind)
@@ -187,9 +188,6 @@ int mlxc_sgemm_few_rows_bind(void *blas) {
   if (!registered++) pthread_atfork(NULL, NULL, after_fork_in_child);
   return blas_sgemm != NULL && blas_sgemv != NULL;
 }
-
-/* 1 when products of 2..STREAM_ROWS rows take `streamed` (for tests and the log). */
-int mlxc_sgemm_few_rows_streams(void) { return can_stream; }
 
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a,
                  int lda, const float *b, int ldb, float beta, float *c, int ldc) {
