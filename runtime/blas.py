@@ -328,7 +328,8 @@ def _preload(device: str | None) -> BlasStatus:
                 os.environ.setdefault(key, value)
         loaded = _load_global(path, few_rows)
         if loaded is not None:
-            name, few_rows, why_not = loaded[0], loaded[1], loaded[2] or why_not
+            name, few_rows, not_loaded = loaded
+            why_not = not_loaded or why_not
             how = f"; its kernels picked from the CPU's flags: {chose}" if chose else ""
             rows = (
                 f"; products of up to 15 rows without its sgemm ({few_rows})"
