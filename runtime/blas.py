@@ -19,9 +19,10 @@ With OpenBLAS, products of a few rows (a decode step's, a verification's) also s
 GEMM: MLX calls ``cblas_sgemm`` for every float32 matmul, and OpenBLAS's sgemm packs the whole
 weight even for one row (2.5x the time of its sgemv here). ``sgemm_few_rows.c``, compiled on
 first use with the system's C compiler into ``$MLXC_HOME/blas`` (:func:`_few_rows_library`), is
-a ``cblas_sgemm`` that sends one row to the BLAS's sgemv and 2-15 rows to a kernel of its own
-that reads each weight once (AVX2; its threads one per core), everything else to the BLAS's
-sgemm; it is loaded globally just ahead of the BLAS, so MLX binds to it. Without a compiler,
+a ``cblas_sgemm`` that sends one row to the BLAS's sgemv and 2-32 rows of ``x @ W^T`` to a kernel
+of its own that reads each weight once (AVX-512; 2-15 rows with AVX2; its threads one per
+core), everything else to the BLAS's sgemm; it is loaded globally just ahead of the BLAS, so MLX
+binds to it. Without a compiler,
 or with ``MLXC_BLAS_FEW_ROWS=off``, every product stays on sgemm.
 
 Only a CPU device needs it: on macOS MLX uses Accelerate, and with a CUDA (or Metal) backend
@@ -203,6 +204,18 @@ def _few_rows_for(path: str) -> tuple[str | None, str]:
     return _few_rows_library()
 
 
+WIDEST_KERNEL = 2  # sgemm_few_rows.c's AVX512; 1 (AVX2) and 0 (sgemv per row) for tests
+
+
+def _few_rows_kernel(lib: str) -> str:
+    """The kernel the loaded ``lib`` runs products of a few rows with (by the CPU's flags)."""
+    import ctypes
+
+    kernel = ctypes.CDLL(lib).mlxc_sgemm_few_rows_kernel
+    kernel.restype = ctypes.c_char_p
+    return kernel().decode() or "sgemv per row"
+
+
 def _load_few_rows(lib: str, blas) -> str:
     """Bind ``lib`` to ``blas`` (loaded locally, not yet global) and load it globally: "", or
     why not. Never raises."""
@@ -210,7 +223,7 @@ def _load_few_rows(lib: str, blas) -> str:
 
     try:
         shim = ctypes.CDLL(lib, mode=os.RTLD_LOCAL | os.RTLD_NOW)
-        if not shim.mlxc_sgemm_few_rows_bind(ctypes.c_void_p(blas._handle)):
+        if not shim.mlxc_sgemm_few_rows_bind(ctypes.c_void_p(blas._handle), WIDEST_KERNEL):
             return "the BLAS has no cblas_sgemv"
         ctypes.CDLL(lib, mode=os.RTLD_GLOBAL | os.RTLD_NOW)
     except (OSError, AttributeError) as e:
@@ -332,7 +345,8 @@ def _preload(device: str | None) -> BlasStatus:
             why_not = not_loaded or why_not
             how = f"; its kernels picked from the CPU's flags: {chose}" if chose else ""
             rows = (
-                f"; products of up to 15 rows without its sgemm ({few_rows})"
+                f"; products of few rows without its sgemm "
+                f"({_few_rows_kernel(few_rows)} kernel, {few_rows})"
                 if few_rows
                 else f"; products of few rows stay on its sgemm: {why_not}"
             )

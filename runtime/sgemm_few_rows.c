@@ -7,10 +7,9 @@
  * through sgemv. So, by the number of rows M of a row-major product (a column-major one is the
  * same memory as its transpose, row-major):
  *   - M = 1 (or one column): the BLAS's cblas_sgemv;
- *   - 2 <= M <= STREAM_ROWS, x @ W^T with AVX2 and FMA (what nn.Linear asks): `streamed`, which
- *     reads each weight row once for all M rows, over the cores (a verification, a decode
- *     batch of a few rows): 9 rows of an 8192 x 1024 weight took 3.4 ms on one thread, where
- *     OpenBLAS's sgemm took 3.6 on two;
+ *   - 2 <= M <= AVX512_ROWS (AVX2_ROWS on a CPU with AVX2 and FMA but no AVX-512), x @ W^T
+ *     (what nn.Linear asks): `streamed`, which reads each weight row once for all M rows, over
+ *     the cores (a verification, a decode batch of a few rows);
  *   - otherwise up to FEW_ROWS rows or columns: one cblas_sgemv a row or column;
  *   - everything else: the BLAS's cblas_sgemm.
  * runtime/blas.py compiles this file, binds it to the BLAS it loads (mlxc_sgemm_few_rows_bind)
@@ -23,9 +22,14 @@
 #include <stdint.h>
 
 enum { ROW_MAJOR = 101, COL_MAJOR = 102, NO_TRANS = 111, TRANS = 112 };
-/* STREAM_ROWS: the small llama's verification forward of 9 / 12 / 16 rows took 49 / 62 / 75 ms
- * streamed against 88 / 111 / 64 through OpenBLAS's sgemm, whose 16-row tiles fit. */
-enum { FEW_ROWS = 4, STREAM_ROWS = 15, GROUP = 6, MAX_THREADS = 16 };
+/* AVX512_ROWS, AVX2_ROWS: up to these, `streamed` was faster than OpenBLAS's sgemm on
+ * 2048 x 8192 weights (the AVX-512 kernel against its SkylakeX kernels at 32 rows: 4.3 ms
+ * against 5.1; the AVX2 kernel against its Haswell ones at 16 rows: 4.7 against 5.2).
+ * SMALL: a product of fewer weight floats runs on the calling thread alone; waking a helper
+ * costs more than it saves (a 64 x 640 weight by 9 rows: 0.049 ms on two threads, 0.010 on
+ * one). GROUP: rows of x a kernel takes at once; BLOCK: the most weight rows. */
+enum { FEW_ROWS = 4, AVX512_ROWS = 32, AVX2_ROWS = 15, SMALL = 1 << 19 };
+enum { GROUP = 6, BLOCK = 4, MAX_THREADS = 16 };
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
                          const float *, int, float, float *, int);
@@ -34,43 +38,90 @@ typedef void (*sgemv_fn)(int, int, int, int, float, const float *, int, const fl
 
 static sgemm_fn blas_sgemm;
 static sgemv_fn blas_sgemv;
-static int can_stream; /* the CPU has AVX2 and FMA */
+enum { NONE, AVX2, AVX512 }; /* the kernels the CPU can run */
+static int isa;
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-/* out[i][c] = x[i, :] . w_c[:] for GM <= GROUP rows of x and the two weight rows w0, w1: each
- * 8 floats of a weight row loaded once for every row of x, the sums kept in registers. */
-#define PAIR(GM)                                                                               \
-  __attribute__((target("avx2,fma"))) static void pair_##GM(                                  \
-      int k, const float *x, int ldx, const float *w0, const float *w1, float out[][2]) {     \
-    __m256 a0[GM], a1[GM];                                                                    \
-    for (int i = 0; i < GM; i++) a0[i] = a1[i] = _mm256_setzero_ps();                         \
-    int k8 = k & ~7;                                                                          \
-    for (int p = 0; p < k8; p += 8) {                                                         \
-      __m256 v0 = _mm256_loadu_ps(w0 + p), v1 = _mm256_loadu_ps(w1 + p);                      \
-      for (int i = 0; i < GM; i++) {                                                          \
-        __m256 xv = _mm256_loadu_ps(x + (size_t)i * ldx + p);                                 \
-        a0[i] = _mm256_fmadd_ps(v0, xv, a0[i]);                                               \
-        a1[i] = _mm256_fmadd_ps(v1, xv, a1[i]);                                               \
+/* Each kernel computes out[i][c] = x[i, :] . w[c][:] for GM <= GROUP rows of x and a block of
+ * weight rows: each vector of a weight row is loaded once for every row of x, the sums kept in
+ * registers (GM x the block's accumulators). The same columns of the next block's rows,
+ * `ahead` floats on, are prefetched: the hardware's prefetcher stops at each row's end (a
+ * 4 KiB page at K = 1024). The small llama's 33 products by 9 rows took 24-25 ms without
+ * that or with prefetching along the same rows, 19.7 with it. */
+#define UNROLL _Pragma("GCC unroll 8")
+
+/* AVX-512: four weight rows, 16 floats a step, the tail of a row masked. */
+#define QUAD(GM)                                                                              \
+  __attribute__((target("avx512f"))) static void quad_##GM(                                  \
+      int k, const float *x, int ldx, const float *const w[], size_t ahead,                   \
+      float out[][BLOCK]) {                                                                   \
+    __m512 a[GM][4], v[4];                                                                    \
+    UNROLL for (int i = 0; i < GM; i++) UNROLL for (int c = 0; c < 4; c++) a[i][c] =          \
+        _mm512_setzero_ps();                                                                  \
+    int k16 = k & ~15;                                                                        \
+    for (int p = 0; p < k16; p += 16) {                                                       \
+      UNROLL for (int c = 0; c < 4; c++) {                                                    \
+        v[c] = _mm512_loadu_ps(w[c] + p);                                                     \
+        _mm_prefetch((const char *)(w[c] + ahead + p), _MM_HINT_T0);                         \
+      }                                                                                       \
+      UNROLL for (int i = 0; i < GM; i++) {                                                   \
+        __m512 xv = _mm512_loadu_ps(x + (size_t)i * ldx + p);                                 \
+        UNROLL for (int c = 0; c < 4; c++) a[i][c] = _mm512_fmadd_ps(v[c], xv, a[i][c]);      \
       }                                                                                       \
     }                                                                                         \
-    for (int i = 0; i < GM; i++) {                                                            \
-      float s0[8], s1[8], t0 = 0.0f, t1 = 0.0f;                                               \
-      _mm256_storeu_ps(s0, a0[i]);                                                            \
-      _mm256_storeu_ps(s1, a1[i]);                                                            \
-      for (int l = 0; l < 8; l++) t0 += s0[l], t1 += s1[l];                                   \
-      const float *xi = x + (size_t)i * ldx;                                                  \
-      for (int p = k8; p < k; p++) t0 += w0[p] * xi[p], t1 += w1[p] * xi[p];                  \
-      out[i][0] = t0, out[i][1] = t1;                                                         \
+    if (k16 < k) {                                                                            \
+      __mmask16 tail = (__mmask16)((1u << (k - k16)) - 1);                                    \
+      UNROLL for (int c = 0; c < 4; c++) v[c] = _mm512_maskz_loadu_ps(tail, w[c] + k16);      \
+      UNROLL for (int i = 0; i < GM; i++) {                                                   \
+        __m512 xv = _mm512_maskz_loadu_ps(tail, x + (size_t)i * ldx + k16);                   \
+        UNROLL for (int c = 0; c < 4; c++) a[i][c] = _mm512_fmadd_ps(v[c], xv, a[i][c]);      \
+      }                                                                                       \
     }                                                                                         \
+    UNROLL for (int i = 0; i < GM; i++) UNROLL for (int c = 0; c < 4; c++) out[i][c] =        \
+        _mm512_reduce_add_ps(a[i][c]);                                                        \
   }
+
+/* AVX2 and FMA: two weight rows, 8 floats a step, the tail of a row in scalars. */
+#define PAIR(GM)                                                                              \
+  __attribute__((target("avx2,fma"))) static void pair_##GM(                                 \
+      int k, const float *x, int ldx, const float *const w[], size_t ahead,                    \
+      float out[][BLOCK]) {                                                                    \
+    __m256 a[GM][2];                                                                         \
+    UNROLL for (int i = 0; i < GM; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();             \
+    int k8 = k & ~7;                                                                         \
+    for (int p = 0; p < k8; p += 8) {                                                        \
+      __m256 v0 = _mm256_loadu_ps(w[0] + p), v1 = _mm256_loadu_ps(w[1] + p);                 \
+      _mm_prefetch((const char *)(w[0] + ahead + p), _MM_HINT_T0);                          \
+      _mm_prefetch((const char *)(w[1] + ahead + p), _MM_HINT_T0);                          \
+      UNROLL for (int i = 0; i < GM; i++) {                                                  \
+        __m256 xv = _mm256_loadu_ps(x + (size_t)i * ldx + p);                                \
+        a[i][0] = _mm256_fmadd_ps(v0, xv, a[i][0]);                                          \
+        a[i][1] = _mm256_fmadd_ps(v1, xv, a[i][1]);                                          \
+      }                                                                                      \
+    }                                                                                        \
+    UNROLL for (int i = 0; i < GM; i++) {                                                    \
+      const float *xi = x + (size_t)i * ldx;                                                 \
+      for (int c = 0; c < 2; c++) {                                                          \
+        float s[8], t = 0.0f;                                                                \
+        _mm256_storeu_ps(s, a[i][c]);                                                        \
+        for (int l = 0; l < 8; l++) t += s[l];                                               \
+        for (int p = k8; p < k; p++) t += w[c][p] * xi[p];                                   \
+        out[i][c] = t;                                                                       \
+      }                                                                                      \
+    }                                                                                        \
+  }
+
+typedef void (*kernel_fn)(int, const float *, int, const float *const[], size_t,
+                          float[][BLOCK]);
+QUAD(1) QUAD(2) QUAD(3) QUAD(4) QUAD(5) QUAD(6)
 PAIR(1) PAIR(2) PAIR(3) PAIR(4) PAIR(5) PAIR(6)
-typedef void (*pair_fn)(int, const float *, int, const float *, const float *, float[][2]);
-static const pair_fn PAIRS[GROUP + 1] = {NULL, pair_1, pair_2, pair_3, pair_4, pair_5, pair_6};
+static const kernel_fn QUADS[GROUP + 1] = {NULL, quad_1, quad_2, quad_3, quad_4, quad_5, quad_6};
+static const kernel_fn PAIRS[GROUP + 1] = {NULL, pair_1, pair_2, pair_3, pair_4, pair_5, pair_6};
 #endif
 
-/* A product's columns n0 <= j < n1: y[i, j] = alpha x[i, :] . w[j, :] + beta y[i, j]. */
+/* A product y = alpha x @ w^T + beta y of m rows (w stored N x K, what nn.Linear asks). */
 typedef struct {
   int m, k, ldx, ldw, ldy, n, parts;
   float alpha, beta;
@@ -78,19 +129,29 @@ typedef struct {
   float *y;
 } product;
 
+/* Rows g..g+gm of y, columns j..j+cols, from the kernel's out. */
+static void store(const product *p, int g, int gm, int j, int cols, float out[][BLOCK]) {
+  for (int i = 0; i < gm; i++) {
+    float *yi = p->y + (size_t)(g + i) * p->ldy + j;
+    for (int c = 0; c < cols; c++) /* gemm's beta = 0 never reads y */
+      yi[c] = p->alpha * out[i][c] + (p->beta == 0.0f ? 0.0f : p->beta * yi[c]);
+  }
+}
+
+/* The product's columns n0 <= j < n1. */
 static void columns(const product *p, int n0, int n1) {
 #if defined(__x86_64__)
-  float out[GROUP][2];
-  for (int j = n0; j < n1; j += 2) {
-    const float *w0 = p->w + (size_t)j * p->ldw, *w1 = j + 1 < n1 ? w0 + p->ldw : w0;
+  float out[GROUP][BLOCK];
+  const kernel_fn *kernels = isa == AVX512 ? QUADS : PAIRS;
+  int width = isa == AVX512 ? 4 : 2; /* weight rows a kernel takes */
+  for (int j = n0; j < n1; j += width) {
+    size_t ahead = j + 2 * width <= n1 ? (size_t)width * p->ldw : 0; /* the next block */
+    const float *w[BLOCK]; /* past n1, the last row again: computed, never stored */
+    for (int c = 0; c < width; c++) w[c] = p->w + (size_t)(j + c < n1 ? j + c : n1 - 1) * p->ldw;
     for (int g = 0; g < p->m; g += GROUP) {
       int gm = p->m - g < GROUP ? p->m - g : GROUP;
-      PAIRS[gm](p->k, p->x + (size_t)g * p->ldx, p->ldx, w0, w1, out);
-      for (int i = 0; i < gm; i++) {
-        float *yi = p->y + (size_t)(g + i) * p->ldy + j;
-        for (int c = 0; c < 2 && j + c < n1; c++)  /* gemm's beta = 0 never reads y */
-          yi[c] = p->alpha * out[i][c] + (p->beta == 0.0f ? 0.0f : p->beta * yi[c]);
-      }
+      kernels[gm](p->k, p->x + (size_t)g * p->ldx, p->ldx, w, ahead, out);
+      store(p, g, gm, j, n1 - j < width ? n1 - j : width, out);
     }
   }
 #else
@@ -99,7 +160,7 @@ static void columns(const product *p, int n0, int n1) {
 }
 
 static void part(const product *p, int index) {
-  int per = ((p->n + p->parts - 1) / p->parts + 1) & ~1; /* whole pairs of weight rows */
+  int per = ((p->n + p->parts - 1) / p->parts + BLOCK - 1) & ~(BLOCK - 1); /* whole blocks */
   int n0 = index * per, n1 = n0 + per < p->n ? n0 + per : p->n;
   if (n0 < n1) columns(p, n0, n1);
 }
@@ -156,7 +217,7 @@ static void start_helpers(void) {
 }
 
 static void streamed(product p) {
-  if (pthread_mutex_trylock(&pool_busy) != 0) {
+  if ((size_t)p.n * p.k < SMALL || pthread_mutex_trylock(&pool_busy) != 0) {
     p.parts = 1;
     part(&p, 0);
     return;
@@ -176,17 +237,26 @@ static void streamed(product p) {
   pthread_mutex_unlock(&pool_busy);
 }
 
-/* Takes the dlopen handle of the BLAS; 1 when it has both functions. */
-int mlxc_sgemm_few_rows_bind(void *blas) {
+/* Takes the dlopen handle of the BLAS and the widest kernel to use (AVX512; less in tests);
+ * 1 when the BLAS has both functions. */
+int mlxc_sgemm_few_rows_bind(void *blas, int widest) {
   blas_sgemm = (sgemm_fn)dlsym(blas, "cblas_sgemm");
   blas_sgemv = (sgemv_fn)dlsym(blas, "cblas_sgemv");
+  isa = NONE;
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  can_stream = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isa = AVX2;
+  if (__builtin_cpu_supports("avx512f")) isa = AVX512;
 #endif
+  if (isa > widest) isa = widest;
   static int registered;
   if (!registered++) pthread_atfork(NULL, NULL, after_fork_in_child);
   return blas_sgemm != NULL && blas_sgemv != NULL;
+}
+
+/* The kernel `streamed` uses: "avx512", "avx2" or "" (none: one sgemv a row). */
+const char *mlxc_sgemm_few_rows_kernel(void) {
+  return isa == AVX512 ? "avx512" : isa == AVX2 ? "avx2" : "";
 }
 
 void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a,
@@ -195,8 +265,8 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
     cblas_sgemm(ROW_MAJOR, tb, ta, n, m, k, alpha, b, ldb, a, lda, beta, c, ldc);
     return;
   }
-  if (k > 0 && m > 1 && m <= STREAM_ROWS && n > 1 && ta == NO_TRANS && tb == TRANS &&
-      can_stream) {
+  int most = isa == AVX512 ? AVX512_ROWS : isa == AVX2 ? AVX2_ROWS : 0;
+  if (k > 0 && m > 1 && m <= most && n > 1 && ta == NO_TRANS && tb == TRANS) {
     streamed((product){m, k, lda, ldb, ldc, n, 1, alpha, beta, a, b, c});
     return;
   }

@@ -277,9 +277,11 @@ def test_few_rows_routing_off_or_without_a_compiler_keeps_the_blas(tmp_path):
 
 @installed
 @pytest.mark.parametrize("order", ["row", "col"])
-def test_the_routing_follows_cblas_for_every_layout(tmp_path, monkeypatch, order):
+@pytest.mark.parametrize("widest", [2, 1, 0], ids=["avx512", "avx2", "sgemv"])
+def test_the_routing_follows_cblas_for_every_layout(tmp_path, monkeypatch, order, widest):
     """``sgemm_few_rows.c`` called directly (loaded locally, bound to the installed BLAS), for
-    the layouts MLX never passes too: column-major, padded leading dimensions, transposes."""
+    the layouts MLX never passes too: column-major, padded leading dimensions, transposes; with
+    each kernel the CPU has (``widest``: the widest it may use; 0: one sgemv a row)."""
     import ctypes
 
     import numpy as np
@@ -290,7 +292,11 @@ def test_the_routing_follows_cblas_for_every_layout(tmp_path, monkeypatch, order
     if lib is None or "openblas" not in path:
         pytest.skip(f"no few-rows routing here: {why}")
     shim = ctypes.CDLL(lib, mode=os.RTLD_LOCAL)
-    assert shim.mlxc_sgemm_few_rows_bind(ctypes.c_void_p(ctypes.CDLL(path)._handle))
+    assert shim.mlxc_sgemm_few_rows_bind(ctypes.c_void_p(ctypes.CDLL(path)._handle), widest)
+    kernel = shim.mlxc_sgemm_few_rows_kernel
+    kernel.restype = ctypes.c_char_p
+    if kernel().decode() != ["", "avx2", "avx512"][widest]:
+        pytest.skip(f"this CPU has no {['', 'avx2', 'avx512'][widest]} kernel")
     f32p = ctypes.POINTER(ctypes.c_float)
     rng = np.random.default_rng(1)
 
@@ -303,10 +309,12 @@ def test_the_routing_follows_cblas_for_every_layout(tmp_path, monkeypatch, order
         buf[:, : held.shape[1]] = held
         return buf, buf.shape[1]
 
-    # (2..15 rows of x @ W^T stream on AVX2; 17 rows go to the BLAS's GEMM; k past 8 and odd
-    # widths exercise the vector loop's tail and an unpaired weight row)
+    # (x @ W^T of 2..15 rows streams on AVX2, of 2..32 rows on AVX-512; more go to the BLAS's
+    # GEMM; k past one vector and odd widths exercise the vector loop's tail and a block of
+    # weight rows cut short; n past SMALL / k splits a product over the threads)
     shapes = [(1, 7, 5), (6, 1, 5), (1, 1, 3), (4, 7, 5), (6, 3, 5), (17, 7, 5)]
-    shapes += [(m, 33, 21) for m in (2, 3, 6, 7, 12, 15, 16)]
+    shapes += [(m, 33, 21) for m in (2, 3, 6, 7, 12, 15, 16, 31, 32, 33)]
+    shapes += [(m, 8200, 67) for m in (2, 9, 32)]
     for m, n, k in shapes:
         for ta in (False, True):
             for tb in (False, True):
