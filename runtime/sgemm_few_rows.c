@@ -24,11 +24,12 @@
 enum { ROW_MAJOR = 101, COL_MAJOR = 102, NO_TRANS = 111, TRANS = 112 };
 /* AVX512_ROWS, AVX2_ROWS: up to these, `streamed` was faster than OpenBLAS's sgemm on
  * 2048 x 8192 weights (the AVX-512 kernel against its SkylakeX kernels at 32 rows: 4.3 ms
- * against 5.1; the AVX2 kernel against its Haswell ones at 16 rows: 4.7 against 5.2).
+ * against 5.1, 64 rows 6.9 against 6.7; the AVX2 kernel against its Haswell ones at 24 rows:
+ * 6.8 against 8.8, 32 rows 9.3 against 7.6).
  * SMALL: a product of fewer weight floats runs on the calling thread alone; waking a helper
- * costs more than it saves (a 64 x 640 weight by 9 rows: 0.049 ms on two threads, 0.010 on
- * one). GROUP: rows of x a kernel takes at once; BLOCK: the most weight rows. */
-enum { FEW_ROWS = 4, AVX512_ROWS = 32, AVX2_ROWS = 15, SMALL = 1 << 19 };
+ * costs more than it saves (9 rows by attention's 640 x 64 keys: 23 us on two threads, 16 on
+ * one; by a 1024 x 256 weight: 79 against 45). GROUP: rows of x a kernel takes at once; BLOCK: the most weight rows. */
+enum { FEW_ROWS = 4, AVX512_ROWS = 32, AVX2_ROWS = 24, SMALL = 1 << 19 };
 enum { GROUP = 6, BLOCK = 4, MAX_THREADS = 16 };
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
