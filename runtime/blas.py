@@ -20,10 +20,10 @@ GEMM: MLX calls ``cblas_sgemm`` for every float32 matmul, and OpenBLAS's sgemm p
 weight even for one row (2.5x the time of its sgemv here). ``sgemm_few_rows.c``, compiled on
 first use with the system's C compiler into ``$MLXC_HOME/blas`` (:func:`_few_rows_library`), is
 a ``cblas_sgemm`` that sends one row to the BLAS's sgemv and 2-32 rows of ``x @ W^T`` to a kernel
-of its own that reads each weight once (AVX-512; 2-15 rows with AVX2; its threads one per
+of its own that reads each weight once (AVX-512; 2-24 rows with AVX2; its threads one per
 core), everything else to the BLAS's sgemm; it is loaded globally just ahead of the BLAS, so MLX
-binds to it. Without a compiler,
-or with ``MLXC_BLAS_FEW_ROWS=off``, every product stays on sgemm.
+binds to it. Without a compiler, or with ``MLXC_BLAS_FEW_ROWS=off``, every product stays on
+sgemm.
 
 Only a CPU device needs it: on macOS MLX uses Accelerate, and with a CUDA (or Metal) backend
 installed the matmuls run on the GPU, so both are left alone. ``MLXC_BLAS=off`` disables the
