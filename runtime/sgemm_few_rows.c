@@ -28,7 +28,8 @@ enum { ROW_MAJOR = 101, COL_MAJOR = 102, NO_TRANS = 111, TRANS = 112 };
  * 6.8 against 8.8, 32 rows 9.3 against 7.6).
  * SMALL: a product of fewer weight floats runs on the calling thread alone; waking a helper
  * costs more than it saves (9 rows by attention's 640 x 64 keys: 23 us on two threads, 16 on
- * one; by a 1024 x 256 weight: 79 against 45). GROUP: rows of x a kernel takes at once; BLOCK: the most weight rows. */
+ * one; by a 1024 x 256 weight: 79 against 45).
+ * GROUP: rows of x a kernel takes at once; BLOCK: the most weight rows it takes. */
 enum { FEW_ROWS = 4, AVX512_ROWS = 32, AVX2_ROWS = 24, SMALL = 1 << 19 };
 enum { GROUP = 6, BLOCK = 4, MAX_THREADS = 16 };
 
@@ -54,64 +55,64 @@ static int isa;
 #define UNROLL _Pragma("GCC unroll 8")
 
 /* AVX-512: four weight rows, 16 floats a step, the tail of a row masked. */
-#define QUAD(GM)                                                                              \
-  __attribute__((target("avx512f"))) static void quad_##GM(                                  \
-      int k, const float *x, int ldx, const float *const w[], size_t ahead,                   \
-      float out[][BLOCK]) {                                                                   \
-    __m512 a[GM][4], v[4];                                                                    \
-    UNROLL for (int i = 0; i < GM; i++) UNROLL for (int c = 0; c < 4; c++) a[i][c] =          \
-        _mm512_setzero_ps();                                                                  \
-    int k16 = k & ~15;                                                                        \
-    for (int p = 0; p < k16; p += 16) {                                                       \
-      UNROLL for (int c = 0; c < 4; c++) {                                                    \
-        v[c] = _mm512_loadu_ps(w[c] + p);                                                     \
-        _mm_prefetch((const char *)(w[c] + ahead + p), _MM_HINT_T0);                         \
-      }                                                                                       \
-      UNROLL for (int i = 0; i < GM; i++) {                                                   \
-        __m512 xv = _mm512_loadu_ps(x + (size_t)i * ldx + p);                                 \
-        UNROLL for (int c = 0; c < 4; c++) a[i][c] = _mm512_fmadd_ps(v[c], xv, a[i][c]);      \
-      }                                                                                       \
-    }                                                                                         \
-    if (k16 < k) {                                                                            \
-      __mmask16 tail = (__mmask16)((1u << (k - k16)) - 1);                                    \
-      UNROLL for (int c = 0; c < 4; c++) v[c] = _mm512_maskz_loadu_ps(tail, w[c] + k16);      \
-      UNROLL for (int i = 0; i < GM; i++) {                                                   \
-        __m512 xv = _mm512_maskz_loadu_ps(tail, x + (size_t)i * ldx + k16);                   \
-        UNROLL for (int c = 0; c < 4; c++) a[i][c] = _mm512_fmadd_ps(v[c], xv, a[i][c]);      \
-      }                                                                                       \
-    }                                                                                         \
-    UNROLL for (int i = 0; i < GM; i++) UNROLL for (int c = 0; c < 4; c++) out[i][c] =        \
-        _mm512_reduce_add_ps(a[i][c]);                                                        \
+#define QUAD(GM)                                                                                 \
+  __attribute__((target("avx512f"))) static void quad_##GM(                                      \
+      int k, const float *x, int ldx, const float *const w[], size_t ahead,                      \
+      float out[][BLOCK]) {                                                                      \
+    __m512 a[GM][4], v[4];                                                                       \
+    UNROLL for (int i = 0; i < GM; i++) UNROLL for (int c = 0; c < 4; c++) a[i][c] =             \
+        _mm512_setzero_ps();                                                                     \
+    int k16 = k & ~15;                                                                           \
+    for (int p = 0; p < k16; p += 16) {                                                          \
+      UNROLL for (int c = 0; c < 4; c++) {                                                       \
+        v[c] = _mm512_loadu_ps(w[c] + p);                                                        \
+        _mm_prefetch((const char *)(w[c] + ahead + p), _MM_HINT_T0);                             \
+      }                                                                                          \
+      UNROLL for (int i = 0; i < GM; i++) {                                                      \
+        __m512 xv = _mm512_loadu_ps(x + (size_t)i * ldx + p);                                    \
+        UNROLL for (int c = 0; c < 4; c++) a[i][c] = _mm512_fmadd_ps(v[c], xv, a[i][c]);         \
+      }                                                                                          \
+    }                                                                                            \
+    if (k16 < k) {                                                                               \
+      __mmask16 tail = (__mmask16)((1u << (k - k16)) - 1);                                       \
+      UNROLL for (int c = 0; c < 4; c++) v[c] = _mm512_maskz_loadu_ps(tail, w[c] + k16);         \
+      UNROLL for (int i = 0; i < GM; i++) {                                                      \
+        __m512 xv = _mm512_maskz_loadu_ps(tail, x + (size_t)i * ldx + k16);                      \
+        UNROLL for (int c = 0; c < 4; c++) a[i][c] = _mm512_fmadd_ps(v[c], xv, a[i][c]);         \
+      }                                                                                          \
+    }                                                                                            \
+    UNROLL for (int i = 0; i < GM; i++) UNROLL for (int c = 0; c < 4; c++) out[i][c] =           \
+        _mm512_reduce_add_ps(a[i][c]);                                                           \
   }
 
 /* AVX2 and FMA: two weight rows, 8 floats a step, the tail of a row in scalars. */
-#define PAIR(GM)                                                                              \
-  __attribute__((target("avx2,fma"))) static void pair_##GM(                                 \
-      int k, const float *x, int ldx, const float *const w[], size_t ahead,                    \
-      float out[][BLOCK]) {                                                                    \
-    __m256 a[GM][2];                                                                         \
-    UNROLL for (int i = 0; i < GM; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();             \
-    int k8 = k & ~7;                                                                         \
-    for (int p = 0; p < k8; p += 8) {                                                        \
-      __m256 v0 = _mm256_loadu_ps(w[0] + p), v1 = _mm256_loadu_ps(w[1] + p);                 \
-      _mm_prefetch((const char *)(w[0] + ahead + p), _MM_HINT_T0);                          \
-      _mm_prefetch((const char *)(w[1] + ahead + p), _MM_HINT_T0);                          \
-      UNROLL for (int i = 0; i < GM; i++) {                                                  \
-        __m256 xv = _mm256_loadu_ps(x + (size_t)i * ldx + p);                                \
-        a[i][0] = _mm256_fmadd_ps(v0, xv, a[i][0]);                                          \
-        a[i][1] = _mm256_fmadd_ps(v1, xv, a[i][1]);                                          \
-      }                                                                                      \
-    }                                                                                        \
-    UNROLL for (int i = 0; i < GM; i++) {                                                    \
-      const float *xi = x + (size_t)i * ldx;                                                 \
-      for (int c = 0; c < 2; c++) {                                                          \
-        float s[8], t = 0.0f;                                                                \
-        _mm256_storeu_ps(s, a[i][c]);                                                        \
-        for (int l = 0; l < 8; l++) t += s[l];                                               \
-        for (int p = k8; p < k; p++) t += w[c][p] * xi[p];                                   \
-        out[i][c] = t;                                                                       \
-      }                                                                                      \
-    }                                                                                        \
+#define PAIR(GM)                                                                                 \
+  __attribute__((target("avx2,fma"))) static void pair_##GM(                                     \
+      int k, const float *x, int ldx, const float *const w[], size_t ahead,                      \
+      float out[][BLOCK]) {                                                                      \
+    __m256 a[GM][2];                                                                             \
+    UNROLL for (int i = 0; i < GM; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();                 \
+    int k8 = k & ~7;                                                                             \
+    for (int p = 0; p < k8; p += 8) {                                                            \
+      __m256 v0 = _mm256_loadu_ps(w[0] + p), v1 = _mm256_loadu_ps(w[1] + p);                     \
+      _mm_prefetch((const char *)(w[0] + ahead + p), _MM_HINT_T0);                               \
+      _mm_prefetch((const char *)(w[1] + ahead + p), _MM_HINT_T0);                               \
+      UNROLL for (int i = 0; i < GM; i++) {                                                      \
+        __m256 xv = _mm256_loadu_ps(x + (size_t)i * ldx + p);                                    \
+        a[i][0] = _mm256_fmadd_ps(v0, xv, a[i][0]);                                              \
+        a[i][1] = _mm256_fmadd_ps(v1, xv, a[i][1]);                                              \
+      }                                                                                          \
+    }                                                                                            \
+    UNROLL for (int i = 0; i < GM; i++) {                                                        \
+      const float *xi = x + (size_t)i * ldx;                                                     \
+      for (int c = 0; c < 2; c++) {                                                              \
+        float s[8], t = 0.0f;                                                                    \
+        _mm256_storeu_ps(s, a[i][c]);                                                            \
+        for (int l = 0; l < 8; l++) t += s[l];                                                   \
+        for (int p = k8; p < k; p++) t += w[c][p] * xi[p];                                       \
+        out[i][c] = t;                                                                           \
+      }                                                                                          \
+    }                                                                                            \
   }
 
 typedef void (*kernel_fn)(int, const float *, int, const float *const[], size_t,
