@@ -7,6 +7,9 @@ transformers in ``test_logits`` (silu) and ``test_gemma3`` (tanh GELU)."""
 
 from __future__ import annotations
 
+import io
+import re
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -53,7 +56,7 @@ def test_activation_by_polynomial_is_as_exact_as_float32(ours, mlx_own, z):
 
 
 @pytest.mark.usefixtures("on_cpu")
-@pytest.mark.parametrize("act", [nn.silu, nn.gelu_approx], ids=["silu", "gelu_approx"])
+@pytest.mark.parametrize("act", [nn.silu, layers.gelu_approx], ids=["silu", "gelu_approx"])
 def test_glu_takes_the_polynomial_for_a_float32_gate_on_the_cpu_only(rng, monkeypatch, act):
     """float32 gates take the polynomial, in blocks of rows (a decode step's one row, a gate of
     several blocks, the last one short, and a [B, L, I] gate whose rows are a split's strided
@@ -83,6 +86,35 @@ def test_glu_takes_the_polynomial_for_a_float32_gate_on_the_cpu_only(rng, monkey
         assert calls == ([1] if taken else []), (shape, dtype)
         calls.clear()
     assert layers.glu(nn.gelu) is not glu
+
+
+def test_gelu_approx_is_the_tanh_gelu_in_one_kernel_with_its_gate():
+    """``layers.gelu_approx`` (the GPU's and a bfloat16 gate's tanh GELU, as ``x * sigmoid(2y)``)
+    is float32's tanh GELU within a few ulps, nearer it than ``nn.gelu_approx`` in bfloat16,
+    and ``glu`` of it is one compiled kernel (``nn.gelu_approx``'s GeGLU is two)."""
+    x = np.concatenate([np.linspace(-30, 30, 100_001), EXTREMES[:10]]).astype(np.float32)
+    wide = x.astype(np.float64)
+    want = _x_sigmoid(wide, 2 * np.sqrt(2 / np.pi) * (wide + 0.044715 * wide**3))
+    got = np.array(layers.gelu_approx(mx.array(x)), np.float64)
+    # A few float32 ulps, or an absolute 2e-6 where the result is tiny (x far below 0, where
+    # MLX's sigmoid keeps fewer bits: 1e-5 relative at 1e-8).
+    np.testing.assert_allclose(got, want, rtol=5e-7, atol=2e-6)
+    # bfloat16: each of its ops rounds (2**-9), and the sigmoid of the far negative tail turns
+    # its argument's error into the result's relative one: within 8% down to 1e-6, where
+    # nn.gelu_approx's 1 + tanh gives 0 from x = -3 on.
+    half = mx.array(x[:100_001]).astype(mx.bfloat16)
+    wide = np.array(half.astype(mx.float32), np.float64)
+    want = _x_sigmoid(wide, 2 * np.sqrt(2 / np.pi) * (wide + 0.044715 * wide**3))
+    got = np.array(layers.gelu_approx(half).astype(mx.float32), np.float64)
+    assert (np.abs(got - want) / (np.abs(want) + 1e-6)).max() < 0.08
+
+    def kernels(act) -> list[str]:
+        gate, up = (mx.ones((1, 8), mx.bfloat16) for _ in range(2))
+        dot = io.StringIO()
+        mx.export_to_dot(dot, layers.glu(act)(gate, up))
+        return re.findall(r'label ="(Compiled[^"]*)"', dot.getvalue())
+
+    assert len(kernels(layers.gelu_approx)) == 1 and len(kernels(nn.gelu_approx)) == 2
 
 
 def test_in_row_blocks_covers_every_row_once(monkeypatch):

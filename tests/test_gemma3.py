@@ -9,6 +9,7 @@ the window, a chunk boundary inside a window, decode steps past it.
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 from pathlib import Path
@@ -17,12 +18,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from mlx import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 import checkpoints as ckpt
 
 import mlxc
+from mlxc.runtime.model import layers
 from mlxc.runtime.model.cache import KVCache, WindowedKVCache, enforce_max_kv
 
 ATOL = 1e-4
@@ -149,13 +150,11 @@ def test_long_chunk_past_the_window_matches_transformers(checkpoint, on_cpu, mon
 def test_logits_with_the_cpu_gelu_match_transformers(checkpoint, on_cpu, monkeypatch):
     """On the CPU a float32 GeGLU gate goes through ``layers.gelu_approx_by_polynomial`` in
     blocks of rows (here of 2 rows of 96), still transformers'."""
-    from mlxc.runtime.model import layers
-
     monkeypatch.setattr(layers, "CPU_ACT_BLOCK", 2 * TINY["intermediate_size"])
     taken = []
     real = layers.gelu_approx_by_polynomial
     monkeypatch.setitem(
-        layers.CPU_ACTIVATIONS, nn.gelu_approx, lambda x: taken.append(x.shape) or real(x)
+        layers.CPU_ACTIVATIONS, layers.gelu_approx, lambda x: taken.append(x.shape) or real(x)
     )
     layers.glu.cache_clear()  # glu(act) takes its CPU function when first built
     hf, path = checkpoint
@@ -253,3 +252,36 @@ def make_gemma3_text(path, seed: int = 0):
     make_checkpoint(str(path), config, seed=seed)
     ckpt.write_tokenizer(path)
     return path
+
+
+def test_unit_offset_norm_keeps_its_scale_with_its_weight():
+    """``layers.RMSNorm`` scales by ``1 + weight`` made when the weight is set, not per call: a
+    call is the one fast kernel (no add), the scale follows every way the weight is set (a
+    compiled call with the module as its inputs included), and it is no parameter."""
+    rng = np.random.default_rng(0)
+    x = mx.array(rng.standard_normal((2, 3, 8)).astype(np.float32))
+    norm = layers.RMSNorm(8, eps=1e-6)
+    compiled = mx.compile(lambda x: norm(x), inputs=norm)
+    assert list(norm.parameters()) == ["weight"]
+
+    def check(weight):
+        want = mx.fast.rms_norm(x, 1.0 + weight, 1e-6)
+        for got in (norm(x), compiled(x)):
+            assert mx.array_equal(got, want).item()
+
+    check(mx.zeros((8,)))
+    for set_weight in (
+        lambda w: norm.update({"weight": w}),
+        lambda w: norm.load_weights([("weight", w)]),
+        lambda w: setattr(norm, "weight", w),
+    ):
+        weight = mx.array(0.1 * rng.standard_normal(8).astype(np.float32))
+        set_weight(weight)
+        check(weight)
+
+    def adds(y: mx.array) -> int:  # on a CPU rms_norm's fallback ops hold an add (the eps)
+        dot = io.StringIO()
+        mx.export_to_dot(dot, y)
+        return dot.getvalue().count('label ="Add"')
+
+    assert adds(norm(x)) == adds(mx.fast.rms_norm(x, mx.ones((8,)), 1e-6))  # no 1 + weight
