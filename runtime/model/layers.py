@@ -89,9 +89,14 @@ def exp_by_polynomial(t: mx.array) -> mx.array:
     """float32 ``exp(t)`` of ``t`` clipped to [-87, 88] (float32's exponent range), as ``2**n *
     p(r)``: Cody and Waite's reduction (``n`` the integer nearest ``t / ln 2``, ``ln 2`` in two
     parts so ``r`` keeps its bits, ``|r| <= ln 2 / 2``), the Cephes ``expf`` polynomial for
-    ``p``, and ``2**n`` made from its float32 exponent bits. Within 2e-6 of ``mx.exp``."""
+    ``p``, and ``2**n`` made from its float32 exponent bits. Within 2e-6 of ``mx.exp``.
+
+    ``n`` is rounded by adding and taking away 1.5 * 2**23 (where a float32's last bit is 1),
+    not by ``mx.floor``: MLX compiles its CPU kernels for SSE2, which has no vector floor, and
+    the exponentials of a block of scores or of a gate took 0.55-0.7x the time this way
+    (``docs/performance.md``). Exact without fast-math, which MLX's compiler flags leave off."""
     n_t = mx.clip(t, -87.0, 88.0)
-    n = mx.floor(n_t * 1.4426950408889634 + 0.5)
+    n = (n_t * 1.4426950408889634 + 12582912.0) - 12582912.0
     r = n_t - n * 0.693359375 + n * 2.12194440e-4
     p = 1.9875691500e-4
     for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 0.5):
