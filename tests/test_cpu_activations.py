@@ -90,8 +90,8 @@ def test_glu_takes_the_polynomial_for_a_float32_gate_on_the_cpu_only(rng, monkey
 
 def test_gelu_approx_is_the_tanh_gelu_in_one_kernel_with_its_gate():
     """``layers.gelu_approx`` (the GPU's and a bfloat16 gate's tanh GELU, as ``x * sigmoid(2y)``)
-    is float32's tanh GELU within a few ulps, nearer it than ``nn.gelu_approx`` in bfloat16,
-    and ``glu`` of it is one compiled kernel (``nn.gelu_approx``'s GeGLU is two)."""
+    is float32's tanh GELU within a few ulps, within 8% of it in bfloat16 down to 1e-6, and
+    ``glu`` of it is one compiled kernel (MLX 0.32 compiles ``nn.gelu_approx``'s GeGLU to two)."""
     x = np.concatenate([np.linspace(-30, 30, 100_001), EXTREMES[:10]]).astype(np.float32)
     wide = x.astype(np.float64)
     want = _x_sigmoid(wide, 2 * np.sqrt(2 / np.pi) * (wide + 0.044715 * wide**3))
@@ -114,7 +114,7 @@ def test_gelu_approx_is_the_tanh_gelu_in_one_kernel_with_its_gate():
         mx.export_to_dot(dot, layers.glu(act)(gate, up))
         return re.findall(r'label ="(Compiled[^"]*)"', dot.getvalue())
 
-    assert len(kernels(layers.gelu_approx)) == 1 and len(kernels(nn.gelu_approx)) == 2
+    assert len(kernels(layers.gelu_approx)) == 1
 
 
 def test_in_row_blocks_covers_every_row_once(monkeypatch):
