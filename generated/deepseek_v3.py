@@ -166,25 +166,20 @@ class LatentAttention(nn.Module):
     def __call__(self, x: mx.array, cache: KVCache, inputs: AttentionInputs) -> mx.array:
         """``inputs``: what attention reads from the cache, resolved once per forward."""
         B, L, _ = x.shape
-        q_nope, q_pe, latent, k_pe = layers.step_compiled(self.project, x, inputs.offset)
+        q_nope, q_pe, new_latent, k_pe = layers.step_compiled(self.project, x, inputs.offset)
         # The cache keeps one shared head: the latent as its keys, the rope key as its values.
         # Two arrays, not slices of one [latent | rope key] buffer: such a slice is strided, and
         # MLX's matmuls copy a strided operand before every use (three copies a layer a step).
-        latents, k_pe = cache.update_and_fetch(latent, k_pe)
+        latents, k_pe = cache.update_and_fetch(new_latent, k_pe)
         latents, k_pe = dense(latents), dense(k_pe)  # --kv-bits: expanded for the matmuls
         mask = inputs.masks[None]
         if L == 1:
             w_k, w_v_t = self.kv_b_halves()
-            # Decode: kv_b_proj's key half moves onto the query, q . (W_k c) == (q W_k) . c, so
-            # attention runs over the latents themselves (keys and values alike) and only the
-            # output is expanded. The rope half of each score, q_pe . k_pe, goes in as an
-            # additive mask: the fused kernel then sees one query per head and equal key and
-            # value widths (kv_lora_rank) instead of falling back for a [rope | latent] key.
-            rope_scores = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)
-            if isinstance(mask, mx.array):  # None or [..., 1, live_len] for one query
-                rope_scores = mx.where(mask, rope_scores, mx.finfo(rope_scores.dtype).min)
-            out = attend(q_nope @ w_k, latents, latents, scale=self.scale, mask=rope_scores)
-            out = out @ w_v_t  # [B, H, 1, v_head_dim]
+            # Decode: attention over the latents themselves, kv_b_proj's key half moved onto
+            # the query and its value half onto the output (latent.absorbed_attention).
+            out = latent.absorbed_attention(
+                q_nope, q_pe, latents, k_pe, w_k, w_v_t, scale=self.scale, mask=mask
+            )
         else:
             # Prefill: expand per-head keys and values from the live latents, all heads in one
             # kv_b_proj matmul (per-head matmuls would broadcast the latents H times).

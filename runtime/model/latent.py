@@ -1,4 +1,4 @@
-"""MLA's ``kv_b_proj`` from mlx-lm's split layout (mlx-community DeepSeek-V3, Kimi-K2,
+"""MLA's decode step over the latents, and its ``kv_b_proj`` from mlx-lm's split layout (mlx-community DeepSeek-V3, Kimi-K2,
 GLM-4.7-Flash conversions).
 
 mlx-lm stores kv_b_proj split per head: ``self_attn.embed_q.weight [H, kv_lora_rank, nope]``
@@ -7,16 +7,18 @@ mlx-lm stores kv_b_proj split per head: ``self_attn.embed_q.weight [H, kv_lora_r
 checkpoint. :func:`join_kv_b` rebuilds the model's ``kv_b_proj.weight [H * (nope + v),
 kv_lora_rank]``, dequantised: kv_b_proj stays float (the loader quantises only the layers whose
 ``.scales`` the weights hold), as decode reads it anyway (LatentAttention.kv_b_halves splits
-and dequantises it once). :func:`split_kv_b` is that split: the two halves decode multiplies by.
+and dequantises it once). :func:`split_kv_b` is that split: the two halves decode multiplies by,
+and :func:`absorbed_attention` decode's attention with them.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 
 import mlx.core as mx
 
-from mlxc.runtime.model import cuda_attention
+from mlxc.runtime.model import cuda_attention, layers, masks
 from mlxc.runtime.model.weights import packed_settings
 
 _SPLIT = re.compile(r"^(.*\.self_attn)\.embed_q\.weight$")
@@ -82,3 +84,64 @@ def split_kv_b(
 def _transposed_weights() -> bool:
     """Whether decode's per-head weights are kept as transposed views (see split_kv_b)."""
     return cuda_attention.available()
+
+
+def absorbed_attention(
+    q_nope: mx.array,
+    q_pe: mx.array,
+    latents: mx.array,
+    k_pe: mx.array,
+    w_k: mx.array,
+    w_v_t: mx.array,
+    *,
+    scale: float,
+    mask: mx.array | None,
+) -> mx.array:
+    """Decode's attention ``[B, H, 1, v_head_dim]``, one query a head, over the live latents
+    ``[B, 1, T, kv_lora_rank]`` (keys and values alike) and the rope keys ``[B, 1, T, rope]``:
+    kv_b_proj's key half ``w_k`` moves onto the query, ``q . (W_k c) == (q W_k) . c``, a score is
+    that plus ``q_pe . k_pe``, and only the output is expanded (``w_v_t``). ``mask``: None or
+    ``[..., 1, T]``.
+
+    On CUDA the scores are composed: MLX 0.32.4's fused attention has no kernel for a head of
+    kv_lora_rank (512) and falls back to five ops, scaling the queries and adding the rope
+    scores as a mask each in a kernel of its own. The two halves of a score are added and scaled
+    in one compiled kernel instead, with the query heads as the rows of the one latent head (an
+    H100, 16 layers of glm4_moe_lite's widths: 1.07 against 1.35 ms a step,
+    ``docs/performance.md``). Elsewhere ``layers.attend`` takes them, the rope half as an
+    additive mask (on the CPU its composed form, with the polynomial exp)."""
+    masks.check(mask, 1, latents.shape[-2])
+    q_lat = q_nope @ w_k  # [B, H, 1, kv_lora_rank]
+    if not composes_scores():
+        rope_scores = (q_pe * scale) @ k_pe.swapaxes(-1, -2)
+        if isinstance(mask, mx.array):
+            rope_scores = mx.where(mask, rope_scores, mx.finfo(rope_scores.dtype).min)
+        return layers.attend(q_lat, latents, latents, scale=scale, mask=rope_scores) @ w_v_t
+    B, H = q_nope.shape[:2]
+    rows = (B, 1, H, -1)  # the heads as rows of the one latent head: no broadcast of the latents
+    latent_scores = q_lat.reshape(rows) @ latents.swapaxes(-1, -2)
+    rope_scores = q_pe.reshape(rows) @ k_pe.swapaxes(-1, -2)
+    if isinstance(mask, mx.array):
+        scores = _masked_scores(latent_scores, rope_scores, mask, scale)
+    else:
+        scores = _scores(latent_scores, rope_scores, scale)
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    return (weights @ latents).reshape(B, H, 1, -1) @ w_v_t
+
+
+def composes_scores() -> bool:
+    """Whether ``absorbed_attention`` composes its scores (see there): on CUDA."""
+    return cuda_attention.available()
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _scores(latent_scores: mx.array, rope_scores: mx.array, scale: float) -> mx.array:
+    return (latent_scores + rope_scores) * scale
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _masked_scores(
+    latent_scores: mx.array, rope_scores: mx.array, mask: mx.array, scale: float
+) -> mx.array:
+    scores = (latent_scores + rope_scores) * scale
+    return mx.where(mask, scores, mx.finfo(scores.dtype).min)
