@@ -310,10 +310,13 @@ def test_the_routing_follows_cblas_for_every_layout(tmp_path, monkeypatch, order
 
     # (x @ W^T of 2..24 rows streams on AVX2, of 2..32 rows on AVX-512; more go to the BLAS's
     # GEMM; k past one vector and odd widths exercise the vector loop's tail and a block of
-    # weight rows cut short; n past SMALL / k splits a product over the threads)
+    # weight rows cut short; n past SMALL / k splits a product over the threads. x @ B of
+    # 2..512 rows on AVX-512 goes by rows of B, 64 columns at a time: n of several such blocks,
+    # the last one short, and attention's 64-wide values of a decode step and a verification)
     shapes = [(1, 7, 5), (6, 1, 5), (1, 1, 3), (4, 7, 5), (6, 3, 5), (17, 7, 5)]
     shapes += [(m, 33, 21) for m in (2, 3, 6, 7, 12, 16, 24, 25, 32, 33)]
     shapes += [(m, 8200, 67) for m in (2, 9, 32)]
+    shapes += [(m, 150, 40) for m in (2, 5, 20, 100, 512, 513)] + [(4, 64, 130), (20, 64, 130)]
     for m, n, k in shapes:
         for ta in (False, True):
             for tb in (False, True):
