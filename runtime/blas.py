@@ -21,7 +21,8 @@ weight even for one row (2.5x the time of its sgemv here). ``sgemm_few_rows.c``,
 first use with the system's C compiler into ``$MLXC_HOME/blas`` (:func:`_few_rows_library`), is
 a ``cblas_sgemm`` that sends one row to the BLAS's sgemv and 2-32 rows of ``x @ W^T`` to a kernel
 of its own that reads each weight once (AVX-512; 2-24 rows with AVX2; its threads one per
-core), everything else to the BLAS's sgemm; it is loaded globally just ahead of the BLAS, so MLX
+core), 2-512 rows of a small ``x @ B`` (attention's weights times its values) to another
+(AVX-512), everything else to the BLAS's sgemm; it is loaded globally just ahead of the BLAS, so MLX
 binds to it. Without a compiler, or with ``MLXC_BLAS_FEW_ROWS=off``, every product stays on
 sgemm.
 
