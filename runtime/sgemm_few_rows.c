@@ -33,9 +33,9 @@ enum { ROW_MAJOR = 101, COL_MAJOR = 102, NO_TRANS = 111, TRANS = 112 };
  * costs more than it saves (9 rows by attention's 640 x 64 keys: 23 us on two threads, 16 on
  * one; by a 1024 x 256 weight: 79 against 45).
  * AXPY_ROWS: up to these, x @ B of fewer than SMALL floats of B goes by rows of B on one
- * thread (`by_rows_of_b`); against OpenBLAS's sgemm on two, by 4 x 640 x 64 values: 4 rows
- * 13 us against 85, 20 rows 35 against 177, 64 rows 93 against 240, 512 rows 0.7 ms against
- * 1.6-4.3; by 4 x 2,048 x 64, 512 rows 2.4-2.7 ms against 5.2-6.8.
+ * thread (`by_rows_of_b`); against OpenBLAS's sgemm on two, by 4 x 2,048 x 64 values: 4 rows
+ * 60-88 us against 112-117, 64 rows 297-330 against 335-338, 512 rows 2.1-2.2 ms against
+ * 2.5-2.6; by 4 x 640 x 64: 4-36 rows 0.9-1x, 64 rows 1.1-1.3x, 512 rows 0.9x the time.
  * GROUP: rows of x a kernel takes at once; BLOCK: the most weight rows it takes. */
 enum { FEW_ROWS = 4, AVX512_ROWS = 32, AVX2_ROWS = 24, AXPY_ROWS = 512, SMALL = 1 << 19 };
 enum { GROUP = 6, BLOCK = 4, MAX_THREADS = 16 };
@@ -140,9 +140,7 @@ static const kernel_fn PAIRS[GROUP + 1] = {NULL, pair_1, pair_2, pair_3, pair_4,
 
 /* x @ B with B stored K x N, not transposed, for GM <= GROUP rows of x and WIDE columns of B
  * (four vectors, masked past `cols`): each step loads a row of B once and adds x[i, p] times it
- * to every row's sums. OpenBLAS's sgemm packs B and wakes its threads for such products: in a
- * verification of 5 tokens of the small llama (20 rows of weights by 640 x 64 values per KV
- * head) they took 1.7-2x its scores' time (see AXPY_ROWS). */
+ * to every row's sums, where OpenBLAS's sgemm packs B and wakes its threads (see AXPY_ROWS). */
 enum { WIDE = 64 };
 #define AXPY(GM)                                                                                 \
   __attribute__((target("avx512f"))) static void axpy_##GM(                                      \
