@@ -180,13 +180,21 @@ typedef struct {
   float *y;
 } product;
 
+/* y[i][c] = alpha out[i][c] + beta y[i][c] for `rows` x `cols` (a kernel's sums, `width` a row
+ * in out). */
+static void scaled_store(float *y, int ldy, float alpha, float beta, const float *out, int width,
+                         int rows, int cols) {
+  for (int i = 0; i < rows; i++) {
+    float *yi = y + (size_t)i * ldy;
+    for (int c = 0; c < cols; c++) /* gemm's beta = 0 never reads y */
+      yi[c] = alpha * out[(size_t)i * width + c] + (beta == 0.0f ? 0.0f : beta * yi[c]);
+  }
+}
+
 /* Rows g..g+gm of y, columns j..j+cols, from the kernel's out. */
 static void store(const product *p, int g, int gm, int j, int cols, float out[][BLOCK]) {
-  for (int i = 0; i < gm; i++) {
-    float *yi = p->y + (size_t)(g + i) * p->ldy + j;
-    for (int c = 0; c < cols; c++) /* gemm's beta = 0 never reads y */
-      yi[c] = p->alpha * out[i][c] + (p->beta == 0.0f ? 0.0f : p->beta * yi[c]);
-  }
+  scaled_store(p->y + (size_t)g * p->ldy + j, p->ldy, p->alpha, p->beta, &out[0][0], BLOCK, gm,
+               cols);
 }
 
 /* The product's columns n0 <= j < n1. */
@@ -217,7 +225,7 @@ static void part(const product *p, int index) {
 }
 
 /* y = alpha x @ b + beta y, b stored k x n (row-major, not transposed), on the calling thread:
- * WIDE columns at a time, the rows in groups shared out evenly (as `columns` does). */
+ * WIDE columns at a time, the rows in groups of at most GROUP shared out evenly. */
 static void by_rows_of_b(int m, int n, int k, float alpha, const float *x, int ldx,
                          const float *b, int ldb, float beta, float *y, int ldy) {
 #if defined(__x86_64__)
@@ -228,11 +236,7 @@ static void by_rows_of_b(int m, int n, int k, float alpha, const float *x, int l
     for (int g = 0, left = groups; left > 0; left--) {
       int gm = (m - g) / left;
       AXPYS[gm](k, x + (size_t)g * ldx, ldx, b + j, ldb, cols, out);
-      for (int i = 0; i < gm; i++) {
-        float *yi = y + (size_t)(g + i) * ldy + j;
-        for (int c = 0; c < cols; c++) /* gemm's beta = 0 never reads y */
-          yi[c] = alpha * out[i][c] + (beta == 0.0f ? 0.0f : beta * yi[c]);
-      }
+      scaled_store(y + (size_t)g * ldy + j, ldy, alpha, beta, &out[0][0], WIDE, gm, cols);
       g += gm;
     }
   }

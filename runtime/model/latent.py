@@ -1,5 +1,5 @@
-"""MLA's decode step over the latents, and its ``kv_b_proj`` from mlx-lm's split layout (mlx-community DeepSeek-V3, Kimi-K2,
-GLM-4.7-Flash conversions).
+"""MLA's decode attention over the latents, and its ``kv_b_proj`` from mlx-lm's split layout
+(mlx-community DeepSeek-V3, Kimi-K2, GLM-4.7-Flash conversions).
 
 mlx-lm stores kv_b_proj split per head: ``self_attn.embed_q.weight [H, kv_lora_rank, nope]``
 (the key half, transposed) and ``self_attn.unembed_out.weight [H, v_head_dim, kv_lora_rank]``
@@ -143,5 +143,5 @@ def _scores(latent_scores: mx.array, rope_scores: mx.array, scale: float) -> mx.
 def _masked_scores(
     latent_scores: mx.array, rope_scores: mx.array, mask: mx.array, scale: float
 ) -> mx.array:
-    scores = (latent_scores + rope_scores) * scale
+    scores = _scores(latent_scores, rope_scores, scale)  # inlined into this kernel
     return mx.where(mask, scores, mx.finfo(scores.dtype).min)
