@@ -124,6 +124,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=True)
         self.qkv_proj = None  # q_proj | k_proj | v_proj, set by layers.fuse
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
+        self.rope_theta = args.rope.theta
 
     def __call__(self, x: mx.array, cache: KVCache, inputs: AttentionInputs) -> mx.array:
         """``inputs``: what attention reads from the cache, resolved once per forward."""
@@ -133,9 +134,7 @@ class Attention(nn.Module):
         out = attend(queries, keys, values, scale=self.scale, mask=inputs.masks[None])
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
-    def project(
-        self, x: mx.array, cos: mx.array, sin: mx.array
-    ) -> tuple[mx.array, mx.array, mx.array]:
+    def project(self, x: mx.array, *rotation: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys and values ``[B, heads, L, head_dim]`` of ``x``, RoPE turned: the work
         before the cache (``layers.step_compiled`` replays it on a GPU)."""
         B, L, _ = x.shape
@@ -151,7 +150,7 @@ class Attention(nn.Module):
         queries = queries.transpose(0, 2, 1, 3)
         keys = keys.transpose(0, 2, 1, 3)
         values = values.transpose(0, 2, 1, 3)
-        queries, keys = mrope.apply_cos_sin(queries, keys, cos, sin)
+        queries, keys = mrope.turn(queries, keys, *rotation, theta=self.rope_theta)
         return queries, keys, values
 
 
@@ -225,7 +224,7 @@ class TextModel(nn.Module):
                 for window, kv in cache.windows().items()
             },
             offset=offset,
-            rope=mrope.cos_sin(
+            rope=mrope.rotation(
                 position_ids,
                 self.rope_head_dim,
                 theta=self.rope_theta,

@@ -24,12 +24,12 @@ def test_attention_inputs_are_built_once_per_forward(name, monkeypatch):
 
         return counted
 
-    for owner, fn in [(masks, "causal"), (mrope, "cos_sin"), (yarn, "llama4_attn_scale")]:
+    for owner, fn in [(masks, "causal"), (mrope, "rotation"), (yarn, "llama4_attn_scale")]:
         monkeypatch.setattr(owner, fn, counting(fn, getattr(owner, fn)))
     cache = model.make_cache()
     assert len(cache) >= 2  # several attention layers share what was built
     model(mx.array([[1, 2, 3]]), cache=cache)
     model(mx.array([[4]]), cache=cache)
     assert calls["causal"] == 2 * len(cache.windows())  # one mask per window per forward
-    assert calls["cos_sin"] in (0, 2) and calls["llama4_attn_scale"] in (0, 2)
-    assert calls["cos_sin"] or calls["llama4_attn_scale"] or name not in ("qwen2_vl", "mistral4")
+    assert calls["rotation"] in (0, 2) and calls["llama4_attn_scale"] in (0, 2)
+    assert calls["rotation"] or calls["llama4_attn_scale"] or name not in ("qwen2_vl", "mistral4")

@@ -69,19 +69,21 @@ def _cases(model_type):
     }
 
 
-def _ours(model, model_type, ids, images, videos, seconds=None):
+def _index_kwargs(model, model_type):
     vision = model.config.vision_config
+    return {
+        "spatial_merge_size": vision.spatial_merge_size,
+        "image_token_id": model.config.image_token_id,
+        "video_token_id": model.config.video_token_id,
+        "vision_start_token_id": model.config.vision_start_token_id,
+        "tokens_per_second": vision.tokens_per_second if model_type == "qwen2_5_vl" else None,
+        "frames_as_images": model_type == "qwen3_vl",
+    }
+
+
+def _ours(model, model_type, ids, images, videos, seconds=None):
     return mrope.rope_index(
-        ids,
-        images,
-        videos,
-        spatial_merge_size=vision.spatial_merge_size,
-        image_token_id=model.config.image_token_id,
-        video_token_id=model.config.video_token_id,
-        vision_start_token_id=model.config.vision_start_token_id,
-        tokens_per_second=vision.tokens_per_second if model_type == "qwen2_5_vl" else None,
-        second_per_grid_ts=seconds,
-        frames_as_images=model_type == "qwen3_vl",
+        ids, images, videos, second_per_grid_ts=seconds, **_index_kwargs(model, model_type)
     )
 
 
@@ -241,6 +243,63 @@ def test_rotation_matches_transformers(model_type_and_model, offset):
         mx.array(q), mx.array(k), pos, **{**kwargs, "interleaved": not kwargs["interleaved"]}
     )
     assert np.abs(np.array(other[0]) - q_ref.numpy()).max() > 1e-2
+
+
+@pytest.mark.parametrize("offset", [0, 3000])
+def test_text_after_the_images_turns_as_transformers(model_type_and_model, offset):
+    """Tokens after every image (decode, a verification of 3): ``rotation`` gives plain RoPE
+    from each row's start, which must turn q and k as transformers' MRoPE at those positions."""
+    model_type, model = model_type_and_model
+    import importlib
+
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    text = model.config.text_config
+    rope = text.rope_parameters
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    ids, images, videos = _batch(_cases(model_type)["batch"])
+    _, deltas = _ours(model, model_type, ids, images, videos)
+    assert len(set(deltas.tolist())) > 1  # rows whose starts differ
+    B, L = len(deltas), 3
+    pos = mrope.decode_positions(ids.shape[1] + offset, deltas, B, L)
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((B, 4, L, head_dim)).astype(np.float32)
+    k = rng.standard_normal((B, 2, L, head_dim)).astype(np.float32)
+    with torch.no_grad():
+        cos, sin = model.model.language_model.rotary_emb(torch.from_numpy(q), torch.from_numpy(pos))
+        q_ref, k_ref = modeling.apply_rotary_pos_emb(
+            torch.from_numpy(q), torch.from_numpy(k), cos, sin
+        )
+
+    kwargs = {
+        "theta": rope["rope_theta"],
+        "mrope_section": rope["mrope_section"],
+        "interleaved": model_type == "qwen3_vl",
+    }
+    text_positions = mrope.TextPositions(mx.array(pos[0, :, 0], mx.int32))
+    rotation = mrope.rotation(text_positions, head_dim, dtype=mx.float32, **kwargs)
+    assert len(rotation) == 1  # plain RoPE, no tables
+    q_out, k_out = mrope.turn(mx.array(q), mx.array(k), *rotation, theta=kwargs["theta"])
+    # Deep in a sequence a float32 angle (position x frequency) is off the exact one by up to
+    # ~2e-4 at position 3,000 (both sides, measured against float64), in other frequencies' last
+    # bits on each side (MLX's kernel makes its own frequencies): twice that bound there.
+    atol = 1e-4 if offset == 0 else 5e-4
+    np.testing.assert_allclose(np.array(q_out), q_ref.numpy(), atol=atol, rtol=0)
+    np.testing.assert_allclose(np.array(k_out), k_ref.numpy(), atol=atol, rtol=0)
+
+
+def test_prompt_positions_turn_to_text_once_the_images_are_seen(model_type_and_model):
+    model_type, model = model_type_and_model
+    ids, images, videos = _batch(_cases(model_type)["two_images"])
+    base, deltas = _ours(model, model_type, ids, images, videos)
+    state = mrope.PromptPositions(**_index_kwargs(model, model_type))
+    state.add_images(images)
+    L = ids.shape[1]
+    np.testing.assert_array_equal(state(ids, 0), base)  # the prompt: every row its own
+    after = state(np.zeros((1, 2), ids.dtype), L)
+    assert isinstance(after, mrope.TextPositions)
+    np.testing.assert_array_equal(
+        np.array(after.start), mrope.decode_positions(L, deltas, 1, 1)[0, :, 0]
+    )
 
 
 def test_bad_section_is_refused():

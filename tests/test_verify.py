@@ -3,13 +3,13 @@
 import os
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from mlxc.cli import main
 from mlxc.compiler import build, lint
+from mlxc.runtime.model import mrope
 from mlxc.runtime.model.batch import BatchKVCache, BatchPositions
 from mlxc.runtime.model.masks import MaskWidthError
 from mlxc.verify import VerifyError, load_source, verify_module
@@ -91,8 +91,7 @@ def test_verify_catches_batch_positions_without_the_rows_mrope_deltas(monkeypatc
     spec, source = _spec("qwen2_vl")
 
     def no_deltas(self, input_ids, offset):
-        positions = offset[:, None] + mx.arange(input_ids.shape[1])[None, :]
-        return mx.broadcast_to(positions, (3, *positions.shape))
+        return mrope.TextPositions(offset)
 
     monkeypatch.setattr(BatchPositions, "__call__", no_deltas)
     module = load_source("qwen2_vl_batch", source)

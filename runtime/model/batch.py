@@ -40,6 +40,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlxc.runtime.model import mrope
 from mlxc.runtime.model.cache import (
     KVCache,
     KVQuant,
@@ -571,10 +572,8 @@ class BatchPositions:
     def __init__(self) -> None:
         self.deltas = np.zeros(0, np.int64)
 
-    def __call__(self, input_ids: Any, offset: mx.array) -> mx.array:
-        L = input_ids.shape[1]
-        pos = offset[:, None] + mx.arange(L)[None, :] + mx.array(self.deltas, mx.int32)[:, None]
-        return mx.broadcast_to(pos, (3, *pos.shape))
+    def __call__(self, input_ids: Any, offset: mx.array) -> mrope.TextPositions:
+        return mrope.TextPositions(offset + mx.array(self.deltas, mx.int32))
 
 
 class BatchCache(SequenceCache):

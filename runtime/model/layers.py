@@ -314,13 +314,14 @@ class AttentionInputs:
       layer's cache.
     - ``offset`` (``monotonic-position``): absolute position of the chunk's first token, an int
       or a per-row ``[B]`` array (a decode batch). RoPE starts there.
-    - ``rope``: MRoPE cos/sin tables; ``attn_scale``: the Llama-4 query multiplier. Both come
-      from monotonic positions; None where the model has neither.
+    - ``rope``: MRoPE's rotation (``mrope.rotation``: the first positions ``(start,)`` or the
+      cos/sin tables); ``attn_scale``: the Llama-4 query multiplier. Both come from monotonic
+      positions; None where the model has neither.
     """
 
     masks: dict[int | None, mx.array | str | None]
     offset: int | mx.array | None = None
-    rope: tuple[mx.array, mx.array] | None = None
+    rope: tuple[mx.array, ...] | None = None
     attn_scale: mx.array | None = None
 
 

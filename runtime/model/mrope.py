@@ -16,13 +16,21 @@ embedding. Of the ``D/2`` frequencies, each takes its angle from one of the thre
   interleaved (qwen3_vl): frequency j takes h if ``j % 3 == 1 and j < 3*h``, w if
   ``j % 3 == 2 and j < 3*w``, else t.
 To build the tables once per forward instead of once per layer, call ``cos_sin`` and
-``apply_cos_sin``.
+``apply_cos_sin``; a model calls ``rotation`` and ``turn``, which take plain RoPE where it is
+the same rotation.
+
+Text with no image token at or after it in its sequence (a decode step, a verification, a
+text-only prompt) sits at ``start + i`` on all three rows (``TextPositions``). Every frequency
+then reads the same position, so MRoPE is plain (non-traditional) RoPE at that position:
+``mx.fast.rope``, one kernel for q and one for k, where the tables cost a gather, cos, sin and
+casts a forward and a negation, a concatenation and a multiply-add for each of q and k a layer.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -154,6 +162,14 @@ def positions(
     return after if inside is None else np.concatenate([inside, after], axis=-1)
 
 
+@dataclass(frozen=True)
+class TextPositions:
+    """Positions ``start[b] + i`` on all three rows for the chunk's tokens ``i``: text with no
+    image token at or after it in its sequence."""
+
+    start: mx.array  # [B] int32: each row's first position, monotonic (offset + rope delta)
+
+
 class PromptPositions:
     """MRoPE positions of one sequence whose prompt arrives in chunks.
 
@@ -176,11 +192,13 @@ class PromptPositions:
     def add_images(self, image_grid_thw: Any) -> None:
         self.grids = np.asarray(image_grid_thw, np.int64).reshape(-1, 3)
 
-    def __call__(self, input_ids: Any, offset: int) -> np.ndarray:
-        """Positions ``[3, B, L]`` of the chunk ``input_ids [B, L]`` starting at ``offset``."""
+    def __call__(self, input_ids: Any, offset: int) -> np.ndarray | TextPositions:
+        """Positions ``[3, B, L]`` of the chunk ``input_ids [B, L]`` starting at ``offset``; once
+        no image token is to come, ``TextPositions`` (``decode_positions``' first column)."""
         B, L = input_ids.shape
         if self.grids is None:  # from the shape alone: no host read of a lazy decode token
-            return decode_positions(offset, self.deltas, B, L)
+            start = offset + np.broadcast_to(self.deltas.reshape(-1), (B,))
+            return TextPositions(mx.array(start, mx.int32))
         ids = np.asarray(input_ids)
         if self.history is None:  # text before the images ran at positions 0..offset-1
             self.history = np.full((B, offset), -1, ids.dtype)
@@ -228,6 +246,43 @@ def _tables(head_dim: int, theta: float, section: tuple[int, ...], interleaved: 
     axis = mx.array(axis)
     mx.eval(inv_freq, axis)  # cached across calls and threads: never leave it lazy
     return inv_freq, axis
+
+
+def rotation(
+    position_ids: np.ndarray | TextPositions,
+    head_dim: int,
+    *,
+    theta: float,
+    mrope_section: Sequence[int],
+    interleaved: bool,
+    dtype: mx.Dtype,
+) -> tuple[mx.array, ...]:
+    """What every layer of a forward turns its q and k by (``turn``), made once: ``(start,)``
+    for ``TextPositions`` (plain RoPE), else the ``cos_sin`` tables ``(cos, sin)``."""
+    if isinstance(position_ids, TextPositions):
+        return (position_ids.start,)
+    return cos_sin(
+        position_ids,
+        head_dim,
+        theta=theta,
+        mrope_section=mrope_section,
+        interleaved=interleaved,
+        dtype=dtype,
+    )
+
+
+def turn(
+    queries: mx.array, keys: mx.array, *rotation: mx.array, theta: float
+) -> tuple[mx.array, mx.array]:
+    """Rotate q, k ``[B, H, L, D]`` by ``rotation(...)``'s arrays."""
+    if len(rotation) == 2:
+        return apply_cos_sin(queries, keys, *rotation)
+    (start,) = rotation  # every row's three positions equal: plain RoPE from ``start``
+    dims = queries.shape[-1]
+    return tuple(
+        mx.fast.rope(x, dims, traditional=False, base=theta, scale=1.0, offset=start)
+        for x in (queries, keys)
+    )
 
 
 def cos_sin(
