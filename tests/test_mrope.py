@@ -246,9 +246,10 @@ def test_rotation_matches_transformers(model_type_and_model, offset):
 
 
 @pytest.mark.parametrize("offset", [0, 3000])
-def test_text_after_the_images_turns_as_transformers(model_type_and_model, offset):
-    """Tokens after every image (decode, a verification of 3): ``rotation`` gives plain RoPE
-    from each row's start, which must turn q and k as transformers' MRoPE at those positions."""
+def test_text_after_the_images_turns_as_transformers(model_type_and_model, offset, monkeypatch):
+    """Tokens after every image (decode, a verification of 3): on a GPU ``rotation`` gives
+    plain RoPE from each row's start, on the CPU the tables; both must turn q and k as
+    transformers' MRoPE at those positions."""
     model_type, model = model_type_and_model
     import importlib
 
@@ -275,16 +276,21 @@ def test_text_after_the_images_turns_as_transformers(model_type_and_model, offse
         "mrope_section": rope["mrope_section"],
         "interleaved": model_type == "qwen3_vl",
     }
-    text_positions = mrope.TextPositions(mx.array(pos[0, :, 0], mx.int32))
-    rotation = mrope.rotation(text_positions, head_dim, dtype=mx.float32, **kwargs)
-    assert len(rotation) == 1  # plain RoPE, no tables
-    q_out, k_out = mrope.turn(mx.array(q), mx.array(k), *rotation, theta=kwargs["theta"])
+    text = mrope.TextPositions(mx.array(pos[0, :, 0], mx.int32), L)
+    np.testing.assert_array_equal(np.array(text.ids()), pos)
+    on_cpu = mrope.rotation(text, head_dim, dtype=mx.float32, **kwargs)
+    assert len(on_cpu) == 2  # the tables
+    with monkeypatch.context() as m:
+        m.setattr(mx, "default_device", lambda: mx.gpu)
+        on_gpu = mrope.rotation(text, head_dim, dtype=mx.float32, **kwargs)
+    assert len(on_gpu) == 1 and on_gpu[0] is text.start  # plain RoPE from each row's start
     # Deep in a sequence a float32 angle (position x frequency) is off the exact one by up to
     # ~2e-4 at position 3,000 (both sides, measured against float64), in other frequencies' last
     # bits on each side (MLX's kernel makes its own frequencies): twice that bound there.
-    atol = 1e-4 if offset == 0 else 5e-4
-    np.testing.assert_allclose(np.array(q_out), q_ref.numpy(), atol=atol, rtol=0)
-    np.testing.assert_allclose(np.array(k_out), k_ref.numpy(), atol=atol, rtol=0)
+    for rotation, atol in [(on_cpu, 1e-4), (on_gpu, 1e-4 if offset == 0 else 5e-4)]:
+        q_out, k_out = mrope.turn(mx.array(q), mx.array(k), *rotation, theta=kwargs["theta"])
+        np.testing.assert_allclose(np.array(q_out), q_ref.numpy(), atol=atol, rtol=0)
+        np.testing.assert_allclose(np.array(k_out), k_ref.numpy(), atol=atol, rtol=0)
 
 
 def test_prompt_positions_turn_to_text_once_the_images_are_seen(model_type_and_model):

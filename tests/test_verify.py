@@ -91,7 +91,7 @@ def test_verify_catches_batch_positions_without_the_rows_mrope_deltas(monkeypatc
     spec, source = _spec("qwen2_vl")
 
     def no_deltas(self, input_ids, offset):
-        return mrope.TextPositions(offset)
+        return mrope.TextPositions(offset, input_ids.shape[1])
 
     monkeypatch.setattr(BatchPositions, "__call__", no_deltas)
     module = load_source("qwen2_vl_batch", source)

@@ -573,7 +573,7 @@ class BatchPositions:
         self.deltas = np.zeros(0, np.int64)
 
     def __call__(self, input_ids: Any, offset: mx.array) -> mrope.TextPositions:
-        return mrope.TextPositions(offset + mx.array(self.deltas, mx.int32))
+        return mrope.TextPositions(offset + mx.array(self.deltas, mx.int32), input_ids.shape[1])
 
 
 class BatchCache(SequenceCache):

@@ -21,9 +21,11 @@ the same rotation.
 
 Text with no image token at or after it in its sequence (a decode step, a verification, a
 text-only prompt) sits at ``start + i`` on all three rows (``TextPositions``). Every frequency
-then reads the same position, so MRoPE is plain (non-traditional) RoPE at that position:
-``mx.fast.rope``, one kernel for q and one for k, where the tables cost a gather, cos, sin and
-casts a forward and a negation, a concatenation and a multiply-add for each of q and k a layer.
+then reads the same position, so MRoPE is plain (non-traditional) RoPE at that position: on a
+GPU ``mx.fast.rope``, one kernel for q and one for k, where the tables cost a gather, cos, sin
+and casts a forward and a negation, a concatenation and a multiply-add for each of q and k a
+layer. The CPU keeps the tables: there ``mx.fast.rope`` is its fallback ops, which make a table
+every call (a small qwen3_vl decode step: 31 more graph nodes a layer).
 """
 
 from __future__ import annotations
@@ -168,6 +170,12 @@ class TextPositions:
     image token at or after it in its sequence."""
 
     start: mx.array  # [B] int32: each row's first position, monotonic (offset + rope delta)
+    length: int  # the chunk's tokens
+
+    def ids(self) -> mx.array:
+        """The positions as ``[3, B, L]`` position ids."""
+        pos = self.start[:, None] + mx.arange(self.length, dtype=mx.int32)[None, :]
+        return mx.broadcast_to(pos, (3, *pos.shape))
 
 
 class PromptPositions:
@@ -198,7 +206,7 @@ class PromptPositions:
         B, L = input_ids.shape
         if self.grids is None:  # from the shape alone: no host read of a lazy decode token
             start = offset + np.broadcast_to(self.deltas.reshape(-1), (B,))
-            return TextPositions(mx.array(start, mx.int32))
+            return TextPositions(mx.array(start, mx.int32), L)
         ids = np.asarray(input_ids)
         if self.history is None:  # text before the images ran at positions 0..offset-1
             self.history = np.full((B, offset), -1, ids.dtype)
@@ -258,9 +266,11 @@ def rotation(
     dtype: mx.Dtype,
 ) -> tuple[mx.array, ...]:
     """What every layer of a forward turns its q and k by (``turn``), made once: ``(start,)``
-    for ``TextPositions`` (plain RoPE), else the ``cos_sin`` tables ``(cos, sin)``."""
+    for ``TextPositions`` on a GPU (plain RoPE), else the ``cos_sin`` tables ``(cos, sin)``."""
     if isinstance(position_ids, TextPositions):
-        return (position_ids.start,)
+        if mx.default_device() != mx.cpu:
+            return (position_ids.start,)
+        position_ids = position_ids.ids()
     return cos_sin(
         position_ids,
         head_dim,
