@@ -180,3 +180,23 @@ def make_server_checkpoint(path, seed: int = 0):
     save_hub(model, path)
     ckpt.write_tokenizer(path)
     return path
+
+
+@pytest.mark.parametrize("offset", [10, 13, 14, 40])  # with 3 tokens past 16: short, long
+def test_longrope_offset_as_array_turns_as_the_int(offset):
+    """A compiled step passes one sequence's offset as an array (``layers.step_compiled``) and a
+    decode batch one a row: LongRoPE must pick the same table for each as for the int."""
+    from mlxc.runtime.model.rope import LongRoPE, RopeConfig
+
+    rope = LongRoPE(8, RopeConfig.from_config(FIELDS))
+    assert rope.mscale != 1.0  # the attention factor acts too
+    x = mx.array(np.random.default_rng(0).standard_normal((1, 4, 3, 8)).astype(np.float32))
+    want = rope(x, offset)
+    for as_array in (mx.array(offset), mx.array([offset])):
+        assert mx.allclose(rope(x, as_array), want, atol=1e-6).item()
+    # a batch of two rows on either side of the switch, each with its own table
+    rows = mx.concatenate([x, x * 2])
+    other = 40 if offset < 14 else 10
+    both = rope(rows, mx.array([offset, other]))
+    assert mx.allclose(both[:1], want, atol=1e-6).item()
+    assert mx.allclose(both[1:], rope(x * 2, other), atol=1e-6).item()

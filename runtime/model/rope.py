@@ -167,12 +167,14 @@ class LongRoPE(nn.Module):
             else:
                 x = mx.concatenate([x[..., : self.dims] * self.mscale, x[..., self.dims :]], -1)
         L = x.shape[-2]
-        if isinstance(offset, mx.array):  # a decode batch: [B] offsets, each row its own table
-            long = (offset + L > self.original).reshape(-1, 1, 1, 1)
-            return mx.where(
-                long, self._rope(x, offset, self._long), self._rope(x, offset, self._short)
-            )
-        return self._rope(x, offset, self._long if offset + L > self.original else self._short)
+        if isinstance(offset, int):
+            return self._rope(x, offset, self._long if offset + L > self.original else self._short)
+        long = offset + L > self.original
+        if offset.size == 1:  # one sequence's offset as an array (a compiled step): one table
+            return self._rope(x, offset, mx.where(long, self._long, self._short))
+        # a decode batch: [B] offsets, each row its own table
+        long = long.reshape(-1, 1, 1, 1)
+        return mx.where(long, self._rope(x, offset, self._long), self._rope(x, offset, self._short))
 
 
 def make_rope(dims: int, cfg: RopeConfig, traditional: bool = False) -> RoPE | YarnRoPE | LongRoPE:
