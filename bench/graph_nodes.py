@@ -189,15 +189,20 @@ def gpu_paths():
     """mlxc told that the default device is a GPU: its CPU-only paths (attention in blocks of
     queries, a compiled polynomial exp, float copies of quantised weights, experts by expert)
     ask ``mx.default_device()``, so under this it builds the graph a GPU runs. MLX's own ops
-    still run on the CPU (their stream is chosen in C++, not by this function)."""
+    still run on the CPU (their stream is chosen in C++, not by this function). MLA's two
+    CUDA-only choices (``latent.composes_scores``, ``latent._transposed_weights``: plain ops,
+    no custom kernel) are taken too, so its decode attention is counted as CUDA runs it."""
     import mlx.core as mx
 
-    default_device = mx.default_device
+    from mlxc.runtime.model import latent
+
+    saved = mx.default_device, latent.composes_scores, latent._transposed_weights
     mx.default_device = lambda: mx.Device(mx.gpu)
+    latent.composes_scores = latent._transposed_weights = lambda: True
     try:
         yield
     finally:
-        mx.default_device = default_device
+        mx.default_device, latent.composes_scores, latent._transposed_weights = saved
 
 
 def mlxc_step(path: str) -> dict:

@@ -307,8 +307,10 @@ class DecoderLayer(nn.Module):
         self.residual_scale = args.residual_multiplier  # each branch's output, before the residual
 
     def __call__(self, x: mx.array, cache: KVCache | None, inputs: AttentionInputs) -> mx.array:
-        x = x + self.self_attn(self.input_layernorm(x), cache, inputs) * self.residual_scale
-        x = x + self.mlp(self.post_attention_layernorm(x)) * self.residual_scale
+        x = layers.add_scaled(
+            x, self.self_attn(self.input_layernorm(x), cache, inputs), self.residual_scale
+        )
+        x = layers.add_scaled(x, self.mlp(self.post_attention_layernorm(x)), self.residual_scale)
         return x
 
     def shard(self, group: mx.distributed.Group, args: ModelArgs, layer_idx: int) -> None:

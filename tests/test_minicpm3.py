@@ -200,3 +200,24 @@ def test_longrope_offset_as_array_turns_as_the_int(offset):
     both = rope(rows, mx.array([offset, other]))
     assert mx.allclose(both[:1], want, atol=1e-6).item()
     assert mx.allclose(both[1:], rope(x * 2, other), atol=1e-6).item()
+
+
+def test_scaled_residual_is_one_kernel_with_the_same_values():
+    """``layers.add_scaled`` (the decoder layers' ``x + branch * residual_scale``) gives what the
+    two ops give, bit for bit, in one compiled kernel where they launch two."""
+    import io
+    import re
+
+    from mlxc.runtime.model import layers
+
+    rng = np.random.default_rng(1)
+    for dtype in (mx.float32, mx.bfloat16):
+        x, branch = (mx.array(rng.standard_normal((2, 3, 16))).astype(dtype) for _ in range(2))
+        mx.eval(x, branch)
+        got = layers.add_scaled(x, branch, 0.35)
+        dot = io.StringIO()
+        mx.export_to_dot(dot, got)  # before any evaluation: the graph that builds it
+        kernels = [k for k in re.findall(r'label ="(\w+)"', dot.getvalue()) if k != "Broadcast"]
+        assert len(kernels) == 1 and kernels[0].startswith("Compiled"), kernels
+        assert got.dtype == dtype
+        assert mx.array_equal(got, x + branch * 0.35).item()

@@ -32,6 +32,14 @@ def gelu_approx(x: mx.array) -> mx.array:
     return x * mx.sigmoid(x * 1.5957691216057308 + (x * x) * (x * 0.07135481627159046))
 
 
+@functools.partial(mx.compile, shapeless=True)
+def add_scaled(x: mx.array, branch: mx.array, scale: float) -> mx.array:
+    """``x + branch * scale``, a residual whose branch is scaled (MiniCPM's ``scale_depth``,
+    Granite's muP ``residual_multiplier``), in one kernel where it is two written out: a
+    batch-1 decode step on a GPU is bound by its kernels' launches, two a layer here."""
+    return x + branch * scale
+
+
 ACTIVATIONS = {
     "silu": nn.silu,
     "gelu": nn.gelu,
