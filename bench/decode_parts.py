@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
     import mlxc
-    from bench.harness import prompt
+    from bench.harness import in_turn, prompt
     from bench.run import load_peer, prepare
 
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
         for repeat in range(args.repeats + 1):  # the first round warms (kernels, buffers)
             print(f"[{arch}] round {repeat}", file=sys.stderr, flush=True)
             for variant, kept in VARIANTS.items():
-                for side, model in sides.items():
+                for side in in_turn(list(sides), repeat):
+                    model = sides[side]
                     keep(model, *kept)
                     try:
                         ms, host = time_ms(model, caches[side](model), ids)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +119,15 @@ def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
     return [int(x) for x in rng.integers(3, min(vocab, 30000), n)]
 
 
+def in_turn(items: Sequence, round_: int) -> list:
+    """``items`` in the order of round ``round_``: rotated by the round, so that over
+    ``len(items)`` rounds each takes every place equally often. The first run of a round ran
+    7-16% slower than the same code run later in it (an H100, s40, decode after a prompt), so a
+    fixed order would favour whatever never goes first."""
+    k = round_ % len(items) if items else 0
+    return [*items[k:], *items[:k]]
+
+
 @dataclass
 class Cell:
     """Repeated runs of one measurement on several sides, interleaved (ours, peer, ours, ...)."""
@@ -137,14 +146,15 @@ def measure(
     warmup: bool,
     log: Callable[[str], None] = print,
 ) -> dict[str, dict]:
-    """Median over up to ``repeats`` interleaved runs (stopping once ``budget_s`` is spent)."""
+    """Median over up to ``repeats`` interleaved runs (stopping once ``budget_s`` is spent),
+    each repeat taking the sides in turn (``in_turn``)."""
     if warmup:
         for side in sides:
             run_once(side, cell.ids, cell.max_tokens)
     runs: dict[str, list[Run]] = {s.name: [] for s in sides}
     start = time.perf_counter()
     for r in range(repeats):
-        for side in sides:
+        for side in in_turn(sides, r):
             runs[side.name].append(run_once(side, cell.ids, cell.max_tokens))
         if time.perf_counter() - start > budget_s and r + 1 < repeats:
             log(f"    {cell.label}: time budget spent after {r + 1} repeat(s)")

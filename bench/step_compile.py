@@ -37,10 +37,11 @@ WAYS = ("as_written", "compiled")
 
 def measure(model, prompt: list[int], queries: int, repeats: int, decode_tokens: int) -> dict:
     """``{way: {"forward_<n>q": {build_s, encode_s, device_s}, "decode_tps": x}}`` for ``model``,
-    each timing alternated between the two ways so that a shared machine's slow spells fall
-    on both."""
+    each timing alternated between the two ways, which goes first taking turns
+    (``harness.in_turn``), so that a shared machine's slow spells fall on both."""
     import mlx.core as mx
 
+    from bench.harness import in_turn
     from bench.verify_probe import _forward_parts
     from mlxc.runtime.model import layers
     from mlxc.runtime.model.cache import cache_arrays, make_caches
@@ -71,8 +72,8 @@ def measure(model, prompt: list[int], queries: int, repeats: int, decode_tokens:
                 layers.STEP_TOKENS = settings[way]
                 forward(n), forward(n)
             samples: dict = {way: [] for way in WAYS}
-            for _ in range(repeats * 10):
-                for way in WAYS:
+            for r in range(repeats * 10):
+                for way in in_turn(WAYS, r):
                     layers.STEP_TOKENS = settings[way]
                     samples[way].append(forward(n))
             for way, got in samples.items():
@@ -83,8 +84,8 @@ def measure(model, prompt: list[int], queries: int, repeats: int, decode_tokens:
             for way in WAYS:
                 layers.STEP_TOKENS = settings[way]
                 decode()
-            for _ in range(repeats):
-                for way in WAYS:
+            for r in range(repeats):
+                for way in in_turn(WAYS, r):
                     layers.STEP_TOKENS = settings[way]
                     tps[way].append(decode())
     finally:
