@@ -167,7 +167,7 @@ class LongRoPE(nn.Module):
             else:
                 x = mx.concatenate([x[..., : self.dims] * self.mscale, x[..., self.dims :]], -1)
         L = x.shape[-2]
-        if isinstance(offset, int):
+        if not isinstance(offset, mx.array):  # one sequence's offset, known on the host
             return self._rope(x, offset, self._long if offset + L > self.original else self._short)
         long = offset + L > self.original
         if offset.size == 1:  # one sequence's offset as an array (a compiled step): one table
