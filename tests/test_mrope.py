@@ -203,46 +203,52 @@ def test_positions_slice_the_prompt_then_continue():
     np.testing.assert_array_equal(text_only, np.broadcast_to(np.arange(4, 7), (3, 2, 3)))
 
 
-@pytest.mark.parametrize("offset", [0, 3000])
-def test_rotation_matches_transformers(model_type_and_model, offset):
-    model_type, model = model_type_and_model
+def _turned_by_transformers(model_type, model, pos, seed):
+    """Random q [B, 4, L, D] and k [B, 2, L, D], transformers' MRoPE of them at ``pos``, its
+    cos/sin tables, and the rotation's settings as ``mrope`` takes them."""
     import importlib
 
     modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     text = model.config.text_config
     rope = text.rope_parameters
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-
-    ids, images, videos = _batch(_cases(model_type)["batch"])
-    pos, _ = _ours(model, model_type, ids, images, videos)
-    pos = pos + offset  # absolute positions deep into a sequence
-    B, L = ids.shape
-    rng = np.random.default_rng(3)
+    _, B, L = pos.shape
+    rng = np.random.default_rng(seed)
     q = rng.standard_normal((B, 4, L, head_dim)).astype(np.float32)
     k = rng.standard_normal((B, 2, L, head_dim)).astype(np.float32)
-
     with torch.no_grad():
         cos, sin = model.model.language_model.rotary_emb(torch.from_numpy(q), torch.from_numpy(pos))
         q_ref, k_ref = modeling.apply_rotary_pos_emb(
             torch.from_numpy(q), torch.from_numpy(k), cos, sin
         )
-
     kwargs = {
         "theta": rope["rope_theta"],
         "mrope_section": rope["mrope_section"],
         "interleaved": model_type == "qwen3_vl",
     }
+    return q, k, q_ref.numpy(), k_ref.numpy(), (cos.numpy(), sin.numpy()), kwargs
+
+
+@pytest.mark.parametrize("offset", [0, 3000])
+def test_rotation_matches_transformers(model_type_and_model, offset):
+    model_type, model = model_type_and_model
+    ids, images, videos = _batch(_cases(model_type)["batch"])
+    pos, _ = _ours(model, model_type, ids, images, videos)
+    pos = pos + offset  # absolute positions deep into a sequence
+    q, k, q_ref, k_ref, (cos, sin), kwargs = _turned_by_transformers(model_type, model, pos, 3)
+    head_dim = q.shape[-1]
+
     our_cos, our_sin = mrope.cos_sin(pos, head_dim, **kwargs)
-    np.testing.assert_allclose(np.array(our_cos), cos.numpy(), atol=1e-5, rtol=0)
-    np.testing.assert_allclose(np.array(our_sin), sin.numpy(), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.array(our_cos), cos, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.array(our_sin), sin, atol=1e-5, rtol=0)
     q_out, k_out = mrope.apply(mx.array(q), mx.array(k), pos, **kwargs)
-    np.testing.assert_allclose(np.array(q_out), q_ref.numpy(), atol=1e-4, rtol=0)
-    np.testing.assert_allclose(np.array(k_out), k_ref.numpy(), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.array(q_out), q_ref, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.array(k_out), k_ref, atol=1e-4, rtol=0)
     # the three rows really differ here, so a wrong section layout cannot pass
     other = mrope.apply(
         mx.array(q), mx.array(k), pos, **{**kwargs, "interleaved": not kwargs["interleaved"]}
     )
-    assert np.abs(np.array(other[0]) - q_ref.numpy()).max() > 1e-2
+    assert np.abs(np.array(other[0]) - q_ref).max() > 1e-2
 
 
 @pytest.mark.parametrize("offset", [0, 3000])
@@ -251,31 +257,14 @@ def test_text_after_the_images_turns_as_transformers(model_type_and_model, offse
     plain RoPE from each row's start, on the CPU the tables; both must turn q and k as
     transformers' MRoPE at those positions."""
     model_type, model = model_type_and_model
-    import importlib
-
-    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    text = model.config.text_config
-    rope = text.rope_parameters
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     ids, images, videos = _batch(_cases(model_type)["batch"])
     _, deltas = _ours(model, model_type, ids, images, videos)
     assert len(set(deltas.tolist())) > 1  # rows whose starts differ
     B, L = len(deltas), 3
     pos = mrope.decode_positions(ids.shape[1] + offset, deltas, B, L)
-    rng = np.random.default_rng(5)
-    q = rng.standard_normal((B, 4, L, head_dim)).astype(np.float32)
-    k = rng.standard_normal((B, 2, L, head_dim)).astype(np.float32)
-    with torch.no_grad():
-        cos, sin = model.model.language_model.rotary_emb(torch.from_numpy(q), torch.from_numpy(pos))
-        q_ref, k_ref = modeling.apply_rotary_pos_emb(
-            torch.from_numpy(q), torch.from_numpy(k), cos, sin
-        )
+    q, k, q_ref, k_ref, _, kwargs = _turned_by_transformers(model_type, model, pos, 5)
+    head_dim = q.shape[-1]
 
-    kwargs = {
-        "theta": rope["rope_theta"],
-        "mrope_section": rope["mrope_section"],
-        "interleaved": model_type == "qwen3_vl",
-    }
     text = mrope.TextPositions(mx.array(pos[0, :, 0], mx.int32), L)
     np.testing.assert_array_equal(np.array(text.ids()), pos)
     on_cpu = mrope.rotation(text, head_dim, dtype=mx.float32, **kwargs)
@@ -289,8 +278,8 @@ def test_text_after_the_images_turns_as_transformers(model_type_and_model, offse
     # bits on each side (MLX's kernel makes its own frequencies): twice that bound there.
     for rotation, atol in [(on_cpu, 1e-4), (on_gpu, 1e-4 if offset == 0 else 5e-4)]:
         q_out, k_out = mrope.turn(mx.array(q), mx.array(k), *rotation, theta=kwargs["theta"])
-        np.testing.assert_allclose(np.array(q_out), q_ref.numpy(), atol=atol, rtol=0)
-        np.testing.assert_allclose(np.array(k_out), k_ref.numpy(), atol=atol, rtol=0)
+        np.testing.assert_allclose(np.array(q_out), q_ref, atol=atol, rtol=0)
+        np.testing.assert_allclose(np.array(k_out), k_ref, atol=atol, rtol=0)
 
 
 def test_prompt_positions_turn_to_text_once_the_images_are_seen(model_type_and_model):
