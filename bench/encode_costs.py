@@ -6,7 +6,9 @@ A batch-1 decode step on a GPU is bound by the host (``docs/performance.md``): i
 graph's build plus MLX's encoding of every kernel, and two steps of the same kernel count can
 differ by the kinds of kernel they launch. Each kind here is a decode step's operation at a
 decode step's shapes (one token; a 2,048-wide hidden state; 64 experts, 8 chosen; 512 cached
-keys), ``--ops`` of them per evaluation, independent of each other::
+keys; MLA's latent products with a key count fixed or new on every call, as decode steps go:
+MLX's CUDA matmul plans each call through cuBLASLt, whose heuristics cache is keyed by the
+shape), ``--ops`` of them per evaluation, independent of each other::
 
     python -m bench.encode_costs --device gpu --out bench/results/encode-costs-gpu-h200
 
@@ -18,6 +20,7 @@ its start) and wall (from the end of the build until every result is ready, over
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -25,6 +28,7 @@ import time
 from collections.abc import Callable
 
 H, E, K, I, HEADS, KV_HEADS, D, KEYS = 2048, 64, 8, 512, 32, 8, 64, 512
+LATENT = 512  # MLA's kv_lora_rank (deepseek_v3, glm4_moe_lite): a decode step's latent head
 
 
 def kinds(mx, nn) -> dict[str, Callable[[int], list]]:
@@ -50,8 +54,22 @@ def kinds(mx, nn) -> dict[str, Callable[[int], list]]:
     norm_w = rand(H)
     glu = layers.glu(nn.silu)  # what a SwiGLU layer calls
     mask = mx.ones((1, 1, 1, KEYS), mx.bool_)
+    # MLA decode (latent.absorbed_attention): the heads as the rows of the one latent head, by
+    # the live latents, whose count grows by one every step. A "new" kind takes a key count it
+    # has never taken before on every call (cuBLASLt plans each new shape); "fixed", one count.
+    # (The weights are a slice of wider ones in both kinds: the matmul copies that strided
+    # operand first, in both.)
+    q_lat, latents = rand(1, 1, HEADS, LATENT), rand(1, 1, KEYS + 16384, LATENT)
+    probs = rand(1, 1, HEADS, latents.shape[-2])
     mx.eval(x, w, wq, scales, biases, we, *weq, chosen_ids, router, chosen, weights, q, keys)
-    mx.eval(values, qt, buffer, new, norm_w, mask)
+    mx.eval(values, qt, buffer, new, norm_w, mask, q_lat, latents, probs)
+    counts = itertools.count(KEYS + 1)
+
+    def new_count() -> int:
+        return min(next(counts), latents.shape[-2])
+
+    def weights_by_latents(t: int) -> mx.array:
+        return probs[..., :t] @ latents[:, :, :t]
 
     def each(op) -> Callable[[int], list]:
         return lambda n: [op() for _ in range(n)]
@@ -94,6 +112,18 @@ def kinds(mx, nn) -> dict[str, Callable[[int], list]]:
         "argpartition (top 8 of 64)": each(lambda: mx.argpartition(router, -K, axis=-1)),
         "take_along_axis (8 of 64)": each(lambda: mx.take_along_axis(router, chosen_ids, axis=-1)),
         "compiled MoE weighted sum (8 x 2,048)": each(lambda: moe._weighted_sum(chosen, weights)),
+        "MLA scores (32 heads as rows by 512 latents of 512), a fixed key count": each(
+            lambda: q_lat @ latents[:, :, :KEYS].swapaxes(-1, -2)
+        ),
+        "MLA scores (same), a new key count every call": each(
+            lambda: q_lat @ latents[:, :, : new_count()].swapaxes(-1, -2)
+        ),
+        "MLA weights by latents (32 x 512 by 512 x 512), a fixed key count": each(
+            lambda: weights_by_latents(KEYS)
+        ),
+        "MLA weights by latents (same), a new key count every call": each(
+            lambda: weights_by_latents(new_count())
+        ),
     }
     if cuda_attention.available():
         table["mlxc CUDA attention kernel (1 query, 512 keys, a mask)"] = each(
