@@ -7,8 +7,8 @@ graph's build plus MLX's encoding of every kernel, and two steps of the same ker
 differ by the kinds of kernel they launch. Each kind here is a decode step's operation at a
 decode step's shapes (one token; a 2,048-wide hidden state; 64 experts, 8 chosen; 512 cached
 keys; MLA's latent products with a key count fixed or new on every call, as decode steps go:
-MLX's CUDA matmul plans each call through cuBLASLt, whose heuristics cache is keyed by the
-shape), ``--ops`` of them per evaluation, independent of each other::
+MLX's CUDA matmul asks cuBLASLt for a plan on each call, whose heuristics cache is keyed
+by the shape), ``--ops`` of them per evaluation, independent of each other::
 
     python -m bench.encode_costs --device gpu --out bench/results/encode-costs-gpu-h200
 
