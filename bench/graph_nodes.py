@@ -3,8 +3,10 @@
 On the H200 single-stream decode is bound by kernel launches (~3.6 us each, ~1,100-1,400 per
 token), not by weight reads, so the number of kernels a step launches is what to cut. This
 counts them without a GPU: for each ``bench.models`` architecture both sides load the *same*
-checkpoint, prefill a short prompt, evaluate it, then build (not evaluate) one decode step's
-forward for one token; ``mx.export_to_dot`` writes that lazy graph and every primitive node in
+checkpoint, prefill a short prompt, evaluate it and one decode step, then build (not evaluate)
+the next decode step's forward for one token (since s40: a first step also does what a model
+does once and keeps, as MLA's per-head halves of kv_b_proj, split on the first step, two
+kernels a layer that later steps never launch); ``mx.export_to_dot`` writes that lazy graph and every primitive node in
 it (a ``shape=rectangle`` node, labelled with the primitive's name) is counted once, by name.
 The forward's logits are the output: sampling is left out (the same on both sides). On a CPU
 mlx-lm's model is cast to float32 (``set_dtype``), as mlxc computes a bf16 checkpoint in float32
@@ -234,6 +236,9 @@ def _mlxc_step(path: str, on_gpu_paths: bool) -> dict:
             ids = mx.array([list(range(10, 10 + PROMPT_TOKENS))])
             y = mx.argmax(model(ids, cache=cache, last_only=True)[:, -1, :], axis=-1)
             mx.eval(y, cache_arrays(cache))
+            # One step first: the counted one is a step like every later one (see above).
+            y = mx.argmax(model(y[:, None], cache=cache, last_only=True)[:, -1, :], axis=-1)
+            mx.eval(y, cache_arrays(cache))
 
         def step():  # what generate_tokens' step builds: the last position's logits
             with paths():
@@ -256,6 +261,8 @@ def mlx_lm_step(path: str) -> dict:
         cache = make_prompt_cache(model)
         ids = mx.array([list(range(10, 10 + PROMPT_TOKENS))])
         y = mx.argmax(model(ids, cache=cache)[:, -1, :], axis=-1)
+        mx.eval(y, [c.state for c in cache])
+        y = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)  # one step first
         mx.eval(y, [c.state for c in cache])
         # What mlx_lm.generate's step builds before sampling.
         return lambda: model(y[:, None], cache=cache)[:, -1, :]
@@ -297,7 +304,8 @@ def markdown(result: dict) -> str:
         f"mlx {result['mlx']}, mlx-lm {result['mlx_lm']})"
     )
     about = (
-        f"One batch-1 decode step after a {PROMPT_TOKENS}-token prompt, the forward's logits "
+        f"One batch-1 decode step after a {PROMPT_TOKENS}-token prompt and a first step, the "
+        "forward's logits "
         "(`python -m bench.graph_nodes`). Kernels: primitives that launch device work, each "
         "`mx.fast` call (rms_norm, rope, attention) one, as a GPU runs it; views: reshapes, "
         "transposes, slices, broadcasts (no launch); mlxc's counted on the paths it takes on a "
