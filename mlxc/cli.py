@@ -463,8 +463,11 @@ def generate(
         check_kv_quant(model, kv_quant)
     except (CheckpointError, KVQuantError) as e:
         raise _OneLineError(str(e), 1) from e
+    # The kernels decode steps take (CUDA only): packed keys', or MLA's latents'.
     if kv_quant is not None:
-        cuda_attention.warm(model, (1,), kv_quant)  # packed decode steps' kernels (CUDA only)
+        cuda_attention.warm(model, (1,), kv_quant)
+    else:
+        cuda_attention.warm_latent(model)
 
     if group is not None and seed is None:
         agree_on_seed(group)  # the ranks must draw the same tokens

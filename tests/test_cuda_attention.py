@@ -186,6 +186,32 @@ def test_attend_routes_here_only_where_mlx_has_no_fast_path():
 
 
 @cuda_only
+@pytest.mark.parametrize("H, C, RD", [(16, 512, 64), (40, 256, 32)])  # DeepSeek's, MiniCPM3's
+@pytest.mark.parametrize("B, T", [(1, 9), (1, 5000), (4, 700)])
+def test_latent_decode(H, C, RD, B, T):
+    """MLA's decode kernel against MLX's attention on the joined halves (one shared key head,
+    the latents as values); a ragged mask where the batch has rows."""
+    keys = mx.random.split(mx.random.key(T + C), 4)
+    q_lat, q_pe = (
+        mx.random.normal((B, 1, H, n), key=k).astype(mx.bfloat16).transpose(0, 2, 1, 3)
+        for n, k in zip((C, RD), keys[:2], strict=True)
+    )  # as the model makes them: transposed views
+    cap = T + 37  # the live rows of a cache's wider buffers
+    latents, k_pe = (
+        mx.random.normal((B, 1, cap, n), key=k).astype(mx.bfloat16)[:, :, :T]
+        for n, k in zip((C, RD), keys[2:], strict=True)
+    )
+    mask = _ragged_valid(B, T, 1, seed=T) if B > 1 else None
+    assert cuda_attention.latent_applies(q_lat, q_pe, latents, k_pe)
+    out = cuda_attention.latent_attention(q_lat, q_pe, latents, k_pe, scale=0.1, mask=mask)
+    q = mx.concatenate([q_lat, q_pe], axis=-1)
+    k = mx.concatenate([latents, k_pe], axis=-1)
+    _check(out, _oracle(q, k, latents, 0.1, mask))
+    # The widths its loads do not divide stay with the composed form.
+    assert not cuda_attention.latent_applies(q_lat[..., :200], q_pe, latents[..., :200], k_pe)
+
+
+@cuda_only
 @pytest.mark.parametrize("L, T", [(100, 300), (33, 33)])
 def test_attend_composes_a_short_prefill_chunk(monkeypatch, L, T):
     """A chunk of 17-1,023 queries attends composed on CUDA (``layers.CUDNN_QUERIES``: no
@@ -215,3 +241,16 @@ def test_warm_finds_the_models_attention(tmp_path):
     if not cuda_attention.available():
         cuda_attention.warm(model, (1, 4), KVQuant(bits=4, group_size=32))
         assert cuda_attention._warm.cache_info().currsize == 0
+
+
+def test_warm_finds_the_models_latent_attention(tmp_path):
+    """``warm_latent`` compiles for an MLA model's heads, latent and rope widths (read off the
+    generated modules); on a machine without CUDA it does nothing. Runs everywhere."""
+    import test_minicpm3
+
+    test_minicpm3.make_server_checkpoint(tmp_path / "m")
+    model = load_model(tmp_path / "m", dtype=mx.bfloat16)
+    args = model.args
+    want = (args.num_attention_heads, args.kv_lora_rank, args.qk_rope_head_dim)
+    assert cuda_attention._latent_shapes(model) == {want}
+    cuda_attention.warm_latent(model)  # compiles on CUDA, returns at once elsewhere

@@ -17,6 +17,7 @@ import math
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -34,39 +35,59 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _case_source(files: dict, kt: str, D: int, R: int, bits: int, group: int, chunks: int, grid):
-    """C++ running the attention kernel on ``files``, laid out as MLX's ``cuda_kernel`` lays
-    out a kernel: ``cuda_attention.cuh`` #included, then a function of concrete parameter types
-    with the template arguments as constants and type aliases at its top, whose body (the
-    module's ``_SOURCE``) calls the kernel's template."""
-    types = dict(
-        zip(
-            ca._INPUTS,
-            ["T", "KT", "KT", "S", "S", "S", "S", "T", "T", "bool", "T", "float", "uint32_t"],
-        )
-    )
-    concrete = {"T": "float", "KT": kt, "S": "float"}  # float32 runs (the emulator has no bf16)
-    params = ", ".join(
-        f"const {concrete.get(types[n], types[n])}* {n}, const mlx::core::cu::Shape {n}_shape, "
-        f"const mlx::core::cu::Strides {n}_strides"
-        for n in ca._INPUTS
-    )
+@dataclass(frozen=True)
+class Kernel:
+    """One of the header's kernels as MLX's ``cuda_kernel`` is handed it: its inputs (in
+    order) with the C++ type each has in a float32 run (the emulator has no bf16), its template
+    arguments as C++ declarations, its body, and its output's width (``part`` holds that plus
+    a maximum and a sum per row and chunk)."""
+
+    inputs: list[str]
+    types: list[str]
+    constants: str
+    source: str
+    width: int
+
+
+def attention_kernel(kt: str, D: int, R: int, bits: int, group: int) -> Kernel:
+    """``cuda_attention.attention``'s kernel, on keys of C++ type ``kt``."""
+    types = ["float", kt, kt, *["float"] * 6, "bool", "float", "float", "uint32_t"]
     constants = (
         f"using T = float; using KT = {kt}; using S = float; constexpr int D = {D}, R = {R}, "
         f"BITS = {bits}, GS = {group}, WARPS = {ca.WARPS};"
     )
+    return Kernel(ca._INPUTS, types, constants, ca._SOURCE, D)
+
+
+def latent_kernel(C: int, RD: int, R: int) -> Kernel:
+    """``cuda_attention.latent_attention``'s kernel."""
+    types = ["float"] * 4 + ["bool", "float", "uint32_t"]
+    constants = f"using T = float; constexpr int C = {C}, RD = {RD}, R = {R}, WARPS = {ca.WARPS};"
+    return Kernel(ca._LATENT_INPUTS, types, constants, ca._LATENT_SOURCE, C)
+
+
+def _case_source(files: dict, kernel: Kernel, rows: int, chunks: int, blocks: int) -> str:
+    """C++ running ``kernel`` on ``files``, laid out as MLX's ``cuda_kernel`` lays out a
+    kernel: ``cuda_attention.cuh`` #included, then a function of concrete parameter types with
+    the template arguments as constants and type aliases at its top, whose body (the module's
+    source string) calls the kernel's template; ``rows`` output rows."""
+    params = ", ".join(
+        f"const {t}* {n}, const mlx::core::cu::Shape {n}_shape, "
+        f"const mlx::core::cu::Strides {n}_strides"
+        for n, t in zip(kernel.inputs, kernel.types, strict=True)
+    )
     lines = [
         f'#include "{HERE / "emulator.h"}"',
         ca._HEADER,
-        f"void attention({params}, float* out, float* part) {{",
-        constants,
-        ca._SOURCE,
+        f"void kernel({params}, float* out, float* part) {{",
+        kernel.constants,
+        kernel.source,
         "}",
         "int main() {",
     ]
     args = []
-    for n in ca._INPUTS:
-        path, offset, shape, strides, ctype = files[n]
+    for n, ctype in zip(kernel.inputs, kernel.types, strict=True):
+        path, offset, shape, strides = files[n]
         pad = 8 - len(shape)
         dims = ", ".join(map(str, [*shape, *[1] * pad]))
         steps = ", ".join(map(str, [*strides, *[0] * pad]))
@@ -76,11 +97,11 @@ def _case_source(files: dict, kt: str, D: int, R: int, bits: int, group: int, ch
             f"mlx::core::cu::Strides {n}_strides{{{{{steps}}}}};"
         )
         args.append(f"{n}_buf.data() + {offset}, {n}_shape, {n}_strides")
-    rows, blocks = grid
+    width = kernel.width
     lines += [
-        f"std::vector<float> out({rows * D}), part({rows * chunks * (D + 2)});",
+        f"std::vector<float> out({rows * width}), part({rows * chunks * (width + 2)});",
         (
-            f"launch({{{chunks}, {blocks}, 1}}, {ca.WARPS * 32}, [&] {{ attention("
+            f"launch({{{chunks}, {blocks}, 1}}, {ca.WARPS * 32}, [&] {{ kernel("
             f"{', '.join(args)}, out.data(), part.data()); }});"
         ),
         "std::ofstream(OUT, std::ios::binary).write((char*)out.data(), out.size() * 4);",
@@ -89,9 +110,7 @@ def _case_source(files: dict, kt: str, D: int, R: int, bits: int, group: int, ch
     return "\n".join(lines)
 
 
-def _run(
-    tmp: Path, arrays: dict, kt: str, D: int, R: int, bits: int, group: int, chunks: int, grid
-):
+def _run(tmp: Path, arrays: dict, kernel: Kernel, rows: int, chunks: int, blocks: int):
     """Compile and run one case; ``arrays``: name -> numpy array (views keep their strides)."""
     files = {}
     for n, a in arrays.items():
@@ -101,11 +120,10 @@ def _run(
             a.__array_interface__["data"][0] - base.__array_interface__["data"][0]
         ) // a.itemsize
         base.tofile(tmp / f"{n}.bin")
-        ctype = {"k": kt, "v": kt, "mask": "bool", "tickets": "uint32_t"}.get(n, "float")
         strides = [s // a.itemsize for s in a.strides]
-        files[n] = (tmp / f"{n}.bin", offset, list(a.shape), strides, ctype)
+        files[n] = (tmp / f"{n}.bin", offset, list(a.shape), strides)
     src = tmp / "case.cpp"
-    src.write_text(_case_source(files, kt, D, R, bits, group, chunks, grid))
+    src.write_text(_case_source(files, kernel, rows, chunks, blocks))
     exe, out = tmp / "case", tmp / "out.bin"
     build = [CXX, "-std=c++20", "-O1", "-w", "-pthread", f'-DOUT="{out}"', str(src), "-o", str(exe)]
     done = subprocess.run(build, check=False, capture_output=True, text=True)
@@ -197,7 +215,8 @@ def test_kernel_matches_mlx(
     ]  # fmt: skip
     arrays = dict(zip(ca._INPUTS, [none if a is None else a for a in inputs], strict=True))
     kt = "uint32_t" if bits else "float"
-    got = _run(tmp_path, arrays, kt, D, R, bits, group, chunks, (B * Hq * L, blocks))
+    kernel = attention_kernel(kt, D, R, bits, group)
+    got = _run(tmp_path, arrays, kernel, B * Hq * L, chunks, blocks)
 
     want = mx.fast.scaled_dot_product_attention(
         mx.array(q), mx.array(k_ref), mx.array(v_ref), scale=scale,
@@ -249,7 +268,8 @@ def _emulated_kernel(tmp: Path):
         if chunks > 1:  # the tickets the merge counts on start at zero, one a block row
             assert arrays["tickets"].shape == (blocks,) and not arrays["tickets"].any()
             assert output_shapes[1] == (rows, chunks, t["D"] + 2)
-        got = _run(tmp, arrays, kt, t["D"], t["R"], t["BITS"], t["GS"], chunks, (rows, blocks))
+        kernel = attention_kernel(kt, t["D"], t["R"], t["BITS"], t["GS"])
+        got = _run(tmp, arrays, kernel, rows, chunks, blocks)
         return mx.array(got.reshape(output_shapes[0])), None
 
     return call
@@ -299,5 +319,98 @@ def test_attention_call_matches_mlx(
     want = mx.fast.scaled_dot_product_attention(
         q, k_ref, v_ref, scale=D**-0.5, mask=mask, sinks=sinks, stream=mx.cpu
     )
+    err = mx.abs(got - want).max().item()
+    assert err < TOL, f"max error {err}"
+
+
+def _latent_reference(q_lat, q_pe, latents, k_pe, scale, valid):
+    """MLA's decode attention by MLX's own attention: the two halves of each query and key
+    joined, one shared key head, the latents as the values."""
+    q = mx.concatenate([mx.array(q_lat), mx.array(q_pe)], axis=-1)
+    k = mx.concatenate([mx.array(latents), mx.array(k_pe)], axis=-1)
+    mask = None if valid is None else mx.array(np.ascontiguousarray(valid))
+    return mx.fast.scaled_dot_product_attention(
+        q, k, mx.array(latents), scale=scale, mask=mask, stream=mx.cpu
+    )
+
+
+LATENT_CASES = [
+    # B, H, T, C, RD, mask, chunks, strided rows
+    (2, 16, 300, 512, 64, "ragged", 3, False),  # deepseek's widths, a decode batch, 4 tiles
+    (1, 40, 600, 256, 32, "none", 5, False),  # minicpm3's: 8 heads a block, 5 tiles
+    (1, 5, 70, 256, 32, "per head", 1, False),  # a tile with idle rows, a mask per head
+    (2, 8, 200, 256, 32, "ragged", 40, True),  # chunks past a short row's keys, element loads
+]
+
+
+@pytest.mark.parametrize("B, H, T, C, RD, kind, chunks, strided", LATENT_CASES)
+def test_latent_kernel_matches_mlx(tmp_path, B, H, T, C, RD, kind, chunks, strided):
+    rng = np.random.default_rng(T + C)
+    q_lat, q_pe = (rng.standard_normal((B, H, 1, n), np.float32) for n in (C, RD))
+    cap = T + 7  # the first T rows of a cache's wider buffer
+    lat_buf, pe_buf = (rng.standard_normal((B, 1, cap, n), np.float32) for n in (C, RD))
+    if strided:  # every other element of twice-wider rows: no vector loads
+        wide = [np.zeros((B, 1, cap, 2 * n), np.float32) for n in (C, RD)]
+        wide[0][..., ::2], wide[1][..., ::2] = lat_buf, pe_buf
+        latents, k_pe = wide[0][:, :, :T, ::2], wide[1][:, :, :T, ::2]
+    else:
+        latents, k_pe = lat_buf[:, :, :T], pe_buf[:, :, :T]
+    column = np.arange(T)
+    if kind == "ragged":  # [B, 1, 1, T]: a batch's rows of different lengths
+        valid = column >= rng.integers(0, T // 2, B)[:, None, None, None]
+    elif kind == "per head":  # [1, H, 1, T]
+        valid = column >= rng.integers(0, T - 1, H)[None, :, None, None]
+    else:
+        valid = None
+    mask = np.ones((1, 1, 1, 1), bool) if valid is None else valid
+    scale = 0.3
+    R = ca._latent_rows(H, C)
+    blocks = B * -(-H // R)
+    flags = np.array([scale, float(valid is not None), 0.0], np.float32)
+    tickets = np.zeros(blocks, np.uint32)
+    inputs = [q_lat, q_pe, latents, k_pe, mask, flags, tickets]
+    arrays = dict(zip(ca._LATENT_INPUTS, inputs, strict=True))
+    got = _run(tmp_path, arrays, latent_kernel(C, RD, R), B * H, chunks, blocks)
+
+    want = _latent_reference(q_lat, q_pe, latents, k_pe, scale, valid)
+    err = np.abs(got.reshape(B, H, 1, C) - np.array(want)).max()
+    assert err < TOL, f"max error {err}"
+
+
+def _emulated_latent_kernel(tmp: Path):
+    """``_emulated_kernel`` for ``cuda_attention.latent_attention``."""
+
+    def call(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        t = dict(template)
+        assert t["T"] == mx.float32 and t["WARPS"] == ca.WARPS
+        arrays = {n: np.array(a) for n, a in zip(ca._LATENT_INPUTS, inputs, strict=True)}
+        chunks, blocks = grid[0] // threadgroup[0], grid[1]
+        rows = math.prod(output_shapes[0][:3])
+        if chunks > 1:
+            assert arrays["tickets"].shape == (blocks,) and not arrays["tickets"].any()
+            assert output_shapes[1] == (rows, chunks, t["C"] + 2)
+        kernel = latent_kernel(t["C"], t["RD"], t["R"])
+        got = _run(tmp, arrays, kernel, rows, chunks, blocks)
+        return mx.array(got.reshape(output_shapes[0])), None
+
+    return call
+
+
+@pytest.mark.parametrize(
+    "B, H, T, C, RD, ragged", [(3, 16, 500, 512, 64, True), (1, 40, 90, 256, 32, False)]
+)
+def test_latent_call_matches_mlx(tmp_path, monkeypatch, B, H, T, C, RD, ragged):
+    """``latent_attention`` itself, its launch included (heads per block, chunks, tickets, the
+    mask's rank), run by the emulator in place of MLX's kernel call."""
+    monkeypatch.setattr(ca, "_latent_kernel", lambda: _emulated_latent_kernel(tmp_path))
+    rng = np.random.default_rng(T)
+    q_lat, q_pe = (mx.array(rng.standard_normal((B, H, 1, n), np.float32)) for n in (C, RD))
+    latents, k_pe = (mx.array(rng.standard_normal((B, 1, T, n), np.float32)) for n in (C, RD))
+    if ragged:  # [B, 1, 1, T]: a decode batch's rows of different lengths
+        valid = np.arange(T) >= rng.integers(0, T // 2, B)[:, None, None, None]
+    else:  # [1, T]: raised to 4-d by the call
+        valid = (np.arange(T) >= 3)[None]
+    got = ca.latent_attention(q_lat, q_pe, latents, k_pe, scale=0.2, mask=mx.array(valid))
+    want = _latent_reference(q_lat, q_pe, latents, k_pe, 0.2, valid)
     err = mx.abs(got - want).max().item()
     assert err < TOL, f"max error {err}"

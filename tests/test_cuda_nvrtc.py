@@ -136,6 +136,20 @@ def test_nvrtc_compiles_the_kernel(dtype, bits, head_dim, rows):
     assert "warning" not in log, log[-4000:]
 
 
+# MLA's decode kernel (``mlxc::latent_attention``) at DeepSeek's and MiniCPM3's widths.
+@pytest.mark.parametrize(
+    "dtype, C, RD", [(mx.bfloat16, 512, 64), (mx.float16, 256, 32), (mx.float32, 256, 32)]
+)
+def test_nvrtc_compiles_the_latent_kernel(dtype, C, RD):
+    dtypes = [dtype] * 4 + [mx.bool_, mx.float32, mx.uint32]
+    inputs = list(zip(ca._LATENT_INPUTS, dtypes, strict=True))
+    outputs = list(zip(ca._OUTPUTS, [dtype, mx.float32], strict=True))
+    template = ca._latent_template(dtype, C, RD, ca._latent_rows(16, C))
+    result, log = _compile(_kernel_source(inputs, outputs, template, ca._LATENT_SOURCE))
+    assert result == 0, log[-4000:]
+    assert "warning" not in log, log[-4000:]
+
+
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 def test_nvrtc_compiles_the_matmul_kernel(dtype):
     template = cm._launch((4, 64), dtype, 48)["template"]

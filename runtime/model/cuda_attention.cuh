@@ -94,6 +94,55 @@ __device__ __forceinline__ long long at4(
       (shape[2] == 1 ? 0 : c * strides[2]) + (shape[3] == 1 ? 0 : d * strides[3]);
 }
 
+// A chunked call's end, after every block has written its chunk's share of its rows (``part``
+// [row, chunk]: D weighted sums, the maximum, the sum): the last of a block row's chunks to
+// finish merges them all and writes the output (``write_out(r, e, M, tot, a)``) of its tile's
+// first ``rows`` rows (``out_row(r)``: row r's place in ``part``). Each thread's shares are
+// made visible to the device, then one ticket per block (``tickets``: zeros, one per block
+// row, this launch's own).
+template <int R, int D, typename Row, typename Write>
+__device__ __forceinline__ void merge_chunks(const uint32_t* tickets, const float* part,
+    int n_chunks, int rows, const Row& out_row, const Write& write_out) {
+  const float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
+  __threadfence();
+  __syncthreads();
+  __shared__ bool last;
+  if (threadIdx.x == 0)
+    last = atomicAdd(const_cast<uint32_t*>(tickets) + blockIdx.y, 1u) == n_chunks - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  // The merge reads what other blocks wrote (``load_uncached``) in loads independent of one
+  // another, so they overlap: first every chunk's maximum and sum of the tile's rows into
+  // shared memory, one round of loads for the block, then each (row, element) its chunks'
+  // weighted sums. (Chains of such loads, each waiting on the one before, were the likeliest
+  // cause of a chunked call's ~30 us fixed device time on an H100: ``docs/performance.md``.)
+  __shared__ float cm[R][MAX_CHUNKS], cs[R][MAX_CHUNKS];
+  for (int i = threadIdx.x; i < R * n_chunks; i += blockDim.x) {
+    const int r = i / n_chunks, c = i % n_chunks;
+    const float* p = part + (out_row(r) * n_chunks + c) * (D + 2);
+    cm[r][c] = load_uncached(p + D);
+    cs[r][c] = load_uncached(p + D + 1);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < R * D; i += blockDim.x) {
+    const int r = i / D, e = i % D;
+    if (r >= rows) continue;
+    const float* p = part + out_row(r) * n_chunks * (D + 2) + e;
+    float M = NEG_INF;
+    for (int c = 0; c < n_chunks; ++c) M = fmaxf(M, cm[r][c]);
+    float tot = 0.f, a = 0.f;
+#pragma unroll 4
+    for (int c = 0; c < n_chunks; ++c) {
+      // A chunk that saw no key the row may attend to holds m = -inf and zero sums.
+      const float f = cm[r][c] == NEG_INF ? 0.f : exp2f(cm[r][c] - M);
+      tot += cs[r][c] * f;
+      a += load_uncached(p + c * (D + 2)) * f;
+    }
+    write_out(r, e, M, tot, a);
+  }
+}
+
 // One block per (row, KV head, tile of R query rows, chunk of keys). A KV head's query rows
 // (its G = Hq / Hkv heads times L queries) share each key and value the block loads: GQA
 // reads the cache once per KV head, not once per query head. The tile's queries sit in shared
@@ -318,47 +367,161 @@ __device__ __forceinline__ void attention(
       if (e == 0) { p[D] = M; p[D + 1] = tot; }
     }
   }
-  if (n_chunks == 1) return;
-  // The last of a block row's chunks to finish merges them all: each thread's shares made
-  // visible to the device, then one ticket per block (``tickets``: zeros, one per block row,
-  // this launch's own).
-  __threadfence();
-  __syncthreads();
-  __shared__ bool last;
-  if (threadIdx.x == 0)
-    last = atomicAdd(const_cast<uint32_t*>(tickets) + blockIdx.y, 1u) == n_chunks - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  // The merge reads what other blocks wrote (``load_uncached``) in loads independent of one
-  // another, so they overlap: first every chunk's maximum and sum of the tile's rows into
-  // shared memory, one round of loads for the block, then each (row, element) its chunks'
-  // weighted sums. (Chains of such loads, each waiting on the one before, were the likeliest
-  // cause of a chunked call's ~30 us fixed device time on an H100: ``docs/performance.md``.)
-  __shared__ float cm[R][MAX_CHUNKS], cs[R][MAX_CHUNKS];
-  for (int i = threadIdx.x; i < R * n_chunks; i += blockDim.x) {
-    const int r = i / n_chunks, c = i % n_chunks;
-    const float* p = part + (out_row(r) * n_chunks + c) * (D + 2);
-    cm[r][c] = load_uncached(p + D);
-    cs[r][c] = load_uncached(p + D + 1);
+  if (n_chunks > 1)
+    merge_chunks<R, D>(tickets, part, n_chunks, n_rows - tile * R, out_row, write_out);
+}
+
+// MLA's decode attention (``latent.absorbed_attention``): each head's one query, in two parts
+// (``q`` [B, H, 1, C]: the no-rope half moved into the latent space; ``q_pe`` [B, H, 1, RD]),
+// against its row's live latents (``k`` [B, 1, T, C], keys and values alike) and rope keys
+// (``k_pe`` [B, 1, T, RD]): a score is ``scale * (q . k + q_pe . k_pe)``, the output [B, H, 1,
+// C] the softmax-weighted latents. One launch in place of the five kernels of the composed form
+// (two score products, their sum, the softmax, the weighted sum), three of them cuBLAS products
+// whose shapes move on with the key count every step.
+// One block per (row, tile of R heads, chunk of keys): every head shares the one latent head,
+// so a block reads each latent once for R heads. As ``attention``: a key per lane for the
+// scores (the queries in shared memory, scaled), online softmax per 32 keys; then the warp
+// walks those 32 latents as values, a row per load, each lane its C / 32 elements (a row's
+// loads coalesce), so no lane sums need merging. The warps' sums add up in shared memory in a
+// fixed order, and chunks merge as ``attention``'s do. ``mask``: a boolean array broadcast to
+// [B, H, 1, T] where ``flags[1]`` is 1; ``flags[0]``: the scale.
+template <typename T, int C, int RD, int R, int WARPS>
+__device__ __forceinline__ void latent_attention(
+    const T* q, const mlx::core::cu::Shape& q_shape, const mlx::core::cu::Strides& q_strides,
+    const T* q_pe, const mlx::core::cu::Strides& q_pe_strides,
+    const T* k, const mlx::core::cu::Shape& k_shape, const mlx::core::cu::Strides& k_strides,
+    const T* k_pe, const mlx::core::cu::Strides& k_pe_strides,
+    const bool* mask, const mlx::core::cu::Shape& mask_shape,
+    const mlx::core::cu::Strides& mask_strides,
+    const float* flags, const uint32_t* tickets, T* out, float* part) {
+  constexpr int VE = 16 / sizeof(T), NV = C / 32, D = C + RD;
+  static_assert(NV % VE == 0 && RD % VE == 0, "a lane's loads are whole 16-byte vectors");
+  constexpr float LOG2E = 1.4426950408889634f;
+  const float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
+  const int chunk = blockIdx.x, n_chunks = gridDim.x;
+  const int H = q_shape[1], Tk = k_shape[2], tiles = (H + R - 1) / R;
+  const int tile = blockIdx.y % tiles, b = blockIdx.y / tiles;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float sc = flags[0] * LOG2E;
+  const bool masked = flags[1] != 0.f;
+
+  // Row r of the tile: head rh[r] (rows past H repeat the last head and write nothing).
+  __shared__ float qs[R][D];
+  __shared__ float ps[WARPS][R][32];
+  int rh[R];
+  float m[R], s[R], acc[R][NV];
+  for (int r = 0; r < R; ++r) {
+    rh[r] = min(tile * R + r, H - 1);
+    for (int j = 0; j < NV; ++j) acc[r][j] = 0.f;
+    m[r] = NEG_INF; s[r] = 0.f;
   }
-  __syncthreads();
   for (int i = threadIdx.x; i < R * D; i += blockDim.x) {
     const int r = i / D, e = i % D;
-    if (tile * R + r >= n_rows) continue;
-    const float* p = part + out_row(r) * n_chunks * (D + 2) + e;
-    float M = NEG_INF;
-    for (int c = 0; c < n_chunks; ++c) M = fmaxf(M, cm[r][c]);
-    float tot = 0.f, a = 0.f;
-#pragma unroll 4
-    for (int c = 0; c < n_chunks; ++c) {
-      // A chunk that saw no key the row may attend to holds m = -inf and zero sums.
-      const float f = cm[r][c] == NEG_INF ? 0.f : exp2f(cm[r][c] - M);
-      tot += cs[r][c] * f;
-      a += load_uncached(p + c * (D + 2)) * f;
-    }
-    write_out(r, e, M, tot, a);
+    const T x = e < C ? q[b * q_strides[0] + rh[r] * q_strides[1] + e * q_strides[3]]
+                      : q_pe[b * q_pe_strides[0] + rh[r] * q_pe_strides[1] + (e - C) * q_pe_strides[3]];
+    qs[r][e] = static_cast<float>(x) * sc;
   }
+  __syncthreads();
+  const int per_chunk = (Tk + n_chunks - 1) / n_chunks;
+  const int start = chunk * per_chunk, end = min(Tk, start + per_chunk);
+  const T* krow = k + b * k_strides[0];
+  const T* perow = k_pe + b * k_pe_strides[0];
+  const T* none = nullptr;  // float rows: no scales or biases
+  // Contiguous rows on 16-byte boundaries (every cache's): vector loads.
+  const bool vec = k_strides[3] == 1 && k_pe_strides[3] == 1 && k_strides[2] % VE == 0 &&
+      k_pe_strides[2] % VE == 0 &&
+      (reinterpret_cast<uintptr_t>(krow) | reinterpret_cast<uintptr_t>(perow)) % 16 == 0;
+  for (int t0 = start + warp * 32; t0 < end; t0 += WARPS * 32) {
+    const int t = t0 + lane;  // this lane's key
+    float d[R];
+    for (int r = 0; r < R; ++r) d[r] = 0.f;
+    if (t < end) {
+      for (int e0 = 0; e0 < C; e0 += VE) {
+        float kr[VE];
+        load_vec<T, T, 0, 1, VE>(krow + t * k_strides[2], none, none, e0, k_strides[3], 0, vec, kr);
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < VE; ++j) d[r] += qs[r][e0 + j] * kr[j];
+      }
+      for (int e0 = 0; e0 < RD; e0 += VE) {
+        float kr[VE];
+        load_vec<T, T, 0, 1, VE>(perow + t * k_pe_strides[2], none, none, e0, k_pe_strides[3], 0,
+            vec, kr);
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < VE; ++j) d[r] += qs[r][C + e0 + j] * kr[j];
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      bool use = t < end;
+      if (use && masked) use = mask[at4(mask_shape, mask_strides, b, rh[r], 0, t)];
+      const float x = use ? d[r] : NEG_INF;
+      const float mn = fmaxf(m[r], warp_max(x));
+      // A row that has attended to nothing yet keeps m = -inf and sums of zero.
+      const float p = mn == NEG_INF ? 0.f : exp2f(x - mn);
+      const float f = mn == NEG_INF ? 1.f : exp2f(m[r] - mn);
+      s[r] = s[r] * f + p;  // this lane's share; summed across the warp at the end
+      for (int j = 0; j < NV; ++j) acc[r][j] *= f;
+      m[r] = mn;
+      ps[warp][r][lane] = p;
+    }
+    __syncwarp();
+    // The 32 latents as values: a row per load, this lane's NV elements of each.
+    const int n_keys = min(32, end - t0);
+#pragma unroll 4
+    for (int u = 0; u < n_keys; ++u) {
+      float vr[NV];
+      for (int j = 0; j < NV; j += VE)
+        load_vec<T, T, 0, 1, VE>(krow + (t0 + u) * k_strides[2], none, none, lane * NV + j,
+            k_strides[3], 0, vec, vr + j);
+      for (int r = 0; r < R; ++r) {
+        const float p = ps[warp][r][u];
+        for (int j = 0; j < NV; ++j) acc[r][j] += p * vr[j];
+      }
+    }
+    __syncwarp();
+  }
+  for (int r = 0; r < R; ++r) s[r] = warp_sum(s[r]);
+
+  // The block's maximum and sum per row, then its weighted sums: each warp's rescaled to the
+  // block's maximum and added in turn, warp 0 first (the same bits every run).
+  __shared__ float wm[WARPS][R], ws[WARPS][R], wacc[R][C];
+  if (lane == 0)
+    for (int r = 0; r < R; ++r) { wm[warp][r] = m[r]; ws[warp][r] = s[r]; }
+  __syncthreads();
+  float M[R], tot[R];
+  for (int r = 0; r < R; ++r) {
+    M[r] = NEG_INF;
+    for (int w = 0; w < WARPS; ++w) M[r] = fmaxf(M[r], wm[w][r]);
+    tot[r] = 0.f;
+    for (int w = 0; w < WARPS; ++w)  // a warp that saw no key the row may attend to adds 0
+      if (wm[w][r] != NEG_INF) tot[r] += ws[w][r] * exp2f(wm[w][r] - M[r]);
+  }
+  for (int w = 0; w < WARPS; ++w) {
+    if (warp == w) {
+      for (int r = 0; r < R; ++r) {
+        const float f = m[r] == NEG_INF ? 0.f : exp2f(m[r] - M[r]);
+        for (int j = 0; j < NV; ++j)
+          wacc[r][lane * NV + j] = (w == 0 ? 0.f : wacc[r][lane * NV + j]) + acc[r][j] * f;
+      }
+    }
+    __syncthreads();
+  }
+  auto out_row = [&](int r) { return static_cast<long long>(b) * H + rh[r]; };
+  auto write_out = [&](int r, int e, float, float total, float a) {
+    out[out_row(r) * C + e] = static_cast<T>(total > 0.f ? a / total : 0.f);
+  };
+  const int rows = H - tile * R;  // the tile's rows that are heads
+  for (int i = threadIdx.x; i < R * C; i += blockDim.x) {
+    const int r = i / C, e = i % C;
+    if (r >= rows) continue;
+    if (n_chunks == 1) {
+      write_out(r, e, M[r], tot[r], wacc[r][e]);
+    } else {  // this chunk's share: [row, chunk] holds C weighted sums, the maximum, the sum
+      float* p = part + (out_row(r) * n_chunks + chunk) * (C + 2);
+      p[e] = wacc[r][e];
+      if (e == 0) { p[C] = M[r]; p[C + 1] = tot[r]; }
+    }
+  }
+  if (n_chunks > 1) merge_chunks<R, C>(tickets, part, n_chunks, rows, out_row, write_out);
 }
 
 }  // namespace mlxc

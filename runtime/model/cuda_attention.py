@@ -210,6 +210,111 @@ def attention(
     return out
 
 
+
+# MLA's decode attention (``latent_attention`` in ``cuda_attention.cuh``): the latents are the
+# keys' first C elements and the values, the rope keys the rest of the keys.
+_LATENT_SOURCE = """
+  ::mlxc::latent_attention<T, C, RD, R, WARPS>(q, q_shape, q_strides, q_pe, q_pe_strides, k,
+      k_shape, k_strides, k_pe, k_pe_strides, mask, mask_shape, mask_strides, flags, tickets,
+      out, part);
+"""
+_LATENT_INPUTS = ["q", "q_pe", "k", "k_pe", "mask", "flags", "tickets"]
+
+
+@functools.cache
+def _latent_kernel():
+    return mx.fast.cuda_kernel(
+        name="mlxc_latent_attention",
+        input_names=_LATENT_INPUTS,
+        output_names=_OUTPUTS,
+        source=_LATENT_SOURCE,
+        header=_HEADER,
+        ensure_row_contiguous=False,
+    )
+
+
+# Each lane holds C / 32 of a head's weighted sums per row of its block: at most this many in
+# all (registers), so 8 heads a block at C = 256, 4 at 512.
+LATENT_SUMS = 64
+
+
+def latent_applies(q_lat: mx.array, q_pe: mx.array, latents, k_pe) -> bool:
+    """Whether ``latent_attention`` takes this MLA decode step: on CUDA, float latents of one
+    dtype with the queries, one query per row, and widths its loads divide (16-byte vectors:
+    C a multiple of 32 of them, RD of one; C at most 32 * LATENT_SUMS)."""
+    if not (isinstance(latents, mx.array) and available() and q_lat.shape[-2] == 1):
+        return False
+    dtype = q_lat.dtype
+    if dtype not in (mx.bfloat16, mx.float16, mx.float32):
+        return False
+    if any(a.dtype != dtype for a in (q_pe, latents, k_pe)):
+        return False
+    per_vector = 16 // dtype.size
+    C, RD = q_lat.shape[-1], q_pe.shape[-1]
+    return C % (32 * per_vector) == 0 and C <= 32 * LATENT_SUMS and RD % per_vector == 0
+
+
+def latent_attention(
+    q_lat: mx.array,
+    q_pe: mx.array,
+    latents: mx.array,
+    k_pe: mx.array,
+    *,
+    scale: float,
+    mask: mx.array | None,
+    chunks: int | None = None,
+) -> mx.array:
+    """MLA's decode attention in one launch: ``softmax(scale * (q_lat c^T + q_pe k_pe^T)) c``
+    for ``q_lat [B, H, 1, C]`` and ``q_pe [B, H, 1, RD]`` against the latents ``c [B, 1, T, C]``
+    and rope keys ``k_pe [B, 1, T, RD]``; ``mask``: None or a boolean array broadcastable to
+    ``[B, H, 1, T]``. Returns ``[B, H, 1, C]`` in the queries' dtype (``latent_applies`` says
+    when it runs)."""
+    B, H, _, C = q_lat.shape
+    if isinstance(mask, mx.array):
+        if mask.ndim < 4:
+            mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        masked = True
+    else:
+        mask, masked = _dummy(mx.bool_, 4), False
+    key_rounds = -(-latents.shape[2] // (WARPS * 32))
+    n_tickets, launch = _latent_launch(B, H, C, q_pe.shape[-1], key_rounds, q_lat.dtype, chunks)
+    tickets = TICKETS.take(n_tickets) if n_tickets else _dummy(mx.uint32)
+    out, _ = _latent_kernel()(
+        inputs=[q_lat, q_pe, latents, k_pe, mask, _flags(scale, int(masked), False), tickets],
+        **launch,
+    )
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _latent_launch(B, H, C, RD, key_rounds, dtype, chunks):
+    """``_launch`` for ``latent_attention``: the tickets and the kernel call's arguments."""
+    if chunks is not None and not 1 <= chunks <= MAX_CHUNKS:
+        raise ValueError(f"chunks must be 1 to {MAX_CHUNKS}, not {chunks}")
+    R = _latent_rows(H, C)
+    blocks = B * math.ceil(H / R)
+    n_chunks = chunks or _chunks(blocks, key_rounds)
+    launch = {
+        "template": _latent_template(dtype, C, RD, R),
+        "grid": (n_chunks * WARPS * 32, blocks, 1),
+        "threadgroup": (WARPS * 32, 1, 1),
+        "output_shapes": [(B, H, 1, C), (1,) if n_chunks == 1 else (B * H, n_chunks, C + 2)],
+        "output_dtypes": [dtype, mx.float32],
+    }
+    return (blocks if n_chunks > 1 else 0), launch
+
+
+def _latent_rows(heads: int, latent_dim: int) -> int:
+    """Heads per block of ``latent_attention``: a power of two, at most MAX_ROWS and as many
+    as a lane's LATENT_SUMS registers hold."""
+    return min(_rows(heads), max(1, LATENT_SUMS // (latent_dim // 32)))
+
+
+@functools.cache
+def _latent_template(dtype, latent_dim: int, rope_dim: int, rows: int):
+    return [("T", dtype), ("C", latent_dim), ("RD", rope_dim), ("R", rows), ("WARPS", WARPS)]
+
+
 class Tickets:
     """Zeroed tickets for chunked calls, each call its own slice of a shared zeros array,
     zeroed once for many calls: a zeros array a call was a kernel a call, whose graph node,
@@ -299,6 +404,32 @@ def warm(model, queries: tuple[int, ...] = (1,), quant=None) -> None:
         if head_dim in HEAD_DIMS:
             for rows in sorted({_rows(heads // kv_heads * n) for n in queries}):
                 _warm(dtype, head_dim, rows, quant)
+    warm_latent(model)
+
+
+def warm_latent(model) -> None:
+    """Compile ``latent_attention``'s variants for ``model``'s MLA layers (every decode step
+    of one takes it on CUDA, a single stream's too). A no-op off CUDA or without MLA."""
+    if not available():
+        return
+    dtype = _activation_dtype(model)
+    for heads, latent_dim, rope_dim in sorted(_latent_shapes(model)):
+        q_lat, q_pe = (mx.zeros((1, heads, 1, n), dtype) for n in (latent_dim, rope_dim))
+        latents, k_pe = (mx.zeros((1, 1, 128, n), dtype) for n in (latent_dim, rope_dim))
+        if latent_applies(q_lat, q_pe, latents, k_pe):
+            out = latent_attention(q_lat, q_pe, latents, k_pe, scale=1.0, mask=None, chunks=2)
+            mx.eval(out)
+
+
+def _latent_shapes(model) -> set[tuple[int, int, int]]:
+    """(heads, latent dim, rope dim) of the generated MLA attention layers: their
+    ``n_heads``, ``kv_lora_rank``, ``qk_rope_head_dim``."""
+    names = ("n_heads", "kv_lora_rank", "qk_rope_head_dim")
+    return {
+        tuple(getattr(m, a) for a in names)
+        for _, m in model.named_modules()
+        if all(isinstance(getattr(m, a, None), int) for a in names)
+    }
 
 
 @functools.cache

@@ -103,15 +103,20 @@ def absorbed_attention(
     that plus ``q_pe . k_pe``, and only the output is expanded (``w_v_t``). ``mask``: None or
     ``[..., 1, T]``.
 
-    On CUDA the scores are composed: MLX 0.32.4's fused attention has no kernel for a head of
-    kv_lora_rank (512) and falls back to five ops, scaling the queries and adding the rope
-    scores as a mask each in a kernel of its own. The two halves of a score are added and scaled
-    in one compiled kernel instead, with the query heads as the rows of the one latent head (an
-    H100, 16 layers of glm4_moe_lite's widths: 1.07 against 1.35 ms a step,
+    On CUDA it is one kernel (``cuda_attention.latent_attention``, s41): MLX 0.32.4's fused
+    attention has no kernel for a head of kv_lora_rank (512) and falls back to five ops, and
+    even composed by hand (below, where the kernel's loads do not divide the widths) the scores
+    are three cuBLAS products whose shapes move on with the key count every step, a sum and a
+    softmax. Composed, the two halves of a score are added and scaled in one compiled kernel,
+    with the query heads as the rows of the one latent head (an H100, 16 layers of
+    glm4_moe_lite's widths: 1.07 against 1.35 ms a step for MLX's fallback,
     ``docs/performance.md``). Elsewhere ``layers.attend`` takes them, the rope half as an
     additive mask (on the CPU its composed form, with the polynomial exp)."""
     masks.check(mask, 1, latents.shape[-2])
     q_lat = q_nope @ w_k  # [B, H, 1, kv_lora_rank]
+    if cuda_attention.latent_applies(q_lat, q_pe, latents, k_pe):
+        out = cuda_attention.latent_attention(q_lat, q_pe, latents, k_pe, scale=scale, mask=mask)
+        return out @ w_v_t
     if not composes_scores():
         rope_scores = (q_pe * scale) @ k_pe.swapaxes(-1, -2)
         if isinstance(mask, mx.array):
