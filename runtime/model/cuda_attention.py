@@ -210,7 +210,6 @@ def attention(
     return out
 
 
-
 # MLA's decode attention (``latent_attention`` in ``cuda_attention.cuh``): the latents are the
 # keys' first C elements and the values, the rope keys the rest of the keys.
 _LATENT_SOURCE = """
