@@ -120,11 +120,16 @@ def summary(counts: collections.Counter) -> dict:
 # built under ``fast_kernels`` (renamed in the counts). Each is a scan, which mx.compile does
 # not fuse with its neighbours, so a fast call inside a compiled function (attention's
 # ``project``) stays one node there too.
+# The stand-ins ``gpu_paths`` itself puts in mlxc's graph (CUDA kernels of mlxc's own, one node
+# each): a graph built under it may hold them.
+GPU_PATHS_STAND_INS = frozenset({"ErfInv"})
+
 STAND_INS = {
     "CumMax": "fast.rope",
     "CumMin": "fast.rms_norm",
     "CumProd": "fast.layer_norm",
     "CumLogAddExp": "fast.scaled_dot_product_attention",
+    "ErfInv": "cuda_attention.latent_attention",
 }
 
 
@@ -171,14 +176,15 @@ def fast_kernels():
             setattr(fast, name, fn)
 
 
-def step_counts(make_step) -> dict:
+def step_counts(make_step, placed: frozenset = frozenset()) -> dict:
     """Counts of one decode step: ``make_step()`` loads the model afresh, forwards its prompt
     and returns ``step`` (a function building one decode step's graph). Counted on the CPU
     graph, then, with each fast kernel one node, on another fresh model: its compiled
     functions trace their graphs on their first call, so they must first be called under the
-    stand-ins."""
+    stand-ins. ``placed``: stand-in primitives the step's own build put there (``gpu_paths``);
+    any other in the CPU graph is the model's, and would be miscounted."""
     cpu = count(make_step()())
-    if any(name in cpu for name in STAND_INS):
+    if any(name in cpu for name in STAND_INS if name not in placed):
         raise RuntimeError(f"a model step uses a stand-in primitive: {sorted(cpu)}")
     with fast_kernels():
         fast = count(make_step()())
@@ -191,20 +197,42 @@ def gpu_paths():
     """mlxc told that the default device is a GPU: its CPU-only paths (attention in blocks of
     queries, a compiled polynomial exp, float copies of quantised weights, experts by expert)
     ask ``mx.default_device()``, so under this it builds the graph a GPU runs. MLX's own ops
-    still run on the CPU (their stream is chosen in C++, not by this function). MLA's two
-    CUDA-only choices (``latent.composes_scores``, ``latent._transposed_weights``: plain ops,
-    no custom kernel) are taken too, so its decode attention is counted as CUDA runs it."""
+    still run on the CPU (their stream is chosen in C++, not by this function). MLA's CUDA-only
+    choices are taken too, so its decode attention is counted as CUDA runs it: the per-head
+    halves' layout (``latent._transposed_weights``), the composed scores where the kernel
+    does not apply (``latent.composes_scores``), and the kernel itself where it does
+    (``cuda_attention.latent_attention``, one custom kernel: a stand-in node here)."""
     import mlx.core as mx
 
-    from mlxc.runtime.model import latent
+    from mlxc.runtime.model import cuda_attention, latent
 
     saved = mx.default_device, latent.composes_scores, latent._transposed_weights
+    saved_kernel = cuda_attention.latent_applies, cuda_attention.latent_attention
+    applies = cuda_attention.latent_applies
+
+    def latent_applies(*args):  # its width and dtype rules, CUDA taken as there
+        available, cuda_attention.available = cuda_attention.available, lambda: True
+        try:
+            return applies(*args)
+        finally:
+            cuda_attention.available = available
+
+    def latent_attention(q_lat, q_pe, latents, k_pe, *, scale, mask, chunks=None):
+        out = mx.erfinv(q_lat)  # one node shaped as the kernel's output
+        deps = [a for a in (q_pe, latents, k_pe, mask) if isinstance(a, mx.array)]
+        return mx.depends([out], deps)[0]
+
     mx.default_device = lambda: mx.Device(mx.gpu)
     latent.composes_scores = latent._transposed_weights = lambda: True
+    cuda_attention.latent_applies, cuda_attention.latent_attention = (
+        latent_applies,
+        latent_attention,
+    )
     try:
         yield
     finally:
         mx.default_device, latent.composes_scores, latent._transposed_weights = saved
+        cuda_attention.latent_applies, cuda_attention.latent_attention = saved_kernel
 
 
 def mlxc_step(path: str) -> dict:
@@ -246,7 +274,7 @@ def _mlxc_step(path: str, on_gpu_paths: bool) -> dict:
 
         return step
 
-    return step_counts(make_step)
+    return step_counts(make_step, GPU_PATHS_STAND_INS if on_gpu_paths else frozenset())
 
 
 def mlx_lm_step(path: str) -> dict:

@@ -61,3 +61,22 @@ def test_fast_calls_inside_a_compiled_function_count_once(tmp_path, monkeypatch)
     assert compiled["fast.rope"] == as_written["fast.rope"] == 2  # q|k turned at once, 2 layers
     assert not {"Sin", "Cos", "Square", "Rsqrt"} & set(compiled)
     assert compiled == as_written  # nothing in llama's project for mx.compile to fuse
+
+
+def test_mla_decode_attention_counted_as_its_cuda_kernel(tmp_path):
+    """On CUDA an MLA layer's decode attention is one custom kernel
+    (``cuda_attention.latent_attention``): counted as one stand-in node a layer, no softmax of
+    composed scores beside it; the CPU graph is the CPU's attention."""
+    sizes = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4}
+    layers = {"num_hidden_layers": 2, "vocab_size": 256, "first_k_dense_replace": 2}
+    # kv_lora_rank: a multiple of 32 of the kernel's float32 vectors (16 bytes: 4 floats)
+    mla = {"kv_lora_rank": 128, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16}
+    cfg = {**models.config("deepseek_v2", "small"), **sizes, **layers, **mla}
+    path = tmp_path / "m"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg))
+    models.write_tensors(path, models.shapes(cfg), seed=1)
+    counts = graph_nodes.mlxc_step(str(path))
+    assert counts["by_primitive"]["cuda_attention.latent_attention"] == 2
+    assert "Softmax" not in counts["by_primitive"]
+    assert "ErfInv" not in counts["cpu_graph"]["by_primitive"]  # the CPU runs its own attention
