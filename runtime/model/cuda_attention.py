@@ -21,12 +21,18 @@ packed ones optionally followed by a quantised cache's staged float tokens, roun
 quantising stores them (``cache.StagingMixin``). ``applies`` says when ``layers.attend`` takes
 it.
 
+``latent_attention`` is a second kernel of the same header, for MLA's decode step
+(``latent.absorbed_attention``): one query a head against its row's latents (the keys' first
+part and the values alike) and rope keys, where MLX has no fused kernel for a 512-wide head and
+the composed form was five kernels a layer, three of them cuBLAS products shaped by the key
+count. ``latent_applies`` says when it runs.
+
 MLX compiles a custom kernel (NVRTC) the first time each variant runs in a process, a second or
 more each, and keeps no disk cache for them: a server that met them at its first ragged batch
 stalled every stream for ~5 s (H200, 2026-12-01). So variants are few (dtype, head dim, rows
 per block, packing; queries, lengths, strides, the mask kind and sinks are arguments) and
 ``warm`` compiles a model's before it serves: the scheduler at start, speculation before its
-prefill, ``generate --kv-bits`` after loading.
+prefill, ``generate`` after loading (``--kv-bits``, or an MLA model: ``warm_latent``).
 
 Checked against MLX's own attention on the H200 by ``tests/test_cuda_attention.py`` (it
 skips without CUDA: CI has none), in CI by ``tests/test_cuda_emulated.py`` (the same source
