@@ -19,6 +19,20 @@ __device__ __forceinline__ float warp_max(float x) {
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
   return x;
 }
+// A row's online softmax over a warp's 32 keys, a key per lane: this lane's score ``x`` (log2
+// units; -inf where the row may not attend) folded into the row's maximum ``m`` (the same in
+// every lane) and this lane's share of its sum ``s`` (summed across the warp at the end).
+// Sets ``p``, the key's weight, and returns the factor the row's weighted sums are rescaled by.
+// A row that has attended to nothing yet keeps m = -inf and sums of zero.
+__device__ __forceinline__ float online_softmax(float x, float& m, float& s, float& p) {
+  const float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
+  const float mn = fmaxf(m, warp_max(x));
+  p = mn == NEG_INF ? 0.f : exp2f(x - mn);
+  const float f = mn == NEG_INF ? 1.f : exp2f(m - mn);
+  s = s * f + p;
+  m = mn;
+  return f;
+}
 // VE elements of a row from element e0 (a multiple of VE), as floats. Float rows: one 16-byte
 // load where the head dim is contiguous and aligned (``vec``), else one element at a time.
 // Packed rows (MLX's affine layout: values low bits first in uint32 words, a scale and a bias
@@ -282,14 +296,9 @@ __device__ __forceinline__ void attention(
       bool use = t < end;
       if (use && mask_kind == 1) use = t <= Tk - L + rl[r];
       else if (use && mask_kind == 2) use = mask[at4(mask_shape, mask_strides, b, rh[r], rl[r], t)];
-      const float x = use ? d[r] : NEG_INF;
-      const float mn = fmaxf(m[r], warp_max(x));
-      // A row that has attended to nothing yet keeps m = -inf and sums of zero.
-      const float p = mn == NEG_INF ? 0.f : exp2f(x - mn);
-      const float f = mn == NEG_INF ? 1.f : exp2f(m[r] - mn);
-      s[r] = s[r] * f + p;  // this lane's share; summed across the warp at the end
+      float p;
+      const float f = online_softmax(use ? d[r] : NEG_INF, m[r], s[r], p);
       for (int j = 0; j < VE; ++j) acc[r][j] *= f;
-      m[r] = mn;
       ps[warp][r][lane] = p;
     }
     __syncwarp();
@@ -453,14 +462,9 @@ __device__ __forceinline__ void latent_attention(
     for (int r = 0; r < R; ++r) {
       bool use = t < end;
       if (use && masked) use = mask[at4(mask_shape, mask_strides, b, rh[r], 0, t)];
-      const float x = use ? d[r] : NEG_INF;
-      const float mn = fmaxf(m[r], warp_max(x));
-      // A row that has attended to nothing yet keeps m = -inf and sums of zero.
-      const float p = mn == NEG_INF ? 0.f : exp2f(x - mn);
-      const float f = mn == NEG_INF ? 1.f : exp2f(m[r] - mn);
-      s[r] = s[r] * f + p;  // this lane's share; summed across the warp at the end
+      float p;
+      const float f = online_softmax(use ? d[r] : NEG_INF, m[r], s[r], p);
       for (int j = 0; j < NV; ++j) acc[r][j] *= f;
-      m[r] = mn;
       ps[warp][r][lane] = p;
     }
     __syncwarp();

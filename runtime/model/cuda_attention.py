@@ -89,16 +89,21 @@ _INPUTS = [
 _OUTPUTS = ["out", "part"]
 
 
-@functools.cache
-def _kernel():
+def _cuda_kernel(name: str, inputs: list[str], source: str):
+    """One of the header's kernels as MLX's ``cuda_kernel`` (strided inputs as they are)."""
     return mx.fast.cuda_kernel(
-        name="mlxc_attention",
-        input_names=_INPUTS,
+        name=name,
+        input_names=inputs,
         output_names=_OUTPUTS,
-        source=_SOURCE,
+        source=source,
         header=_HEADER,
         ensure_row_contiguous=False,
     )
+
+
+@functools.cache
+def _kernel():
+    return _cuda_kernel("mlxc_attention", _INPUTS, _SOURCE)
 
 
 def available() -> bool:
@@ -228,14 +233,7 @@ _LATENT_INPUTS = ["q", "q_pe", "k", "k_pe", "mask", "flags", "tickets"]
 
 @functools.cache
 def _latent_kernel():
-    return mx.fast.cuda_kernel(
-        name="mlxc_latent_attention",
-        input_names=_LATENT_INPUTS,
-        output_names=_OUTPUTS,
-        source=_LATENT_SOURCE,
-        header=_HEADER,
-        ensure_row_contiguous=False,
-    )
+    return _cuda_kernel("mlxc_latent_attention", _LATENT_INPUTS, _LATENT_SOURCE)
 
 
 # Each lane holds C / 32 of a head's weighted sums per row of its block: at most this many in
