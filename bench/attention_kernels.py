@@ -11,6 +11,12 @@ Three cases, each where mlxc's forwards meet a slow path of MLX 0.32's CUDA atte
   speculative verification): MLX's cuDNN path builds a graph per key length.
 - ``kv4``: one query against 4-bit keys and values. CUDA mlxc dequantised the live keys
   every step before this kernel (``layers.attend``); the ``ceiling`` is MLX on bf16 keys.
+- ``latent``: MLA's decode attention over the latents (``cuda_attention.latent_attention``),
+  at DeepSeek's widths (latents 512 wide, rope keys 64; 16 heads as V2-Lite, 128 as V3) and
+  MiniCPM3's (256, 32; 40 heads), to 32k keys, one row or a ragged batch. ``MLX`` is the form
+  mlxc composed from MLX's ops before the kernel (``latent.composed_attention``), the
+  ``ceiling`` MLX's own attention on the two halves joined (its fallback ops for a head that
+  wide, which the composed form replaced): neither is an upper bound here.
 
 Each cell evaluates ``--steps`` times, after warm-up, a forward's worth of calls (16, the medium
 llama's layers) at one key length, the next evaluation at a longer one (as decode steps go, so
@@ -32,6 +38,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxc.runtime.model import cuda_attention
+from mlxc.runtime.model import latent as latent_attention
 from mlxc.runtime.model.cache import KVQuant
 
 HQ, HKV, D = 32, 8, 64
@@ -141,28 +148,80 @@ def kv4(B: int, T: int, steps: int) -> dict:
     }
 
 
+def latent(B: int, H: int, C: int, RD: int, T: int, steps: int) -> dict:
+    cap = T + steps + 8
+    latents = mx.random.normal((B, 1, cap, C)).astype(mx.bfloat16)
+    k_pe = mx.random.normal((B, 1, cap, RD)).astype(mx.bfloat16)
+    q_lat = mx.random.normal((B, H, 1, C)).astype(mx.bfloat16)
+    q_pe = mx.random.normal((B, H, 1, RD)).astype(mx.bfloat16)
+    mx.eval(latents, k_pe, q_lat, q_pe)
+    pad = np.random.default_rng(0).integers(0, T // 2, B) if B > 1 else np.zeros(1, int)
+    masks = [
+        mx.array(np.arange(T + i)[None] >= pad[:, None])[:, None, None, :] if B > 1 else None
+        for i in range(steps + 3)
+    ]
+    scale = 0.1
+
+    def sl(i):
+        return latents[:, :, : T + i], k_pe[:, :, : T + i]
+
+    def joined(i):
+        c, pe = sl(i)
+        q = mx.concatenate([q_lat, q_pe], axis=-1)
+        k = mx.concatenate([c, pe], axis=-1)
+        return mx.fast.scaled_dot_product_attention(q, k, c, scale=scale, mask=masks[i])
+
+    return {
+        "ceiling": _time(joined, steps),
+        "mlx": _time(
+            lambda i: latent_attention.composed_attention(
+                q_lat, q_pe, *sl(i), scale=scale, mask=masks[i]
+            ),
+            steps,
+        ),
+        "mlxc": _time(
+            lambda i: cuda_attention.latent_attention(
+                q_lat, q_pe, *sl(i), scale=scale, mask=masks[i]
+            ),
+            steps,
+        ),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument(
+        "--cases", default="ragged,verify,kv4,latent", help="which cases, comma-separated"
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not cuda_attention.available():
         raise SystemExit(
             "bench.attention_kernels needs MLX's CUDA backend (the kernels are CUDA's)"
         )
+    cases = set(args.cases.split(","))
     rows = []
-    for B, T in [(1, 2048), (16, 256), (16, 2048), (64, 512)]:
+    for B, T in [(1, 2048), (16, 256), (16, 2048), (64, 512)] if "ragged" in cases else []:
         rows.append(
             {"case": "ragged", "batch": B, "keys": T, "queries": 1, **ragged(B, T, args.steps)}
         )
-    for B, T, L in [(1, 512, 3), (1, 2048, 5), (8, 1024, 3)]:
+    for B, T, L in [(1, 512, 3), (1, 2048, 5), (8, 1024, 3)] if "verify" in cases else []:
         rows.append(
             {"case": "verify", "batch": B, "keys": T, "queries": L, **verify(B, T, L, args.steps)}
         )
-    for B, T in [(1, 2048), (16, 1024)]:
+    for B, T in [(1, 2048), (16, 1024)] if "kv4" in cases else []:
         rows.append({"case": "kv4", "batch": B, "keys": T, "queries": 1, **kv4(B, T, args.steps)})
+    # (rows, heads, latent width, rope width, keys): V2-Lite's heads, MiniCPM3's widths, a
+    # ragged batch, and V3's 128 heads (32 tiles of 4 heads a row).
+    shapes = [(1, 16, 512, 64, 512), (1, 16, 512, 64, 4096), (1, 16, 512, 64, 32768)]
+    shapes += [(1, 40, 256, 32, 4096), (16, 16, 512, 64, 2048), (1, 128, 512, 64, 4096)]
+    for B, H, C, RD, T in shapes if "latent" in cases else []:
+        case = f"latent {H}x{C}+{RD}"
+        cell = latent(B, H, C, RD, T, args.steps)
+        rows.append({"case": case, "batch": B, "keys": T, "queries": 1, **cell})
     for r in rows:
         r["mlx_over_mlxc"] = r["mlx"] / r["mlxc"]
         r["mlxc_over_ceiling"] = r["mlxc"] / r["ceiling"]
@@ -174,9 +233,11 @@ def main() -> None:
         "# Attention kernels: mlxc's CUDA kernel against MLX's, microseconds per call",
         "",
         (
-            f"MLX {meta['mlx']}, {meta['device']}; 32 query heads, 8 KV heads, head dim 64, bf16;"
+            f"MLX {meta['mlx']}, {meta['device']}; 32 query heads, 8 KV heads, head dim 64, bf16"
+            " (latent: heads x latent width + rope width);"
             " median per call of 16-call evaluations. `ceiling`: MLX with no mask on equal rows (ragged), one"
-            " query (verify), bf16 keys (kv4)."
+            " query (verify), bf16 keys (kv4), MLX's attention on the joined halves (latent; `MLX`"
+            " there: the composed form mlxc ran before the kernel)."
         ),
         "",
         "| case | batch | keys | queries | ceiling | MLX | mlxc | MLX / mlxc | mlxc / ceiling |",

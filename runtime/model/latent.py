@@ -116,13 +116,29 @@ def absorbed_attention(
     q_lat = q_nope @ w_k  # [B, H, 1, kv_lora_rank]
     if cuda_attention.latent_applies(q_lat, q_pe, latents, k_pe):
         out = cuda_attention.latent_attention(q_lat, q_pe, latents, k_pe, scale=scale, mask=mask)
-        return out @ w_v_t
-    if not composes_scores():
+    elif composes_scores():
+        out = composed_attention(q_lat, q_pe, latents, k_pe, scale=scale, mask=mask)
+    else:
         rope_scores = (q_pe * scale) @ k_pe.swapaxes(-1, -2)
         if isinstance(mask, mx.array):
             rope_scores = mx.where(mask, rope_scores, mx.finfo(rope_scores.dtype).min)
-        return layers.attend(q_lat, latents, latents, scale=scale, mask=rope_scores) @ w_v_t
-    B, H = q_nope.shape[:2]
+        out = layers.attend(q_lat, latents, latents, scale=scale, mask=rope_scores)
+    return out @ w_v_t
+
+
+def composed_attention(
+    q_lat: mx.array,
+    q_pe: mx.array,
+    latents: mx.array,
+    k_pe: mx.array,
+    *,
+    scale: float,
+    mask: mx.array | None,
+) -> mx.array:
+    """``cuda_attention.latent_attention``'s result (``[B, H, 1, kv_lora_rank]``) from MLX's
+    ops: the two halves' scores as products with the heads as the rows of the one latent
+    head, added and scaled in one compiled kernel, a softmax, the weighted latents."""
+    B, H = q_lat.shape[:2]
     rows = (B, 1, H, -1)  # the heads as rows of the one latent head: no broadcast of the latents
     latent_scores = q_lat.reshape(rows) @ latents.swapaxes(-1, -2)
     rope_scores = q_pe.reshape(rows) @ k_pe.swapaxes(-1, -2)
@@ -131,11 +147,12 @@ def absorbed_attention(
     else:
         scores = _scores(latent_scores, rope_scores, scale)
     weights = mx.softmax(scores, axis=-1, precise=True)
-    return (weights @ latents).reshape(B, H, 1, -1) @ w_v_t
+    return (weights @ latents).reshape(B, H, 1, -1)
 
 
 def composes_scores() -> bool:
-    """Whether ``absorbed_attention`` composes its scores (see there): on CUDA."""
+    """Whether ``absorbed_attention`` composes its scores where the kernel does not apply (see
+    there): on CUDA."""
     return cuda_attention.available()
 
 
