@@ -254,3 +254,21 @@ def test_warm_finds_the_models_latent_attention(tmp_path):
     want = (args.num_attention_heads, args.kv_lora_rank, args.qk_rope_head_dim)
     assert cuda_attention._latent_shapes(model) == {want}
     cuda_attention.warm_latent(model)  # compiles on CUDA, returns at once elsewhere
+
+
+def test_latent_kernel_takes_the_steps_it_is_faster_for(monkeypatch):
+    """``latent_applies`` on CUDA (taken as there on any machine): a single stream's MLA
+    decode step and a small batch's go to the kernel; a long context, a large batch or many
+    heads (past LATENT_TILE_KEYS: the kernel measured slower there) stay composed."""
+    monkeypatch.setattr(cuda_attention, "available", lambda: True)
+
+    def applies(B, H, T, C=512, RD=64):
+        q_lat, q_pe = (mx.zeros((B, H, 1, n), mx.bfloat16) for n in (C, RD))
+        latents, k_pe = (mx.zeros((B, 1, T, n), mx.bfloat16) for n in (C, RD))
+        return cuda_attention.latent_applies(q_lat, q_pe, latents, k_pe)
+
+    assert applies(1, 16, 4096) and applies(1, 40, 4096, 256, 32) and applies(4, 16, 700)
+    assert not applies(1, 16, 32768)  # 4 tiles of 4 heads x 32k keys
+    assert not applies(16, 16, 2048)
+    assert not applies(1, 128, 4096)  # 32 tiles
+    assert not applies(1, 16, 512, C=200)  # widths its loads do not divide

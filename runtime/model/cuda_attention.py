@@ -241,10 +241,20 @@ def _latent_kernel():
 LATENT_SUMS = 64
 
 
+# The most keys, summed over a call's blocks of heads (rows x tiles of heads x keys), for which
+# ``latent_attention`` is faster than the composed form (``latent.composed_attention``). Each
+# tile reads its row's latents itself and each lane walks whole keys, so the kernel's time grows
+# with this sum about twice as fast as the cuBLAS products' (``bench.attention_kernels``, an
+# H100, s41: 1.49-1.57x faster at 2k-20k, 0.66-0.89x at 131k: one row of 32k keys, 16 rows of
+# 2k, 128 heads of 4k). Between, the crossover was not measured; this splits the difference.
+LATENT_TILE_KEYS = 48 * 1024
+
+
 def latent_applies(q_lat: mx.array, q_pe: mx.array, latents, k_pe) -> bool:
     """Whether ``latent_attention`` takes this MLA decode step: on CUDA, float latents of one
-    dtype with the queries, one query per row, and widths its loads divide (16-byte vectors:
-    C a multiple of 32 of them, RD of one; C at most 32 * LATENT_SUMS)."""
+    dtype with the queries, one query per row, widths its loads divide (16-byte vectors: C a
+    multiple of 32 of them, RD of one; C at most 32 * LATENT_SUMS), and no more work than
+    LATENT_TILE_KEYS (a single stream's step, a small batch's)."""
     if not (isinstance(latents, mx.array) and available() and q_lat.shape[-2] == 1):
         return False
     dtype = q_lat.dtype
@@ -253,8 +263,11 @@ def latent_applies(q_lat: mx.array, q_pe: mx.array, latents, k_pe) -> bool:
     if any(a.dtype != dtype for a in (q_pe, latents, k_pe)):
         return False
     per_vector = 16 // dtype.size
-    C, RD = q_lat.shape[-1], q_pe.shape[-1]
-    return C % (32 * per_vector) == 0 and C <= 32 * LATENT_SUMS and RD % per_vector == 0
+    B, H, _, C = q_lat.shape
+    if not (C % (32 * per_vector) == 0 and C <= 32 * LATENT_SUMS):
+        return False
+    tiles = -(-H // _latent_rows(H, C))
+    return q_pe.shape[-1] % per_vector == 0 and B * tiles * latents.shape[2] <= LATENT_TILE_KEYS
 
 
 def latent_attention(

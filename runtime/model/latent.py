@@ -103,11 +103,12 @@ def absorbed_attention(
     that plus ``q_pe . k_pe``, and only the output is expanded (``w_v_t``). ``mask``: None or
     ``[..., 1, T]``.
 
-    On CUDA it is one kernel (``cuda_attention.latent_attention``, s41): MLX 0.32.4's fused
-    attention has no kernel for a head of kv_lora_rank (512) and falls back to five ops, and
-    even composed by hand (below, where the kernel's loads do not divide the widths) the scores
-    are three cuBLAS products whose shapes move on with the key count every step, a sum and a
-    softmax. Composed, the two halves of a score are added and scaled in one compiled kernel,
+    On CUDA it is one kernel (``cuda_attention.latent_attention``, s41) for a step of little
+    work (a single stream's, a small batch's: ``latent_applies``): MLX 0.32.4's fused attention
+    has no kernel for a head of kv_lora_rank (512) and falls back to five ops, and even composed
+    by hand (``composed_attention``, which larger steps take, and widths the kernel's loads do
+    not divide) the scores are three cuBLAS products whose shapes move on with the key count
+    every step, a sum and a softmax. Composed, the two halves of a score are added and scaled in one compiled kernel,
     with the query heads as the rows of the one latent head (an H100, 16 layers of
     glm4_moe_lite's widths: 1.07 against 1.35 ms a step for MLX's fallback,
     ``docs/performance.md``). Elsewhere ``layers.attend`` takes them, the rope half as an
