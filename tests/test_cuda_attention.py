@@ -245,14 +245,23 @@ def test_warm_finds_the_models_attention(tmp_path):
 
 def test_warm_finds_the_models_latent_attention(tmp_path):
     """``warm_latent`` compiles for an MLA model's heads, latent and rope widths (read off the
-    generated modules); on a machine without CUDA it does nothing. Runs everywhere."""
-    import test_minicpm3
+    generated modules); on a machine without CUDA it does nothing. Runs everywhere (its
+    checkpoint written by ``bench.models``, not transformers, whose versions differ on the GPU
+    machine)."""
+    import json
 
-    test_minicpm3.make_server_checkpoint(tmp_path / "m")
-    model = load_model(tmp_path / "m", dtype=mx.bfloat16)
-    args = model.args
-    want = (args.num_attention_heads, args.kv_lora_rank, args.qk_rope_head_dim)
-    assert cuda_attention._latent_shapes(model) == {want}
+    from bench import models
+
+    mla = {"kv_lora_rank": 256, "qk_nope_head_dim": 16, "qk_rope_head_dim": 32, "v_head_dim": 16}
+    sizes = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4}
+    cfg = {**models.config("deepseek_v2", "small"), **sizes, **mla}
+    cfg.update(num_hidden_layers=1, vocab_size=256, first_k_dense_replace=1)
+    path = tmp_path / "m"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg))
+    models.write_tensors(path, models.shapes(cfg), seed=1)
+    model = load_model(path, dtype=mx.bfloat16)
+    assert cuda_attention._latent_shapes(model) == {(4, 256, 32)}
     cuda_attention.warm_latent(model)  # compiles on CUDA, returns at once elsewhere
 
 
