@@ -163,9 +163,16 @@ class _Cache:
         return self.n
 
 
+def _text_positions(start, deltas, L):
+    """``[3, B, L]``: ``start + i + delta`` on all three rows, as a numpy array."""
+    pos = start + np.arange(L)[None, :] + np.asarray(deltas).reshape(-1, 1)
+    return np.broadcast_to(pos, (3, *pos.shape)).copy()
+
+
 @pytest.mark.parametrize("batched", [False, True])
 def test_decode_positions_match_transformers(model_type_and_model, batched):
-    """The token after the prompt: transformers' decode branch (cache filled, rope_deltas set)."""
+    """The token after the prompt: ``PromptPositions`` against transformers' decode branch
+    (cache filled, rope_deltas set)."""
     model_type, model = model_type_and_model
     cases = _cases(model_type)
     prompts = cases["batch"] if batched else cases["two_images"]
@@ -183,24 +190,36 @@ def test_decode_positions_match_transformers(model_type_and_model, batched):
         image_grid_thw=None,
         video_grid_thw=None,
     )[..., -1:].numpy()
-    ours = mrope.decode_positions(L, deltas, B, 1)
-    np.testing.assert_array_equal(ours, theirs)
+    state = mrope.PromptPositions(**_index_kwargs(model, model_type))
+    state.add_images(images)
+    np.testing.assert_array_equal(state(ids, 0), base)  # the prompt, in one chunk
+    ours = state(np.zeros((B, 1), ids.dtype), L)
+    assert isinstance(ours, mrope.TextPositions)
+    np.testing.assert_array_equal(np.array(ours.ids()), theirs)
     # and the continuation follows the prompt's largest position on each row
-    assert (ours[0, :, 0] == base.max(axis=(0, 2)) + 1).all()
+    assert (np.array(ours.start) == base.max(axis=(0, 2)) + 1).all()
 
 
-def test_positions_slice_the_prompt_then_continue():
+def test_prompt_positions_in_chunks_slice_the_whole_prompts():
+    """A prompt in chunks whose boundaries fall inside images: each chunk's positions are the
+    whole prompt's, sliced; then text at ``offset + delta``; a text-only sequence at its
+    offsets."""
     model = build("qwen2_vl")
     ids, images, videos = _batch(_cases("qwen2_vl")["two_images"])
     base, deltas = _ours(model, "qwen2_vl", ids, images, videos)
     L = ids.shape[1]
-    np.testing.assert_array_equal(mrope.positions(5, 7, base, deltas), base[..., 5:12])
-    across = mrope.positions(L - 2, 5, base, deltas)  # a chunk over the end of the prompt
-    np.testing.assert_array_equal(across[..., :2], base[..., -2:])
-    np.testing.assert_array_equal(across[..., 2:], mrope.decode_positions(L, deltas, 1, 3))
-    assert (np.diff(across[0, 0, 1:]) == 1).all() and across[0, 0, 2] == base.max() + 1
-    text_only = mrope.positions(4, 3, None, np.zeros(2, np.int64))
-    np.testing.assert_array_equal(text_only, np.broadcast_to(np.arange(4, 7), (3, 2, 3)))
+    image = np.flatnonzero(ids[0] == _index_kwargs(model, "qwen2_vl")["image_token_id"])
+    cut = int(image[-4])  # inside the last image (5 is inside the first)
+    assert image[0] < 5 < image[-1] and cut - 1 in image
+    state = mrope.PromptPositions(**_index_kwargs(model, "qwen2_vl"))
+    state.add_images(images)
+    for start, end in [(0, 5), (5, cut), (cut, L)]:
+        np.testing.assert_array_equal(state(ids[:, start:end], start), base[..., start:end])
+    after = state(np.zeros((1, 3), ids.dtype), L)
+    np.testing.assert_array_equal(np.array(after.ids()), _text_positions(L, deltas, 3))
+    assert after.start.item() == base.max() + 1
+    text_only = mrope.PromptPositions(**_index_kwargs(model, "qwen2_vl"))(np.zeros((2, 3)), 4)
+    np.testing.assert_array_equal(np.array(text_only.ids()), _text_positions(4, [0, 0], 3))
 
 
 def _turned_by_transformers(model_type, model, pos, seed):
@@ -260,8 +279,8 @@ def test_text_after_the_images_turns_as_transformers(model_type_and_model, offse
     ids, images, videos = _batch(_cases(model_type)["batch"])
     _, deltas = _ours(model, model_type, ids, images, videos)
     assert len(set(deltas.tolist())) > 1  # rows whose starts differ
-    B, L = len(deltas), 3
-    pos = mrope.decode_positions(ids.shape[1] + offset, deltas, B, L)
+    L = 3
+    pos = _text_positions(ids.shape[1] + offset, deltas, L)
     q, k, q_ref, k_ref, _, kwargs = _turned_by_transformers(model_type, model, pos, 5)
     head_dim = q.shape[-1]
 
@@ -292,9 +311,7 @@ def test_prompt_positions_turn_to_text_once_the_images_are_seen(model_type_and_m
     np.testing.assert_array_equal(state(ids, 0), base)  # the prompt: every row its own
     after = state(np.zeros((1, 2), ids.dtype), L)
     assert isinstance(after, mrope.TextPositions)
-    np.testing.assert_array_equal(
-        np.array(after.start), mrope.decode_positions(L, deltas, 1, 1)[0, :, 0]
-    )
+    np.testing.assert_array_equal(np.array(after.start), L + deltas)
 
 
 def test_bad_section_is_refused():

@@ -4,10 +4,10 @@ Every position here is a ``monotonic-position``: absolute, counted from the star
 sequence, never from a live count after ``trim_front``.
 
 Positions. ``rope_index`` turns a prompt into ``base_positions [3, B, L]`` (temporal, height,
-width) and ``rope_deltas [B]``, equal to transformers 5's ``get_rope_index``. The model keeps both
-for the sequence and, for a chunk of ``L`` tokens at ``cache.offset``, takes
-``positions(cache.offset, L, base_positions, rope_deltas)``: the prompt's rows while inside the
-prompt, ``offset + i + rope_deltas`` after it (``decode_positions``).
+width) and ``rope_deltas [B]``, equal to transformers 5's ``get_rope_index``. A sequence keeps a
+``PromptPositions`` (the model's ``position_state``), which gives each chunk of ``L`` tokens at
+``cache.offset`` the prompt's rows while an image is still to come, and ``offset + i +
+rope_deltas`` after (``TextPositions``).
 
 Rotation. ``apply(q, k, position_ids, theta=..., mrope_section=..., interleaved=...)`` rotates
 q and k ``[B, H, L, D]`` like transformers' ``apply_rotary_pos_emb`` with the qwen VL text rotary
@@ -140,30 +140,6 @@ def _grid_rows(grid_thw: Any) -> list[tuple[int, int, int]]:
     return [(int(t), int(h), int(w)) for t, h, w in np.asarray(grid_thw).reshape(-1, 3)]
 
 
-def decode_positions(offset: int, rope_deltas: Any, B: int, L: int) -> np.ndarray:
-    """Positions [3, B, L] of ``L`` text tokens at absolute index ``offset`` after the prompt:
-    ``offset + i + rope_deltas`` on all three rows (``offset``: ``cache.offset``)."""
-    deltas = np.broadcast_to(np.asarray(rope_deltas, np.int64).reshape(-1), (B,))
-    pos = offset + np.arange(L)[None, :] + deltas[:, None]
-    return np.broadcast_to(pos, (3, B, L)).copy()
-
-
-def positions(
-    offset: int, L: int, base_positions: np.ndarray | None, rope_deltas: Any
-) -> np.ndarray:
-    """Positions [3, B, L] of the chunk ``[offset, offset + L)``: the prompt's rows where the
-    chunk lies inside the prompt (``base_positions``, from ``rope_index``), decode positions
-    beyond it. ``base_positions=None`` means a text-only sequence (``rope_deltas`` 0)."""
-    prompt_len = 0 if base_positions is None else base_positions.shape[-1]
-    B = np.asarray(rope_deltas).size if base_positions is None else base_positions.shape[1]
-    inside = base_positions[..., offset : offset + L] if offset < prompt_len else None
-    n_inside = 0 if inside is None else inside.shape[-1]
-    if n_inside == L:
-        return inside
-    after = decode_positions(offset + n_inside, rope_deltas, B, L - n_inside)
-    return after if inside is None else np.concatenate([inside, after], axis=-1)
-
-
 @dataclass(frozen=True)
 class TextPositions:
     """Positions ``start[b] + i`` on all three rows for the chunk's tokens ``i``: text with no
@@ -202,7 +178,7 @@ class PromptPositions:
 
     def __call__(self, input_ids: Any, offset: int) -> np.ndarray | TextPositions:
         """Positions ``[3, B, L]`` of the chunk ``input_ids [B, L]`` starting at ``offset``; once
-        no image token is to come, ``TextPositions`` (``decode_positions``' first column)."""
+        no image token is to come, ``TextPositions`` (``offset + rope_deltas`` a row)."""
         B, L = input_ids.shape
         if self.grids is None:  # from the shape alone: no host read of a lazy decode token
             start = offset + np.broadcast_to(self.deltas.reshape(-1), (B,))
