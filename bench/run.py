@@ -137,6 +137,8 @@ def machine(device: str) -> dict:
         ).stdout.strip()
     except OSError:
         pass
+    if not info.get("commit"):  # a copy without git history (a GPU machine's): say so now
+        _log("no commit recorded: run from a git checkout or set MLXC_BENCH_COMMIT")
     return info
 
 
