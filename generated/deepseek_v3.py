@@ -171,18 +171,19 @@ class LatentAttention(nn.Module):
         # Two arrays, not slices of one [latent | rope key] buffer: such a slice is strided, and
         # MLX's matmuls copy a strided operand before every use (three copies a layer a step).
         latents, k_pe = cache.update_and_fetch(new_latent, k_pe)
-        latents, k_pe = dense(latents), dense(k_pe)  # --kv-bits: expanded for the matmuls
         mask = inputs.masks[None]
         if L == 1:
             w_k, w_v_t = self.kv_b_halves()
             # Decode: attention over the latents themselves, kv_b_proj's key half moved onto
-            # the query and its value half onto the output (latent.absorbed_attention).
+            # the query and its value half onto the output (latent.absorbed_attention; it reads
+            # --kv-bits' packed latents as they are where it can).
             out = latent.absorbed_attention(
                 q_nope, q_pe, latents, k_pe, w_k, w_v_t, scale=self.scale, mask=mask
             )
         else:
             # Prefill: expand per-head keys and values from the live latents, all heads in one
             # kv_b_proj matmul (per-head matmuls would broadcast the latents H times).
+            latents, k_pe = dense(latents), dense(k_pe)  # --kv-bits: expanded for the matmuls
             kv = self.kv_b_proj(latents[:, 0]).reshape(
                 B, -1, self.n_heads, self.qk_nope_head_dim + self.v_head_dim
             )

@@ -188,9 +188,11 @@ def test_attend_routes_here_only_where_mlx_has_no_fast_path():
 @cuda_only
 @pytest.mark.parametrize("H, C, RD", [(16, 512, 64), (40, 256, 32)])  # DeepSeek's, MiniCPM3's
 @pytest.mark.parametrize("B, T", [(1, 9), (1, 5000), (4, 700)])
-def test_latent_decode(H, C, RD, B, T):
+@pytest.mark.parametrize("bits", [0, 4])
+def test_latent_decode(H, C, RD, B, T, bits):
     """MLA's decode kernel against MLX's attention on the joined halves (one shared key head,
-    the latents as values); a ragged mask where the batch has rows."""
+    the latents as values); a ragged mask where the batch has rows; the latents and rope keys
+    packed as ``--kv-bits 4`` stores them (the oracle reads them dequantised)."""
     keys = mx.random.split(mx.random.key(T + C), 4)
     q_lat, q_pe = (
         mx.random.normal((B, 1, H, n), key=k).astype(mx.bfloat16).transpose(0, 2, 1, 3)
@@ -201,14 +203,19 @@ def test_latent_decode(H, C, RD, B, T):
         mx.random.normal((B, 1, cap, n), key=k).astype(mx.bfloat16)[:, :, :T]
         for n, k in zip((C, RD), keys[2:], strict=True)
     )
+    lat_ref, pe_ref = latents, k_pe
+    if bits:
+        quant = KVQuant(bits=bits, group_size=32)
+        latents, k_pe = quant.quantize(latents), quant.quantize(k_pe)
+        lat_ref, pe_ref = latents.dequantize(), k_pe.dequantize()
     mask = _ragged_valid(B, T, 1, seed=T) if B > 1 else None
     assert cuda_attention.latent_applies(q_lat, q_pe, latents, k_pe)
     out = cuda_attention.latent_attention(q_lat, q_pe, latents, k_pe, scale=0.1, mask=mask)
     q = mx.concatenate([q_lat, q_pe], axis=-1)
-    k = mx.concatenate([latents, k_pe], axis=-1)
-    _check(out, _oracle(q, k, latents, 0.1, mask))
+    k = mx.concatenate([lat_ref, pe_ref], axis=-1)
+    _check(out, _oracle(q, k, lat_ref, 0.1, mask))
     # The widths its loads do not divide stay with the composed form.
-    assert not cuda_attention.latent_applies(q_lat[..., :200], q_pe, latents[..., :200], k_pe)
+    assert not cuda_attention.latent_applies(q_lat[..., :200], q_pe, lat_ref[..., :200], pe_ref)
 
 
 @cuda_only

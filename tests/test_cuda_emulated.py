@@ -59,10 +59,15 @@ def attention_kernel(kt: str, D: int, R: int, bits: int, group: int) -> Kernel:
     return Kernel(ca._INPUTS, types, constants, ca._SOURCE, D)
 
 
-def latent_kernel(C: int, RD: int, R: int) -> Kernel:
-    """``cuda_attention.latent_attention``'s kernel."""
-    types = ["float"] * 4 + ["bool", "float", "uint32_t"]
-    constants = f"using T = float; constexpr int C = {C}, RD = {RD}, R = {R}, WARPS = {ca.WARPS};"
+def latent_kernel(C: int, RD: int, R: int, bits: int = 0, group: int = 1) -> Kernel:
+    """``cuda_attention.latent_attention``'s kernel, on float or (``bits``) packed latents."""
+    kt = "uint32_t" if bits else "float"
+    types = ["float", "float", kt, "float", "float", kt, "float", "float"]
+    types += ["bool", "float", "uint32_t"]
+    constants = (
+        f"using T = float; using KT = {kt}; using S = float; constexpr int C = {C}, RD = {RD}, "
+        f"R = {R}, BITS = {bits}, GS = {group}, WARPS = {ca.WARPS};"
+    )
     return Kernel(ca._LATENT_INPUTS, types, constants, ca._LATENT_SOURCE, C)
 
 
@@ -335,26 +340,41 @@ def _latent_reference(q_lat, q_pe, latents, k_pe, scale, valid):
 
 
 LATENT_CASES = [
-    # B, H, T, C, RD, mask, chunks, strided rows
-    (2, 16, 300, 512, 64, "ragged", 3, False),  # deepseek's widths, a decode batch, 4 tiles
-    (1, 40, 600, 256, 32, "none", 5, False),  # minicpm3's: 8 heads a block, 5 tiles
-    (1, 5, 70, 256, 32, "per head", 1, False),  # a tile with idle rows, a mask per head
-    (2, 8, 200, 256, 32, "ragged", 40, True),  # chunks past a short row's keys, element loads
+    # B, H, T, C, RD, mask, chunks, strided rows, bits, group
+    (2, 16, 300, 512, 64, "ragged", 3, False, 0, 1),  # deepseek's widths, a batch, 4 tiles
+    (1, 40, 600, 256, 32, "none", 5, False, 0, 1),  # minicpm3's: 8 heads a block, 5 tiles
+    (1, 5, 70, 256, 32, "per head", 1, False, 0, 1),  # a tile with idle rows, a mask per head
+    (2, 8, 200, 256, 32, "ragged", 40, True, 0, 1),  # chunks past short rows, element loads
+    (2, 16, 260, 512, 64, "ragged", 3, False, 4, 64),  # --kv-bits 4: packed latents, rope keys
+    (1, 8, 150, 256, 32, "none", 2, False, 8, 32),  # 8 bits, groups of 32
 ]
 
 
-@pytest.mark.parametrize("B, H, T, C, RD, kind, chunks, strided", LATENT_CASES)
-def test_latent_kernel_matches_mlx(tmp_path, B, H, T, C, RD, kind, chunks, strided):
+@pytest.mark.parametrize("B, H, T, C, RD, kind, chunks, strided, bits, group", LATENT_CASES)
+def test_latent_kernel_matches_mlx(tmp_path, B, H, T, C, RD, kind, chunks, strided, bits, group):
     rng = np.random.default_rng(T + C)
     q_lat, q_pe = (rng.standard_normal((B, H, 1, n), np.float32) for n in (C, RD))
     cap = T + 7  # the first T rows of a cache's wider buffer
     lat_buf, pe_buf = (rng.standard_normal((B, 1, cap, n), np.float32) for n in (C, RD))
-    if strided:  # every other element of twice-wider rows: no vector loads
+    none = np.zeros(1, np.float32)
+    scales = [none] * 4  # latents' scales and biases, then the rope keys'
+    if bits:  # as a quantised cache holds them; the oracle reads them dequantised
+        parts = [
+            mx.quantize(mx.array(buf), group_size=group, bits=bits) for buf in (lat_buf, pe_buf)
+        ]
+        latents, k_pe = (np.array(p[0])[:, :, :T] for p in parts)
+        scales = [np.array(x)[:, :, :T] for p in parts for x in p[1:]]
+        lat_ref, pe_ref = (
+            np.array(mx.dequantize(*p, group_size=group, bits=bits))[:, :, :T] for p in parts
+        )
+    elif strided:  # every other element of twice-wider rows: no vector loads
         wide = [np.zeros((B, 1, cap, 2 * n), np.float32) for n in (C, RD)]
         wide[0][..., ::2], wide[1][..., ::2] = lat_buf, pe_buf
         latents, k_pe = wide[0][:, :, :T, ::2], wide[1][:, :, :T, ::2]
     else:
         latents, k_pe = lat_buf[:, :, :T], pe_buf[:, :, :T]
+    if not bits:
+        lat_ref, pe_ref = latents, k_pe
     column = np.arange(T)
     if kind == "ragged":  # [B, 1, 1, T]: a batch's rows of different lengths
         valid = column >= rng.integers(0, T // 2, B)[:, None, None, None]
@@ -368,11 +388,12 @@ def test_latent_kernel_matches_mlx(tmp_path, B, H, T, C, RD, kind, chunks, strid
     blocks = B * -(-H // R)
     flags = np.array([scale, float(valid is not None), 0.0], np.float32)
     tickets = np.zeros(blocks, np.uint32)
-    inputs = [q_lat, q_pe, latents, k_pe, mask, flags, tickets]
-    arrays = dict(zip(ca._LATENT_INPUTS, inputs, strict=True))
-    got = _run(tmp_path, arrays, latent_kernel(C, RD, R), B * H, chunks, blocks)
+    k_scales, k_biases, pe_scales, pe_biases = scales
+    inputs = [q_lat, q_pe, latents, k_scales, k_biases, k_pe, pe_scales, pe_biases]
+    arrays = dict(zip(ca._LATENT_INPUTS, [*inputs, mask, flags, tickets], strict=True))
+    got = _run(tmp_path, arrays, latent_kernel(C, RD, R, bits, group), B * H, chunks, blocks)
 
-    want = _latent_reference(q_lat, q_pe, latents, k_pe, scale, valid)
+    want = _latent_reference(q_lat, q_pe, lat_ref, pe_ref, scale, valid)
     err = np.abs(got.reshape(B, H, 1, C) - np.array(want)).max()
     assert err < TOL, f"max error {err}"
 
@@ -389,7 +410,7 @@ def _emulated_latent_kernel(tmp: Path):
         if chunks > 1:
             assert arrays["tickets"].shape == (blocks,) and not arrays["tickets"].any()
             assert output_shapes[1] == (rows, chunks, t["C"] + 2)
-        kernel = latent_kernel(t["C"], t["RD"], t["R"])
+        kernel = latent_kernel(t["C"], t["RD"], t["R"], t["BITS"], t["GS"])
         got = _run(tmp, arrays, kernel, rows, chunks, blocks)
         return mx.array(got.reshape(output_shapes[0])), None
 
@@ -397,20 +418,35 @@ def _emulated_latent_kernel(tmp: Path):
 
 
 @pytest.mark.parametrize(
-    "B, H, T, C, RD, ragged", [(3, 16, 500, 512, 64, True), (1, 40, 90, 256, 32, False)]
+    "B, H, T, C, RD, ragged, bits",
+    [
+        (3, 16, 500, 512, 64, True, 0),
+        (1, 40, 90, 256, 32, False, 0),
+        (2, 16, 300, 512, 64, True, 4),
+    ],
 )
-def test_latent_call_matches_mlx(tmp_path, monkeypatch, B, H, T, C, RD, ragged):
+def test_latent_call_matches_mlx(tmp_path, monkeypatch, B, H, T, C, RD, ragged, bits):
     """``latent_attention`` itself, its launch included (heads per block, chunks, tickets, the
-    mask's rank), run by the emulator in place of MLX's kernel call."""
+    mask's rank, a quantised cache's ``QuantizedKV``), run by the emulator in place of MLX's
+    kernel call; ``latent_applies`` takes the same inputs (CUDA taken as there)."""
+    from mlxc.runtime.model.cache import KVQuant
+
     monkeypatch.setattr(ca, "_latent_kernel", lambda: _emulated_latent_kernel(tmp_path))
     rng = np.random.default_rng(T)
     q_lat, q_pe = (mx.array(rng.standard_normal((B, H, 1, n), np.float32)) for n in (C, RD))
     latents, k_pe = (mx.array(rng.standard_normal((B, 1, T, n), np.float32)) for n in (C, RD))
+    lat_ref, pe_ref = latents, k_pe
+    if bits:
+        quant = KVQuant(bits, 64)
+        latents, k_pe = quant.quantize(latents), quant.quantize(k_pe)
+        lat_ref, pe_ref = latents.dequantize(), k_pe.dequantize()
+    monkeypatch.setattr(ca, "available", lambda: True)
+    assert ca.latent_applies(q_lat, q_pe, latents, k_pe)
     if ragged:  # [B, 1, 1, T]: a decode batch's rows of different lengths
         valid = np.arange(T) >= rng.integers(0, T // 2, B)[:, None, None, None]
     else:  # [1, T]: raised to 4-d by the call
         valid = (np.arange(T) >= 3)[None]
     got = ca.latent_attention(q_lat, q_pe, latents, k_pe, scale=0.2, mask=mx.array(valid))
-    want = _latent_reference(q_lat, q_pe, latents, k_pe, 0.2, valid)
+    want = _latent_reference(q_lat, q_pe, lat_ref, pe_ref, 0.2, valid)
     err = mx.abs(got - want).max().item()
     assert err < TOL, f"max error {err}"

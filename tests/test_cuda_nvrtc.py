@@ -136,15 +136,25 @@ def test_nvrtc_compiles_the_kernel(dtype, bits, head_dim, rows):
     assert "warning" not in log, log[-4000:]
 
 
-# MLA's decode kernel (``mlxc::latent_attention``) at DeepSeek's and MiniCPM3's widths.
+# MLA's decode kernel (``mlxc::latent_attention``) at DeepSeek's and MiniCPM3's widths, on
+# float latents and 4- and 8-bit packed ones.
 @pytest.mark.parametrize(
-    "dtype, C, RD", [(mx.bfloat16, 512, 64), (mx.float16, 256, 32), (mx.float32, 256, 32)]
+    "dtype, C, RD, bits",
+    [
+        (mx.bfloat16, 512, 64, 0),
+        (mx.float16, 256, 32, 0),
+        (mx.float32, 256, 32, 0),
+        (mx.bfloat16, 512, 64, 4),
+        (mx.float16, 256, 64, 8),
+    ],
 )
-def test_nvrtc_compiles_the_latent_kernel(dtype, C, RD):
-    dtypes = [dtype] * 4 + [mx.bool_, mx.float32, mx.uint32]
+def test_nvrtc_compiles_the_latent_kernel(dtype, C, RD, bits):
+    key = mx.uint32 if bits else dtype
+    dtypes = [dtype, dtype, key, dtype, dtype, key, dtype, dtype, mx.bool_, mx.float32, mx.uint32]
     inputs = list(zip(ca._LATENT_INPUTS, dtypes, strict=True))
     outputs = list(zip(ca._OUTPUTS, [dtype, mx.float32], strict=True))
-    template = ca._latent_template(dtype, C, RD, ca._latent_rows(16, C))
+    rows = ca._latent_rows(16, C)
+    template = ca._latent_template(dtype, key, dtype, C, RD, rows, bits, 64 if bits else 1)
     result, log = _compile(_kernel_source(inputs, outputs, template, ca._LATENT_SOURCE))
     assert result == 0, log[-4000:]
     assert "warning" not in log, log[-4000:]

@@ -393,18 +393,26 @@ __device__ __forceinline__ void attention(
 // walks those 32 latents as values, a row per load, each lane its C / 32 elements (a row's
 // loads coalesce), so no lane sums need merging. The warps' sums add up in shared memory in a
 // fixed order, and chunks merge as ``attention``'s do. ``mask``: a boolean array broadcast to
-// [B, H, 1, T] where ``flags[1]`` is 1; ``flags[0]``: the scale.
-template <typename T, int C, int RD, int R, int WARPS>
+// [B, H, 1, T] where ``flags[1]`` is 1; ``flags[0]``: the scale. Latents and rope keys are
+// floats, or (``BITS``: 4 or 8) a quantised cache's packed rows in MLX's affine layout, with
+// their scales and biases, dequantised in registers (``--kv-bits``).
+template <typename T, typename KT, typename S, int C, int RD, int R, int BITS, int GS,
+    int WARPS>
 __device__ __forceinline__ void latent_attention(
     const T* q, const mlx::core::cu::Shape& q_shape, const mlx::core::cu::Strides& q_strides,
     const T* q_pe, const mlx::core::cu::Strides& q_pe_strides,
-    const T* k, const mlx::core::cu::Shape& k_shape, const mlx::core::cu::Strides& k_strides,
-    const T* k_pe, const mlx::core::cu::Strides& k_pe_strides,
+    const KT* k, const mlx::core::cu::Shape& k_shape, const mlx::core::cu::Strides& k_strides,
+    const S* k_scales, const mlx::core::cu::Strides& k_scales_strides,
+    const S* k_biases, const mlx::core::cu::Strides& k_biases_strides,
+    const KT* k_pe, const mlx::core::cu::Strides& k_pe_strides,
+    const S* pe_scales, const mlx::core::cu::Strides& pe_scales_strides,
+    const S* pe_biases, const mlx::core::cu::Strides& pe_biases_strides,
     const bool* mask, const mlx::core::cu::Shape& mask_shape,
     const mlx::core::cu::Strides& mask_strides,
     const float* flags, const uint32_t* tickets, T* out, float* part) {
-  constexpr int VE = 16 / sizeof(T), NV = C / 32, D = C + RD;
-  static_assert(NV % VE == 0 && RD % VE == 0, "a lane's loads are whole 16-byte vectors");
+  // A load takes VE elements of a row: 16 bytes of floats, or one word of packed values.
+  constexpr int VE = BITS == 0 ? 16 / sizeof(KT) : 32 / BITS, NV = C / 32, D = C + RD;
+  static_assert(NV % VE == 0 && RD % VE == 0, "a lane's loads are whole vectors or words");
   constexpr float LOG2E = 1.4426950408889634f;
   const float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
   const int chunk = blockIdx.x, n_chunks = gridDim.x;
@@ -433,13 +441,25 @@ __device__ __forceinline__ void latent_attention(
   __syncthreads();
   const int per_chunk = (Tk + n_chunks - 1) / n_chunks;
   const int start = chunk * per_chunk, end = min(Tk, start + per_chunk);
-  const T* krow = k + b * k_strides[0];
-  const T* perow = k_pe + b * k_pe_strides[0];
-  const T* none = nullptr;  // float rows: no scales or biases
-  // Contiguous rows on 16-byte boundaries (every cache's): vector loads.
-  const bool vec = k_strides[3] == 1 && k_pe_strides[3] == 1 && k_strides[2] % VE == 0 &&
-      k_pe_strides[2] % VE == 0 &&
+  const KT* krow = k + b * k_strides[0];
+  const KT* perow = k_pe + b * k_pe_strides[0];
+  const S* ksc = k_scales + b * k_scales_strides[0];
+  const S* kbi = k_biases + b * k_biases_strides[0];
+  const S* pesc = pe_scales + b * pe_scales_strides[0];
+  const S* pebi = pe_biases + b * pe_biases_strides[0];
+  // Float rows, contiguous on 16-byte boundaries (every cache's): vector loads.
+  const bool vec = BITS == 0 && k_strides[3] == 1 && k_pe_strides[3] == 1 &&
+      k_strides[2] % VE == 0 && k_pe_strides[2] % VE == 0 &&
       (reinterpret_cast<uintptr_t>(krow) | reinterpret_cast<uintptr_t>(perow)) % 16 == 0;
+  // Elements e0.. of latent (or rope key) row t, as floats (packed ones dequantised).
+  auto load_latent = [&](int t, int e0, float* out) {
+    load_vec<KT, S, BITS, GS, VE>(krow + t * k_strides[2], ksc + t * k_scales_strides[2],
+        kbi + t * k_biases_strides[2], e0, k_strides[3], k_scales_strides[3], vec, out);
+  };
+  auto load_rope = [&](int t, int e0, float* out) {
+    load_vec<KT, S, BITS, GS, VE>(perow + t * k_pe_strides[2], pesc + t * pe_scales_strides[2],
+        pebi + t * pe_biases_strides[2], e0, k_pe_strides[3], pe_scales_strides[3], vec, out);
+  };
   for (int t0 = start + warp * 32; t0 < end; t0 += WARPS * 32) {
     const int t = t0 + lane;  // this lane's key
     float d[R];
@@ -447,14 +467,13 @@ __device__ __forceinline__ void latent_attention(
     if (t < end) {
       for (int e0 = 0; e0 < C; e0 += VE) {
         float kr[VE];
-        load_vec<T, T, 0, 1, VE>(krow + t * k_strides[2], none, none, e0, k_strides[3], 0, vec, kr);
+        load_latent(t, e0, kr);
         for (int r = 0; r < R; ++r)
           for (int j = 0; j < VE; ++j) d[r] += qs[r][e0 + j] * kr[j];
       }
       for (int e0 = 0; e0 < RD; e0 += VE) {
         float kr[VE];
-        load_vec<T, T, 0, 1, VE>(perow + t * k_pe_strides[2], none, none, e0, k_pe_strides[3], 0,
-            vec, kr);
+        load_rope(t, e0, kr);
         for (int r = 0; r < R; ++r)
           for (int j = 0; j < VE; ++j) d[r] += qs[r][C + e0 + j] * kr[j];
       }
@@ -473,9 +492,7 @@ __device__ __forceinline__ void latent_attention(
 #pragma unroll 4
     for (int u = 0; u < n_keys; ++u) {
       float vr[NV];
-      for (int j = 0; j < NV; j += VE)
-        load_vec<T, T, 0, 1, VE>(krow + (t0 + u) * k_strides[2], none, none, lane * NV + j,
-            k_strides[3], 0, vec, vr + j);
+      for (int j = 0; j < NV; j += VE) load_latent(t0 + u, lane * NV + j, vr + j);
       for (int r = 0; r < R; ++r) {
         const float p = ps[warp][r][u];
         for (int j = 0; j < NV; ++j) acc[r][j] += p * vr[j];

@@ -224,11 +224,15 @@ def attention(
 # MLA's decode attention (``latent_attention`` in ``cuda_attention.cuh``): the latents are the
 # keys' first C elements and the values, the rope keys the rest of the keys.
 _LATENT_SOURCE = """
-  ::mlxc::latent_attention<T, C, RD, R, WARPS>(q, q_shape, q_strides, q_pe, q_pe_strides, k,
-      k_shape, k_strides, k_pe, k_pe_strides, mask, mask_shape, mask_strides, flags, tickets,
-      out, part);
+  ::mlxc::latent_attention<T, KT, S, C, RD, R, BITS, GS, WARPS>(q, q_shape, q_strides, q_pe,
+      q_pe_strides, k, k_shape, k_strides, k_scales, k_scales_strides, k_biases,
+      k_biases_strides, k_pe, k_pe_strides, pe_scales, pe_scales_strides, pe_biases,
+      pe_biases_strides, mask, mask_shape, mask_strides, flags, tickets, out, part);
 """
-_LATENT_INPUTS = ["q", "q_pe", "k", "k_pe", "mask", "flags", "tickets"]
+_LATENT_INPUTS = [
+    "q", "q_pe", "k", "k_scales", "k_biases", "k_pe", "pe_scales", "pe_biases", "mask", "flags",
+    "tickets",
+]  # fmt: skip
 
 
 @functools.cache
@@ -251,18 +255,25 @@ LATENT_TILE_KEYS = 48 * 1024
 
 
 def latent_applies(q_lat: mx.array, q_pe: mx.array, latents, k_pe) -> bool:
-    """Whether ``latent_attention`` takes this MLA decode step: on CUDA, float latents of one
-    dtype with the queries, one query per row, widths its loads divide (16-byte vectors: C a
-    multiple of 32 of them, RD of one; C at most 32 * LATENT_SUMS), and no more work than
-    LATENT_TILE_KEYS (a single stream's step, a small batch's)."""
-    if not (isinstance(latents, mx.array) and available() and q_lat.shape[-2] == 1):
+    """Whether ``latent_attention`` takes this MLA decode step: on CUDA, one query per row,
+    latents and rope keys as floats of the queries' dtype or both packed alike (a quantised
+    cache's ``QuantizedKV``, not a staged one), widths its loads divide (16-byte vectors, or
+    words of packed values: C a multiple of 32 of them, RD of one; C at most 32 *
+    LATENT_SUMS), and no more work than LATENT_TILE_KEYS (a single stream's step, a small
+    batch's)."""
+    if not (available() and q_lat.shape[-2] == 1):
         return False
     dtype = q_lat.dtype
-    if dtype not in (mx.bfloat16, mx.float16, mx.float32):
+    if dtype not in (mx.bfloat16, mx.float16, mx.float32) or q_pe.dtype != dtype:
         return False
-    if any(a.dtype != dtype for a in (q_pe, latents, k_pe)):
-        return False
-    per_vector = 16 // dtype.size
+    if isinstance(latents, mx.array):
+        if latents.dtype != dtype or not isinstance(k_pe, mx.array) or k_pe.dtype != dtype:
+            return False
+        per_vector = 16 // dtype.size
+    else:  # packed: QuantizedKV both, one quantisation (StagedKV, with recent floats: not here)
+        if hasattr(latents, "recent") or hasattr(k_pe, "recent") or latents.quant != k_pe.quant:
+            return False
+        per_vector = 32 // latents.quant.bits
     B, H, _, C = q_lat.shape
     if not (C % (32 * per_vector) == 0 and C <= 32 * LATENT_SUMS):
         return False
@@ -273,8 +284,8 @@ def latent_applies(q_lat: mx.array, q_pe: mx.array, latents, k_pe) -> bool:
 def latent_attention(
     q_lat: mx.array,
     q_pe: mx.array,
-    latents: mx.array,
-    k_pe: mx.array,
+    latents,
+    k_pe,
     *,
     scale: float,
     mask: mx.array | None,
@@ -282,28 +293,39 @@ def latent_attention(
 ) -> mx.array:
     """MLA's decode attention in one launch: ``softmax(scale * (q_lat c^T + q_pe k_pe^T)) c``
     for ``q_lat [B, H, 1, C]`` and ``q_pe [B, H, 1, RD]`` against the latents ``c [B, 1, T, C]``
-    and rope keys ``k_pe [B, 1, T, RD]``; ``mask``: None or a boolean array broadcastable to
-    ``[B, H, 1, T]``. Returns ``[B, H, 1, C]`` in the queries' dtype (``latent_applies`` says
-    when it runs)."""
+    and rope keys ``k_pe [B, 1, T, RD]`` (float arrays, or a quantised cache's ``QuantizedKV``
+    both, read packed); ``mask``: None or a boolean array broadcastable to ``[B, H, 1, T]``.
+    Returns ``[B, H, 1, C]`` in the queries' dtype (``latent_applies`` says when it runs)."""
     B, H, _, C = q_lat.shape
+    dtype = q_lat.dtype
     if isinstance(mask, mx.array):
         if mask.ndim < 4:
             mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
         masked = True
     else:
         mask, masked = _dummy(mx.bool_, 4), False
-    key_rounds = -(-latents.shape[2] // (WARPS * 32))
-    n_tickets, launch = _latent_launch(B, H, C, q_pe.shape[-1], key_rounds, q_lat.dtype, chunks)
+    if isinstance(latents, mx.array):
+        k, k_scales, k_biases = latents, _dummy(dtype), _dummy(dtype)
+        pe, pe_scales, pe_biases = k_pe, _dummy(dtype), _dummy(dtype)
+        bits, group, scale_dtype = 0, 1, dtype
+    else:  # packed (QuantizedKV): words, scales and biases
+        (k, k_scales, k_biases), (pe, pe_scales, pe_biases) = latents.parts, k_pe.parts
+        bits, group, scale_dtype = latents.quant.bits, latents.quant.group_size, k_scales.dtype
+    key_rounds = -(-k.shape[2] // (WARPS * 32))
+    n_tickets, launch = _latent_launch(
+        B, H, C, q_pe.shape[-1], key_rounds, dtype, k.dtype, scale_dtype, bits, group, chunks
+    )
     tickets = TICKETS.take(n_tickets) if n_tickets else _dummy(mx.uint32)
+    flags = _flags(scale, int(masked), False)
     out, _ = _latent_kernel()(
-        inputs=[q_lat, q_pe, latents, k_pe, mask, _flags(scale, int(masked), False), tickets],
+        inputs=[q_lat, q_pe, k, k_scales, k_biases, pe, pe_scales, pe_biases, mask, flags, tickets],
         **launch,
     )
     return out
 
 
 @functools.lru_cache(maxsize=1024)
-def _latent_launch(B, H, C, RD, key_rounds, dtype, chunks):
+def _latent_launch(B, H, C, RD, key_rounds, dtype, key_dtype, scale_dtype, bits, group, chunks):
     """``_launch`` for ``latent_attention``: the tickets and the kernel call's arguments."""
     if chunks is not None and not 1 <= chunks <= MAX_CHUNKS:
         raise ValueError(f"chunks must be 1 to {MAX_CHUNKS}, not {chunks}")
@@ -311,7 +333,7 @@ def _latent_launch(B, H, C, RD, key_rounds, dtype, chunks):
     blocks = B * math.ceil(H / R)
     n_chunks = chunks or _chunks(blocks, key_rounds)
     launch = {
-        "template": _latent_template(dtype, C, RD, R),
+        "template": _latent_template(dtype, key_dtype, scale_dtype, C, RD, R, bits, group),
         "grid": (n_chunks * WARPS * 32, blocks, 1),
         "threadgroup": (WARPS * 32, 1, 1),
         "output_shapes": [(B, H, 1, C), (1,) if n_chunks == 1 else (B * H, n_chunks, C + 2)],
@@ -327,8 +349,20 @@ def _latent_rows(heads: int, latent_dim: int) -> int:
 
 
 @functools.cache
-def _latent_template(dtype, latent_dim: int, rope_dim: int, rows: int):
-    return [("T", dtype), ("C", latent_dim), ("RD", rope_dim), ("R", rows), ("WARPS", WARPS)]
+def _latent_template(
+    dtype, key_dtype, scale_dtype, latent_dim: int, rope_dim: int, rows: int, bits: int, group: int
+):
+    return [
+        ("T", dtype),
+        ("KT", key_dtype),
+        ("S", scale_dtype),
+        ("C", latent_dim),
+        ("RD", rope_dim),
+        ("R", rows),
+        ("BITS", bits),
+        ("GS", group),
+        ("WARPS", WARPS),
+    ]
 
 
 class Tickets:
@@ -420,18 +454,21 @@ def warm(model, queries: tuple[int, ...] = (1,), quant=None) -> None:
         if head_dim in HEAD_DIMS:
             for rows in sorted({_rows(heads // kv_heads * n) for n in queries}):
                 _warm(dtype, head_dim, rows, quant)
-    warm_latent(model)
+    warm_latent(model, quant)
 
 
-def warm_latent(model) -> None:
+def warm_latent(model, quant=None) -> None:
     """Compile ``latent_attention``'s variants for ``model``'s MLA layers (every decode step
-    of one takes it on CUDA, a single stream's too). A no-op off CUDA or without MLA."""
+    of one takes it on CUDA, a single stream's too), on float latents or (``quant``) packed
+    ones. A no-op off CUDA or without MLA."""
     if not available():
         return
     dtype = _activation_dtype(model)
     for heads, latent_dim, rope_dim in sorted(_latent_shapes(model)):
         q_lat, q_pe = (mx.zeros((1, heads, 1, n), dtype) for n in (latent_dim, rope_dim))
         latents, k_pe = (mx.zeros((1, 1, 128, n), dtype) for n in (latent_dim, rope_dim))
+        if quant is not None:
+            latents, k_pe = quant.quantize(latents), quant.quantize(k_pe)
         if latent_applies(q_lat, q_pe, latents, k_pe):
             out = latent_attention(q_lat, q_pe, latents, k_pe, scale=1.0, mask=None, chunks=2)
             mx.eval(out)

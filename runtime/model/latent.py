@@ -19,6 +19,7 @@ import re
 import mlx.core as mx
 
 from mlxc.runtime.model import cuda_attention, layers, masks
+from mlxc.runtime.model.cache import dense
 from mlxc.runtime.model.weights import packed_settings
 
 _SPLIT = re.compile(r"^(.*\.self_attn)\.embed_q\.weight$")
@@ -101,7 +102,8 @@ def absorbed_attention(
     ``[B, 1, T, kv_lora_rank]`` (keys and values alike) and the rope keys ``[B, 1, T, rope]``:
     kv_b_proj's key half ``w_k`` moves onto the query, ``q . (W_k c) == (q W_k) . c``, a score is
     that plus ``q_pe . k_pe``, and only the output is expanded (``w_v_t``). ``mask``: None or
-    ``[..., 1, T]``.
+    ``[..., 1, T]``. Under ``--kv-bits`` the latents and rope keys come as the cache's
+    ``QuantizedKV``: the kernel reads them packed, the other forms dequantise them first.
 
     On CUDA it is one kernel (``cuda_attention.latent_attention``, s41) for a step of little
     work (a single stream's, a small batch's: ``latent_applies``): MLX 0.32.4's fused attention
@@ -116,8 +118,12 @@ def absorbed_attention(
     masks.check(mask, 1, latents.shape[-2])
     q_lat = q_nope @ w_k  # [B, H, 1, kv_lora_rank]
     if cuda_attention.latent_applies(q_lat, q_pe, latents, k_pe):
-        out = cuda_attention.latent_attention(q_lat, q_pe, latents, k_pe, scale=scale, mask=mask)
-    elif composes_scores():
+        return (
+            cuda_attention.latent_attention(q_lat, q_pe, latents, k_pe, scale=scale, mask=mask)
+            @ w_v_t
+        )
+    latents, k_pe = dense(latents), dense(k_pe)  # --kv-bits: expanded for the matmuls
+    if composes_scores():
         out = composed_attention(q_lat, q_pe, latents, k_pe, scale=scale, mask=mask)
     else:
         rope_scores = (q_pe * scale) @ k_pe.swapaxes(-1, -2)
