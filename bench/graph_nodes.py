@@ -6,9 +6,10 @@ counts them without a GPU: for each ``bench.models`` architecture both sides loa
 checkpoint, prefill a short prompt, evaluate it and one decode step, then build (not evaluate)
 the next decode step's forward for one token (since s40: a first step also does what a model
 does once and keeps, as MLA's per-head halves of kv_b_proj, split on the first step, two
-kernels a layer that later steps never launch); ``mx.export_to_dot`` writes that lazy graph and every primitive node in
-it (a ``shape=rectangle`` node, labelled with the primitive's name) is counted once, by name.
-The forward's logits are the output: sampling is left out (the same on both sides). On a CPU
+kernels a layer that later steps never launch); ``mx.export_to_dot`` writes that lazy graph
+and every primitive node in it (a ``shape=rectangle`` node, labelled with the primitive's
+name) is counted once, by name. The forward's logits are the output: sampling is left out
+(the same on both sides). On a CPU
 mlx-lm's model is cast to float32 (``set_dtype``), as mlxc computes a bf16 checkpoint in float32
 there; otherwise each side would count the casts of its own dtype choice.
 

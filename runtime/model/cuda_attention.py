@@ -327,19 +327,9 @@ def latent_attention(
 @functools.lru_cache(maxsize=1024)
 def _latent_launch(B, H, C, RD, key_rounds, dtype, key_dtype, scale_dtype, bits, group, chunks):
     """``_launch`` for ``latent_attention``: the tickets and the kernel call's arguments."""
-    if chunks is not None and not 1 <= chunks <= MAX_CHUNKS:
-        raise ValueError(f"chunks must be 1 to {MAX_CHUNKS}, not {chunks}")
     R = _latent_rows(H, C)
-    blocks = B * math.ceil(H / R)
-    n_chunks = chunks or _chunks(blocks, key_rounds)
-    launch = {
-        "template": _latent_template(dtype, key_dtype, scale_dtype, C, RD, R, bits, group),
-        "grid": (n_chunks * WARPS * 32, blocks, 1),
-        "threadgroup": (WARPS * 32, 1, 1),
-        "output_shapes": [(B, H, 1, C), (1,) if n_chunks == 1 else (B * H, n_chunks, C + 2)],
-        "output_dtypes": [dtype, mx.float32],
-    }
-    return (blocks if n_chunks > 1 else 0), launch
+    template = _latent_template(dtype, key_dtype, scale_dtype, C, RD, R, bits, group)
+    return _chunked_launch(template, B * math.ceil(H / R), key_rounds, chunks, (B, H, 1, C), dtype)
 
 
 def _latent_rows(heads: int, latent_dim: int) -> int:
@@ -399,18 +389,26 @@ TICKETS = Tickets()
 def _launch(B, Hq, L, D, n_kv, key_rounds, dtype, key_dtype, scale_dtype, bits, group, chunks):
     """A call's launch from its shapes: the tickets its chunks need (0 for one chunk) and the
     kernel call's keyword arguments (template, grid, block, outputs)."""
-    if chunks is not None and not 1 <= chunks <= MAX_CHUNKS:
-        raise ValueError(f"chunks must be 1 to {MAX_CHUNKS}, not {chunks}")
     rows_per_kv = Hq // n_kv * L
     R = _rows(rows_per_kv)
     blocks = B * n_kv * math.ceil(rows_per_kv / R)
+    template = _template(dtype, key_dtype, scale_dtype, D, R, bits, group)
+    return _chunked_launch(template, blocks, key_rounds, chunks, (B, Hq, L, D), dtype)
+
+
+def _chunked_launch(template, blocks: int, key_rounds: int, chunks, out_shape, dtype):
+    """Either kernel's launch: ``blocks`` block rows, each over ``chunks`` chunks of keys (by
+    default ``_chunks``), the output ``out_shape`` (its last dim the weighted sums a row) and,
+    chunked, the chunks' shares; and the tickets the chunks need (0 for one chunk)."""
+    if chunks is not None and not 1 <= chunks <= MAX_CHUNKS:
+        raise ValueError(f"chunks must be 1 to {MAX_CHUNKS}, not {chunks}")
     n_chunks = chunks or _chunks(blocks, key_rounds)
-    part = (1,) if n_chunks == 1 else (B * Hq * L, n_chunks, D + 2)
+    part = (1,) if n_chunks == 1 else (math.prod(out_shape[:-1]), n_chunks, out_shape[-1] + 2)
     launch = {
-        "template": _template(dtype, key_dtype, scale_dtype, D, R, bits, group),
+        "template": template,
         "grid": (n_chunks * WARPS * 32, blocks, 1),
         "threadgroup": (WARPS * 32, 1, 1),
-        "output_shapes": [(B, Hq, L, D), part],
+        "output_shapes": [out_shape, part],
         "output_dtypes": [dtype, mx.float32],
     }
     return (blocks if n_chunks > 1 else 0), launch

@@ -110,22 +110,19 @@ def absorbed_attention(
     has no kernel for a head of kv_lora_rank (512) and falls back to five ops, and even composed
     by hand (``composed_attention``, which larger steps take, and widths the kernel's loads do
     not divide) the scores are three cuBLAS products whose shapes move on with the key count
-    every step, a sum and a softmax. Composed, the two halves of a score are added and scaled in one compiled kernel,
-    with the query heads as the rows of the one latent head (an H100, 16 layers of
-    glm4_moe_lite's widths: 1.07 against 1.35 ms a step for MLX's fallback,
+    every step, a sum and a softmax. Composed, the two halves of a score are added and scaled
+    in one compiled kernel, with the query heads as the rows of the one latent head (an H100,
+    16 layers of glm4_moe_lite's widths: 1.07 against 1.35 ms a step for MLX's fallback,
     ``docs/performance.md``). Elsewhere ``layers.attend`` takes them, the rope half as an
     additive mask (on the CPU its composed form, with the polynomial exp)."""
     masks.check(mask, 1, latents.shape[-2])
     q_lat = q_nope @ w_k  # [B, H, 1, kv_lora_rank]
     if cuda_attention.latent_applies(q_lat, q_pe, latents, k_pe):
-        return (
-            cuda_attention.latent_attention(q_lat, q_pe, latents, k_pe, scale=scale, mask=mask)
-            @ w_v_t
-        )
-    latents, k_pe = dense(latents), dense(k_pe)  # --kv-bits: expanded for the matmuls
-    if composes_scores():
-        out = composed_attention(q_lat, q_pe, latents, k_pe, scale=scale, mask=mask)
+        out = cuda_attention.latent_attention(q_lat, q_pe, latents, k_pe, scale=scale, mask=mask)
+    elif composes_scores():  # --kv-bits: the latents expanded for the matmuls (dense)
+        out = composed_attention(q_lat, q_pe, dense(latents), dense(k_pe), scale=scale, mask=mask)
     else:
+        latents, k_pe = dense(latents), dense(k_pe)
         rope_scores = (q_pe * scale) @ k_pe.swapaxes(-1, -2)
         if isinstance(mask, mx.array):
             rope_scores = mx.where(mask, rope_scores, mx.finfo(rope_scores.dtype).min)
