@@ -57,6 +57,15 @@ __device__ __forceinline__ void load_vec(const P* row, const S* scales, const S*
       out[j] = sc * static_cast<float>((w >> (j * BITS)) & ((1u << BITS) - 1u)) + bi;
   }
 }
+// One key's VE elements from e0 (``kr``) dotted into each of R rows' running scores ``d``,
+// against the rows' queries in shared memory from column ``q0``: the score loop of both
+// kernels (a key per lane, every row against it, no reduction across lanes).
+template <int R, int VE, int QD>
+__device__ __forceinline__ void add_scores(const float (&qs)[R][QD], int q0, const float* kr,
+    float* d) {
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < VE; ++j) d[r] += qs[r][q0 + j] * kr[j];
+}
 // A group of a float row as MLX's CUDA ``affine_quantize`` codes it, from the group's range
 // (``lo``: its minimum; ``hi``: its maximum, or 0 if larger, as MLX's starts at 0), by the
 // same operations in the same order: the scale and bias it codes with, and those it stores
@@ -288,8 +297,7 @@ __device__ __forceinline__ void attention(
       for (int e0 = 0; e0 < D; e0 += VE) {
         float kr[VE];
         load_key(t, e0, kr);
-        for (int r = 0; r < R; ++r)
-          for (int j = 0; j < VE; ++j) d[r] += qs[r][e0 + j] * kr[j];
+        add_scores<R, VE>(qs, e0, kr, d);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -468,14 +476,12 @@ __device__ __forceinline__ void latent_attention(
       for (int e0 = 0; e0 < C; e0 += VE) {
         float kr[VE];
         load_latent(t, e0, kr);
-        for (int r = 0; r < R; ++r)
-          for (int j = 0; j < VE; ++j) d[r] += qs[r][e0 + j] * kr[j];
+        add_scores<R, VE>(qs, e0, kr, d);
       }
       for (int e0 = 0; e0 < RD; e0 += VE) {
         float kr[VE];
         load_rope(t, e0, kr);
-        for (int r = 0; r < R; ++r)
-          for (int j = 0; j < VE; ++j) d[r] += qs[r][C + e0 + j] * kr[j];
+        add_scores<R, VE>(qs, C + e0, kr, d);
       }
     }
     for (int r = 0; r < R; ++r) {
