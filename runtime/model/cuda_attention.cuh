@@ -11,6 +11,12 @@ namespace mlxc {
 // each chunk's maximum and sum of a tile's rows in shared memory.
 constexpr int MAX_CHUNKS = 64;
 
+// A compile-time bool as an argument's type (a generic lambda's two instantiations).
+template <bool B>
+struct Flag {
+  static constexpr bool value = B;
+};
+
 __device__ __forceinline__ float warp_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
@@ -57,14 +63,29 @@ __device__ __forceinline__ void load_vec(const P* row, const S* scales, const S*
       out[j] = sc * static_cast<float>((w >> (j * BITS)) & ((1u << BITS) - 1u)) + bi;
   }
 }
-// One key's VE elements from e0 (``kr``) dotted into each of R rows' running scores ``d``,
-// against the rows' queries in shared memory from column ``q0``: the score loop of both
-// kernels (a key per lane, every row against it, no reduction across lanes).
-template <int R, int VE, int QD>
-__device__ __forceinline__ void add_scores(const float (&qs)[R][QD], int q0, const float* kr,
+// A lane's key scored against each of R rows: its elements [0, N) (``load(e0, out)``: VE of
+// them from e0) dotted into the rows' running scores ``d``, against the rows' queries in shared
+// memory (``qs``, 16-byte aligned) from column ``q0``. A key per lane, every row against it, no
+// reduction across lanes. U loads are in flight at a time, then their products: one load at a
+// time, each waited on before the next was issued, left a warp idle on every load's latency.
+template <int R, int VE, int N, int QD, typename Load>
+__device__ __forceinline__ void key_scores(const float (&qs)[R][QD], int q0, const Load& load,
     float* d) {
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < VE; ++j) d[r] += qs[r][q0 + j] * kr[j];
+  static_assert(VE % 4 == 0 && N % VE == 0, "whole 16-byte reads of the queries");
+  constexpr int U = (N / VE) % 4 == 0 ? 4 : (N / VE) % 2 == 0 ? 2 : 1;
+  struct alignas(16) F4 { float x[4]; };
+  for (int e0 = 0; e0 < N; e0 += U * VE) {
+    float kr[U][VE];
+#pragma unroll
+    for (int u = 0; u < U; ++u) load(e0 + u * VE, kr[u]);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < VE; j += 4) {
+          const F4 q = *reinterpret_cast<const F4*>(&qs[r][q0 + e0 + u * VE + j]);
+          for (int i = 0; i < 4; ++i) d[r] += q.x[i] * kr[u][j + i];
+        }
+  }
 }
 // A group of a float row as MLX's CUDA ``affine_quantize`` codes it, from the group's range
 // (``lo``: its minimum; ``hi``: its maximum, or 0 if larger, as MLX's starts at 0), by the
@@ -220,7 +241,7 @@ __device__ __forceinline__ void attention(
   const bool has_sinks = flags[2] != 0.f;
 
   // Row r of the tile: query head h = kvh * G + g, query l (rows past n_rows idle).
-  __shared__ float qs[R][D];
+  alignas(16) __shared__ float qs[R][D];  // read 16 bytes at a time (key_scores)
   __shared__ float ps[WARPS][R][32];
   int rh[R], rl[R];
   float m[R], s[R], acc[R][VE];
@@ -256,90 +277,108 @@ __device__ __forceinline__ void attention(
       k_recent_strides[2] % VE == 0 && v_recent_strides[2] % VE == 0 &&
       (reinterpret_cast<uintptr_t>(krec) | reinterpret_cast<uintptr_t>(vrec)) %
           (VE * sizeof(T)) == 0;
-  // Elements e0.. of key (or value) row t: packed below Tp, a recent float row from there.
-  // A lane walks its key's elements in order: a staged key's group is ranged (its VE-element
-  // loads, again from L1 after) and rounded at its first element. A staged value row's
-  // groups span GS / VE lanes, which range them together (the value pass, below).
-  Rounding key_group;
-  auto load_key = [&](int t, int e0, float* out) {
-    if (t < Tp) {
-      load_vec<KT, S, BITS, GS, VE>(krow + t * k_strides[2], ksc + t * k_scales_strides[2],
-          kbi + t * k_biases_strides[2], e0, k_strides[3], k_scales_strides[3], vec, out);
-    } else if constexpr (BITS != 0) {
-      const T* row = krec + (t - Tp) * k_recent_strides[2];
-      if (e0 % GS == 0) {
-        float lo = RANGE_LO, hi = RANGE_HI;
-        for (int g = e0; g < e0 + GS; g += VE) {
-          load_vec<T, S, 0, GS, VE>(row, ksc, kbi, g, k_recent_strides[3], 0, rvec, out);
-          widen<VE>(out, lo, hi);
-        }
-        key_group = rounding<S, BITS>(lo, hi);
-      }
-      load_vec<T, S, 0, GS, VE>(row, ksc, kbi, e0, k_recent_strides[3], 0, rvec, out);
-      round_vec<BITS, VE>(key_group, out);
-    }
-  };
-  auto load_value = [&](int t, int e0, float* out) {  // a staged row as it is, unrounded
-    if (t < Tp)
-      load_vec<KT, S, BITS, GS, VE>(vrow + t * v_strides[2], vsc + t * v_scales_strides[2],
-          vbi + t * v_biases_strides[2], e0, v_strides[3], v_scales_strides[3], vec, out);
-    else
-      load_vec<T, S, 0, GS, VE>(vrec + (t - Tp) * v_recent_strides[2], vsc, vbi, e0,
-          v_recent_strides[3], 0, rvec, out);
-  };
   // This lane's share of the value rows: row u0 + sub of each KPL, elements [ve, ve + VE).
   const int sub = lane / LPR, ve = (lane % LPR) * VE;
-  for (int t0 = start + warp * 32; t0 < end; t0 += WARPS * 32) {
-    const int t = t0 + lane;  // this lane's key
-    float d[R];
-    for (int r = 0; r < R; ++r) d[r] = 0.f;
-    if (t < end) {
-      for (int e0 = 0; e0 < D; e0 += VE) {
-        float kr[VE];
-        load_key(t, e0, kr);
-        add_scores<R, VE>(qs, e0, kr, d);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      bool use = t < end;
-      if (use && mask_kind == 1) use = t <= Tk - L + rl[r];
-      else if (use && mask_kind == 2) use = mask[at4(mask_shape, mask_strides, b, rh[r], rl[r], t)];
-      float p;
-      const float f = online_softmax(use ? d[r] : NEG_INF, m[r], s[r], p);
-      for (int j = 0; j < VE; ++j) acc[r][j] *= f;
-      ps[warp][r][lane] = p;
-    }
-    __syncwarp();
-    // KPL value rows per warp load, independent of each other: the loads overlap.
-    const int n_keys = min(32, end - t0);
-#pragma unroll
-    for (int u0 = 0; u0 < 32; u0 += KPL) {
-      const int u = u0 + sub, tu = t0 + u;
-      float vr[VE];
-      if (u < n_keys) load_value(tu, ve, vr);
+  // The key rounds, compiled for vector loads of float rows and for element-wise ones
+  // (``VEC``, a constant: no branch sits between a lane's loads, which can then overlap).
+  auto rounds = [&](auto vec_flag) {
+    constexpr bool VEC = decltype(vec_flag)::value;
+    // Elements e0.. of key (or value) row t: packed below Tp, a recent float row from there
+    // (never with float keys: BITS == 0 leaves no branch between a lane's loads).
+    // A lane walks its key's elements in order: a staged key's group is ranged (its VE-element
+    // loads, again from L1 after) and rounded at its first element. A staged value row's
+    // groups span GS / VE lanes, which range them together (the value pass, below).
+    auto load_key = [&](int t, int e0, float* out) {
+      load_vec<KT, S, BITS, GS, VE>(krow + t * k_strides[2], ksc + t * k_scales_strides[2],
+          kbi + t * k_biases_strides[2], e0, k_strides[3], k_scales_strides[3], VEC, out);
+    };
+    [[maybe_unused]] Rounding key_group;  // a staged key's group (packed keys only)
+    auto load_staged_key = [&](int t, int e0, float* out) {
       if constexpr (BITS != 0) {
-        // Staged rows: each group's range across its GS / VE lanes (lanes of one row, aligned),
-        // by shuffles every lane of the warp takes part in.
-        const bool staged = u < n_keys && tu >= Tp;
-        if (__any_sync(0xffffffffu, staged)) {
+        const T* row = krec + (t - Tp) * k_recent_strides[2];
+        if (e0 % GS == 0) {
           float lo = RANGE_LO, hi = RANGE_HI;
-          if (staged) widen<VE>(vr, lo, hi);
-          for (int o = 1; o < GS / VE; o <<= 1) {
-            lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
-            hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+          for (int g = e0; g < e0 + GS; g += VE) {
+            load_vec<T, S, 0, GS, VE>(row, ksc, kbi, g, k_recent_strides[3], 0, rvec, out);
+            widen<VE>(out, lo, hi);
           }
-          if (staged) round_vec<BITS, VE>(rounding<S, BITS>(lo, hi), vr);
+          key_group = rounding<S, BITS>(lo, hi);
+        }
+        load_vec<T, S, 0, GS, VE>(row, ksc, kbi, e0, k_recent_strides[3], 0, rvec, out);
+        round_vec<BITS, VE>(key_group, out);
+      }
+    };
+    auto load_value = [&](int t, int e0, float* out) {  // a staged row as it is, unrounded
+      if (BITS == 0 || t < Tp)
+        load_vec<KT, S, BITS, GS, VE>(vrow + t * v_strides[2], vsc + t * v_scales_strides[2],
+            vbi + t * v_biases_strides[2], e0, v_strides[3], v_scales_strides[3], VEC, out);
+      else
+        load_vec<T, S, 0, GS, VE>(vrec + (t - Tp) * v_recent_strides[2], vsc, vbi, e0,
+            v_recent_strides[3], 0, rvec, out);
+    };
+    for (int t0 = start + warp * 32; t0 < end; t0 += WARPS * 32) {
+      const int t = t0 + lane;  // this lane's key
+      float d[R];
+      for (int r = 0; r < R; ++r) d[r] = 0.f;
+      if (t < end) {
+        if (BITS == 0 || t < Tp)
+          key_scores<R, VE, D>(qs, 0, [&](int e0, float* out) { load_key(t, e0, out); }, d);
+        else if constexpr (BITS != 0)
+          key_scores<R, VE, D>(qs, 0, [&](int e0, float* out) { load_staged_key(t, e0, out); }, d);
+      }
+      for (int r = 0; r < R; ++r) {
+        bool use = t < end;
+        if (use && mask_kind == 1) use = t <= Tk - L + rl[r];
+        else if (use && mask_kind == 2) use = mask[at4(mask_shape, mask_strides, b, rh[r], rl[r], t)];
+        float p;
+        const float f = online_softmax(use ? d[r] : NEG_INF, m[r], s[r], p);
+        for (int j = 0; j < VE; ++j) acc[r][j] *= f;
+        ps[warp][r][lane] = p;
+      }
+      __syncwarp();
+      // KPL value rows per warp load, and UV such loads issued before any is used: the loads
+      // overlap.
+      const int n_keys = min(32, end - t0);
+      constexpr int UV = 4;
+      static_assert(32 % (KPL * UV) == 0, "whole batches of value rows");
+#pragma unroll
+      for (int b0 = 0; b0 < 32; b0 += KPL * UV) {
+        float vr[UV][VE];
+        // Rows past the chunk's end load its last row, weighted 0 (no branch between loads).
+#pragma unroll
+        for (int i = 0; i < UV; ++i) load_value(t0 + min(b0 + i * KPL + sub, n_keys - 1), ve, vr[i]);
+#pragma unroll
+        for (int i = 0; i < UV; ++i) {
+          const int u = b0 + i * KPL + sub;
+          if constexpr (BITS != 0) {
+            // Staged rows: each group's range across its GS / VE lanes (lanes of one row,
+            // aligned), by shuffles every lane of the warp takes part in.
+            const bool staged = u < n_keys && t0 + u >= Tp;
+            if (__any_sync(0xffffffffu, staged)) {
+              float lo = RANGE_LO, hi = RANGE_HI;
+              if (staged) widen<VE>(vr[i], lo, hi);
+              for (int o = 1; o < GS / VE; o <<= 1) {
+                lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+                hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+              }
+              if (staged) round_vec<BITS, VE>(rounding<S, BITS>(lo, hi), vr[i]);
+            }
+          }
+          if (u < n_keys) {
+            for (int r = 0; r < R; ++r) {
+              const float p = ps[warp][r][u];
+              for (int j = 0; j < VE; ++j) acc[r][j] += p * vr[i][j];
+            }
+          }
         }
       }
-      if (u < n_keys) {
-        for (int r = 0; r < R; ++r) {
-          const float p = ps[warp][r][u];
-          for (int j = 0; j < VE; ++j) acc[r][j] += p * vr[j];
-        }
-      }
+      __syncwarp();
     }
-    __syncwarp();
-  }
+  };
+  if (vec)
+    rounds(Flag<true>{});
+  else
+    rounds(Flag<false>{});
   for (int r = 0; r < R; ++r) {
     s[r] = warp_sum(s[r]);
     // The KPL lanes that share elements [ve, ve + VE) add up their rows' sums.
@@ -431,7 +470,7 @@ __device__ __forceinline__ void latent_attention(
   const bool masked = flags[1] != 0.f;
 
   // Row r of the tile: head rh[r] (rows past H repeat the last head and write nothing).
-  __shared__ float qs[R][D];
+  alignas(16) __shared__ float qs[R][D];  // read 16 bytes at a time (key_scores)
   __shared__ float ps[WARPS][R][32];
   int rh[R];
   float m[R], s[R], acc[R][NV];
@@ -459,53 +498,61 @@ __device__ __forceinline__ void latent_attention(
   const bool vec = BITS == 0 && k_strides[3] == 1 && k_pe_strides[3] == 1 &&
       k_strides[2] % VE == 0 && k_pe_strides[2] % VE == 0 &&
       (reinterpret_cast<uintptr_t>(krow) | reinterpret_cast<uintptr_t>(perow)) % 16 == 0;
-  // Elements e0.. of latent (or rope key) row t, as floats (packed ones dequantised).
-  auto load_latent = [&](int t, int e0, float* out) {
-    load_vec<KT, S, BITS, GS, VE>(krow + t * k_strides[2], ksc + t * k_scales_strides[2],
-        kbi + t * k_biases_strides[2], e0, k_strides[3], k_scales_strides[3], vec, out);
-  };
-  auto load_rope = [&](int t, int e0, float* out) {
-    load_vec<KT, S, BITS, GS, VE>(perow + t * k_pe_strides[2], pesc + t * pe_scales_strides[2],
-        pebi + t * pe_biases_strides[2], e0, k_pe_strides[3], pe_scales_strides[3], vec, out);
-  };
-  for (int t0 = start + warp * 32; t0 < end; t0 += WARPS * 32) {
-    const int t = t0 + lane;  // this lane's key
-    float d[R];
-    for (int r = 0; r < R; ++r) d[r] = 0.f;
-    if (t < end) {
-      for (int e0 = 0; e0 < C; e0 += VE) {
-        float kr[VE];
-        load_latent(t, e0, kr);
-        add_scores<R, VE>(qs, e0, kr, d);
+  // The key rounds, compiled for vector loads of float rows and for element-wise ones
+  // (``VEC``, a constant: no branch sits between a lane's loads, which can then overlap).
+  auto rounds = [&](auto vec_flag) {
+    constexpr bool VEC = decltype(vec_flag)::value;
+    // Elements e0.. of latent (or rope key) row t, as floats (packed ones dequantised).
+    auto load_latent = [&](int t, int e0, float* out) {
+      load_vec<KT, S, BITS, GS, VE>(krow + t * k_strides[2], ksc + t * k_scales_strides[2],
+          kbi + t * k_biases_strides[2], e0, k_strides[3], k_scales_strides[3], VEC, out);
+    };
+    auto load_rope = [&](int t, int e0, float* out) {
+      load_vec<KT, S, BITS, GS, VE>(perow + t * k_pe_strides[2], pesc + t * pe_scales_strides[2],
+          pebi + t * pe_biases_strides[2], e0, k_pe_strides[3], pe_scales_strides[3], VEC, out);
+    };
+    for (int t0 = start + warp * 32; t0 < end; t0 += WARPS * 32) {
+      const int t = t0 + lane;  // this lane's key
+      float d[R];
+      for (int r = 0; r < R; ++r) d[r] = 0.f;
+      if (t < end) {
+        key_scores<R, VE, C>(qs, 0, [&](int e0, float* out) { load_latent(t, e0, out); }, d);
+        key_scores<R, VE, RD>(qs, C, [&](int e0, float* out) { load_rope(t, e0, out); }, d);
       }
-      for (int e0 = 0; e0 < RD; e0 += VE) {
-        float kr[VE];
-        load_rope(t, e0, kr);
-        add_scores<R, VE>(qs, C + e0, kr, d);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      bool use = t < end;
-      if (use && masked) use = mask[at4(mask_shape, mask_strides, b, rh[r], 0, t)];
-      float p;
-      const float f = online_softmax(use ? d[r] : NEG_INF, m[r], s[r], p);
-      for (int j = 0; j < NV; ++j) acc[r][j] *= f;
-      ps[warp][r][lane] = p;
-    }
-    __syncwarp();
-    // The 32 latents as values: a row per load, this lane's NV elements of each.
-    const int n_keys = min(32, end - t0);
-#pragma unroll 4
-    for (int u = 0; u < n_keys; ++u) {
-      float vr[NV];
-      for (int j = 0; j < NV; j += VE) load_latent(t0 + u, lane * NV + j, vr + j);
       for (int r = 0; r < R; ++r) {
-        const float p = ps[warp][r][u];
-        for (int j = 0; j < NV; ++j) acc[r][j] += p * vr[j];
+        bool use = t < end;
+        if (use && masked) use = mask[at4(mask_shape, mask_strides, b, rh[r], 0, t)];
+        float p;
+        const float f = online_softmax(use ? d[r] : NEG_INF, m[r], s[r], p);
+        for (int j = 0; j < NV; ++j) acc[r][j] *= f;
+        ps[warp][r][lane] = p;
       }
+      __syncwarp();
+      // The 32 latents as values: a row per load, this lane's NV elements of each; the loads of
+      // UV rows (about 32 floats) issued before any is used.
+      const int n_keys = min(32, end - t0);
+      constexpr int UV = NV >= 32 ? 1 : 32 / NV;
+      for (int u0 = 0; u0 < n_keys; u0 += UV) {
+        float vr[UV][NV];
+#pragma unroll
+        for (int i = 0; i < UV; ++i)  // past the chunk's end, its last row (not used)
+          for (int j = 0; j < NV; j += VE)
+            load_latent(t0 + min(u0 + i, n_keys - 1), lane * NV + j, vr[i] + j);
+#pragma unroll
+        for (int i = 0; i < UV; ++i) {  // a row past the end has weight 0 (``ps``)
+          for (int r = 0; r < R; ++r) {
+            const float p = ps[warp][r][u0 + i];
+            for (int j = 0; j < NV; ++j) acc[r][j] += p * vr[i][j];
+          }
+        }
+      }
+      __syncwarp();
     }
-    __syncwarp();
-  }
+  };
+  if (vec)
+    rounds(Flag<true>{});
+  else
+    rounds(Flag<false>{});
   for (int r = 0; r < R; ++r) s[r] = warp_sum(s[r]);
 
   // The block's maximum and sum per row, then its weighted sums: each warp's rescaled to the
