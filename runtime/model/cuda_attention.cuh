@@ -11,11 +11,19 @@ namespace mlxc {
 // each chunk's maximum and sum of a tile's rows in shared memory.
 constexpr int MAX_CHUNKS = 64;
 
-// A compile-time bool as an argument's type (a generic lambda's two instantiations).
+// A compile-time bool as an argument's type: ``with_flag(b, f)`` calls the generic lambda
+// ``f`` compiled for each value of ``b``, so ``b`` is a constant in its body.
 template <bool B>
 struct Flag {
   static constexpr bool value = B;
 };
+template <typename F>
+__device__ __forceinline__ void with_flag(bool b, const F& f) {
+  if (b)
+    f(Flag<true>{});
+  else
+    f(Flag<false>{});
+}
 
 __device__ __forceinline__ float warp_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -277,7 +285,7 @@ __device__ __forceinline__ void attention(
       k_recent_strides[2] % VE == 0 && v_recent_strides[2] % VE == 0 &&
       (reinterpret_cast<uintptr_t>(krec) | reinterpret_cast<uintptr_t>(vrec)) %
           (VE * sizeof(T)) == 0;
-  // This lane's share of the value rows: row u0 + sub of each KPL, elements [ve, ve + VE).
+  // This lane's share of the value rows: row sub of each KPL, elements [ve, ve + VE).
   const int sub = lane / LPR, ve = (lane % LPR) * VE;
   // The key rounds, compiled for vector loads of float rows and for element-wise ones
   // (``VEC``, a constant: no branch sits between a lane's loads, which can then overlap).
@@ -324,7 +332,8 @@ __device__ __forceinline__ void attention(
         if (BITS == 0 || t < Tp)
           key_scores<R, VE, D>(qs, 0, [&](int e0, float* out) { load_key(t, e0, out); }, d);
         else if constexpr (BITS != 0)
-          key_scores<R, VE, D>(qs, 0, [&](int e0, float* out) { load_staged_key(t, e0, out); }, d);
+          key_scores<R, VE, D>(
+              qs, 0, [&](int e0, float* out) { load_staged_key(t, e0, out); }, d);
       }
       for (int r = 0; r < R; ++r) {
         bool use = t < end;
@@ -346,7 +355,8 @@ __device__ __forceinline__ void attention(
         float vr[UV][VE];
         // Rows past the chunk's end load its last row, weighted 0 (no branch between loads).
 #pragma unroll
-        for (int i = 0; i < UV; ++i) load_value(t0 + min(b0 + i * KPL + sub, n_keys - 1), ve, vr[i]);
+        for (int i = 0; i < UV; ++i)
+          load_value(t0 + min(b0 + i * KPL + sub, n_keys - 1), ve, vr[i]);
 #pragma unroll
         for (int i = 0; i < UV; ++i) {
           const int u = b0 + i * KPL + sub;
@@ -375,10 +385,7 @@ __device__ __forceinline__ void attention(
       __syncwarp();
     }
   };
-  if (vec)
-    rounds(Flag<true>{});
-  else
-    rounds(Flag<false>{});
+  with_flag(vec, rounds);
   for (int r = 0; r < R; ++r) {
     s[r] = warp_sum(s[r]);
     // The KPL lanes that share elements [ve, ve + VE) add up their rows' sums.
@@ -549,10 +556,7 @@ __device__ __forceinline__ void latent_attention(
       __syncwarp();
     }
   };
-  if (vec)
-    rounds(Flag<true>{});
-  else
-    rounds(Flag<false>{});
+  with_flag(vec, rounds);
   for (int r = 0; r < R; ++r) s[r] = warp_sum(s[r]);
 
   // The block's maximum and sum per row, then its weighted sums: each warp's rescaled to the
