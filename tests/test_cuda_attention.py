@@ -207,7 +207,12 @@ def test_latent_decode(H, C, RD, B, T, bits):
     if bits:
         quant = KVQuant(bits=bits, group_size=32)
         latents, k_pe = quant.quantize(latents), quant.quantize(k_pe)
-        lat_ref, pe_ref = latents.dequantize(), k_pe.dequantize()
+        # Dequantised in float32, as the kernel does in registers: a bf16 copy would round
+        # each latent by up to 2^-9 of itself, ~1e-2 at the output of a 9-key row.
+        lat_ref, pe_ref = (
+            mx.dequantize(w, sc.astype(mx.float32), bi.astype(mx.float32), 32, bits)
+            for w, sc, bi in (latents.parts, k_pe.parts)
+        )
     mask = _ragged_valid(B, T, 1, seed=T) if B > 1 else None
     assert cuda_attention.latent_applies(q_lat, q_pe, latents, k_pe)
     out = cuda_attention.latent_attention(q_lat, q_pe, latents, k_pe, scale=0.1, mask=mask)
@@ -215,7 +220,8 @@ def test_latent_decode(H, C, RD, B, T, bits):
     k = mx.concatenate([lat_ref, pe_ref], axis=-1)
     _check(out, _oracle(q, k, lat_ref, 0.1, mask))
     # The widths its loads do not divide stay with the composed form.
-    assert not cuda_attention.latent_applies(q_lat[..., :200], q_pe, lat_ref[..., :200], pe_ref)
+    lat_bf, pe_bf = lat_ref.astype(mx.bfloat16), pe_ref.astype(mx.bfloat16)
+    assert not cuda_attention.latent_applies(q_lat[..., :200], q_pe, lat_bf[..., :200], pe_bf)
 
 
 @cuda_only

@@ -151,13 +151,13 @@ def _rows(rows_per_kv_head: int) -> int:
 MAX_CHUNKS = 64
 
 
-def _chunks(blocks: int, key_rounds: int) -> int:
-    """Chunks of keys per block of rows: about 512 blocks in all (about four per SM of an H200;
-    more chunks than that cost their partial sums and the merge more than they hide: 64 rows
-    of 512-1,024 keys ran 20-25% faster as one chunk than as four, one row fastest at 5-16),
-    no fewer keys per block than its warps take in one round (``key_rounds``: the keys over
-    WARPS x 32), at most MAX_CHUNKS."""
-    return max(1, min(math.ceil(512 / blocks), key_rounds, MAX_CHUNKS))
+def _chunks(blocks: int, key_rounds: int, target: int = 512) -> int:
+    """Chunks of keys per block of rows: about ``target`` blocks in all (512 for ``attention``:
+    about four per SM of an H200; more chunks than that cost their partial sums and the merge
+    more than they hide: 64 rows of 512-1,024 keys ran 20-25% faster as one chunk than as four,
+    one row fastest at 5-16), no fewer keys per block than its warps take in one round
+    (``key_rounds``: the keys over WARPS x 32), at most MAX_CHUNKS."""
+    return max(1, min(math.ceil(target / blocks), key_rounds, MAX_CHUNKS))
 
 
 def attention(
@@ -245,6 +245,14 @@ def _latent_kernel():
 LATENT_SUMS = 64
 
 
+# Blocks in all that ``latent_attention`` aims at (``_chunks``'s target), far fewer than
+# ``attention``'s 512: the last of a row's chunks merges their C + 2 partial sums a head alone,
+# so chunks cost more with C = 512 than with a head dim of 64-128. An H100 (s42, nine shapes
+# of 512-32k keys, 16-128 heads, one to 16 rows): 2-8 chunks a block row ran 10-40% faster
+# than the 32-64 that 512 blocks asked for.
+LATENT_BLOCKS = 32
+
+
 # The most keys, summed over a call's blocks of heads (rows x tiles of heads x keys), for which
 # ``latent_attention`` is faster than the composed form (``latent.composed_attention``). Each
 # tile reads its row's latents itself and each lane walks whole keys, so the kernel's time grows
@@ -329,7 +337,9 @@ def _latent_launch(B, H, C, RD, key_rounds, dtype, key_dtype, scale_dtype, bits,
     """``_launch`` for ``latent_attention``: the tickets and the kernel call's arguments."""
     R = _latent_rows(H, C)
     template = _latent_template(dtype, key_dtype, scale_dtype, C, RD, R, bits, group)
-    return _chunked_launch(template, B * math.ceil(H / R), key_rounds, chunks, (B, H, 1, C), dtype)
+    blocks = B * math.ceil(H / R)
+    chunks = chunks or _chunks(blocks, key_rounds, LATENT_BLOCKS)
+    return _chunked_launch(template, blocks, key_rounds, chunks, (B, H, 1, C), dtype)
 
 
 def _latent_rows(heads: int, latent_dim: int) -> int:
