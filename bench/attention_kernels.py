@@ -37,6 +37,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from bench.run import machine
 from mlxc.runtime.model import cuda_attention
 from mlxc.runtime.model import latent as latent_attention
 from mlxc.runtime.model.cache import KVQuant
@@ -148,7 +149,9 @@ def kv4(B: int, T: int, steps: int) -> dict:
     }
 
 
-def latent(B: int, H: int, C: int, RD: int, T: int, steps: int) -> dict:
+def latent(B: int, H: int, C: int, RD: int, T: int, steps: int, chunks=()) -> dict:
+    """The cell, and the kernel again at each count of ``chunks`` (key chunks per block row,
+    its default's alternatives) as ``mlxc c{n}``."""
     cap = T + steps + 8
     latents = mx.random.normal((B, 1, cap, C)).astype(mx.bfloat16)
     k_pe = mx.random.normal((B, 1, cap, RD)).astype(mx.bfloat16)
@@ -171,7 +174,12 @@ def latent(B: int, H: int, C: int, RD: int, T: int, steps: int) -> dict:
         k = mx.concatenate([c, pe], axis=-1)
         return mx.fast.scaled_dot_product_attention(q, k, c, scale=scale, mask=masks[i])
 
-    return {
+    def kernel(n=None):
+        return lambda i: cuda_attention.latent_attention(
+            q_lat, q_pe, *sl(i), scale=scale, mask=masks[i], chunks=n
+        )
+
+    cell = {
         "ceiling": _time(joined, steps),
         "mlx": _time(
             lambda i: latent_attention.composed_attention(
@@ -179,13 +187,12 @@ def latent(B: int, H: int, C: int, RD: int, T: int, steps: int) -> dict:
             ),
             steps,
         ),
-        "mlxc": _time(
-            lambda i: cuda_attention.latent_attention(
-                q_lat, q_pe, *sl(i), scale=scale, mask=masks[i]
-            ),
-            steps,
-        ),
+        "mlxc": _time(kernel(), steps),
     }
+    for n in chunks:
+        if n <= -(-T // (cuda_attention.WARPS * 32)):  # a round of keys for every warp
+            cell[f"mlxc c{n}"] = _time(kernel(n), steps)
+    return cell
 
 
 def main() -> None:
@@ -195,6 +202,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument(
         "--cases", default="ragged,verify,kv4,latent", help="which cases, comma-separated"
+    )
+    ap.add_argument(
+        "--latent-chunks",
+        default="",
+        help="also time the latent kernel at these chunk counts (comma-separated), besides its"
+        " default (cuda_attention.LATENT_BLOCKS)",
     )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -214,26 +227,33 @@ def main() -> None:
         )
     for B, T in [(1, 2048), (16, 1024)] if "kv4" in cases else []:
         rows.append({"case": "kv4", "batch": B, "keys": T, "queries": 1, **kv4(B, T, args.steps)})
-    # (rows, heads, latent width, rope width, keys): V2-Lite's heads, MiniCPM3's widths, a
-    # ragged batch, and V3's 128 heads (32 tiles of 4 heads a row).
+    # (rows, heads, latent width, rope width, keys): V2-Lite's heads, MiniCPM3's widths, ragged
+    # batches, and V3's 128 heads (32 tiles of 4 heads a row).
     shapes = [(1, 16, 512, 64, 512), (1, 16, 512, 64, 4096), (1, 16, 512, 64, 32768)]
-    shapes += [(1, 40, 256, 32, 4096), (16, 16, 512, 64, 2048), (1, 128, 512, 64, 4096)]
+    shapes += [(1, 40, 256, 32, 4096), (1, 40, 256, 32, 16384), (4, 16, 512, 64, 4096)]
+    shapes += [(16, 16, 512, 64, 2048), (1, 128, 512, 64, 1024), (1, 128, 512, 64, 4096)]
+    chunks = [int(n) for n in args.latent_chunks.split(",") if n]
     for B, H, C, RD, T in shapes if "latent" in cases else []:
         case = f"latent {H}x{C}+{RD}"
-        cell = latent(B, H, C, RD, T, args.steps)
+        cell = latent(B, H, C, RD, T, args.steps, chunks)
         rows.append({"case": case, "batch": B, "keys": T, "queries": 1, **cell})
     for r in rows:
         r["mlx_over_mlxc"] = r["mlx"] / r["mlxc"]
         r["mlxc_over_ceiling"] = r["mlxc"] / r["ceiling"]
         print(json.dumps(r), flush=True)
-    meta = {"device": str(mx.default_device()), "mlx": mx.__version__, "host": platform.node()}
+    meta = {
+        "device": str(mx.default_device()),
+        "mlx": mx.__version__,
+        "host": platform.node(),
+        "commit": machine().get("commit", ""),
+    }
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     lines = [
         "# Attention kernels: mlxc's CUDA kernel against MLX's, microseconds per call",
         "",
         (
-            f"MLX {meta['mlx']}, {meta['device']}; 32 query heads, 8 KV heads, head dim 64, bf16"
+            f"MLX {meta['mlx']}, {meta['device']}, mlxc @ {meta['commit']}; 32 query heads, 8 KV heads, head dim 64, bf16"
             " (latent: heads x latent width + rope width);"
             " median per call of 16-call evaluations. `ceiling`: MLX with no mask on equal rows (ragged), one"
             " query (verify), bf16 keys (kv4), MLX's attention on the joined halves (latent; `MLX`"
@@ -249,6 +269,21 @@ def main() -> None:
             f" {r['mlx']:.1f} | {r['mlxc']:.1f} | {r['mlx_over_mlxc']:.2f}x |"
             f" {r['mlxc_over_ceiling']:.2f}x |"
         )
+    by_chunks = [r for r in rows if any(k.startswith("mlxc c") for k in r)]
+    if by_chunks:
+        lines += [
+            "",
+            (
+                "The latent kernel by key chunks per block row (microseconds per call; `default`:"
+                " `cuda_attention.LATENT_BLOCKS`'s choice):"
+            ),
+            "",
+            "| case | batch | keys | default | by chunks |",
+            "|---|---:|---:|---:|---|",
+        ]
+        for r in by_chunks:
+            each = ", ".join(f"{k[6:]}: {v:.1f}" for k, v in r.items() if k.startswith("mlxc c"))
+            lines.append(f"| {r['case']} | {r['batch']} | {r['keys']} | {r['mlxc']:.1f} | {each} |")
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -279,9 +279,10 @@ def test_warm_finds_the_models_latent_attention(tmp_path):
 
 
 def test_latent_kernel_takes_the_steps_it_is_faster_for(monkeypatch):
-    """``latent_applies`` on CUDA (taken as there on any machine): a single stream's MLA
-    decode step and a small batch's go to the kernel; a long context, a large batch or many
-    heads (past LATENT_TILE_KEYS: the kernel measured slower there) stay composed."""
+    """``latent_applies`` on CUDA (taken as there on any machine): MLA decode steps up to the
+    work the kernel was measured faster for go to it (16 heads to 32k keys a row, 16 rows of
+    2k, 128 heads at 1k); more keys, rows or heads than that stay composed (128 heads at 4k:
+    measured slower; past the measured: LATENT_TILE_KEYS)."""
     monkeypatch.setattr(cuda_attention, "available", lambda: True)
 
     def applies(B, H, T, C=512, RD=64):
@@ -289,8 +290,9 @@ def test_latent_kernel_takes_the_steps_it_is_faster_for(monkeypatch):
         latents, k_pe = (mx.zeros((B, 1, T, n), mx.bfloat16) for n in (C, RD))
         return cuda_attention.latent_applies(q_lat, q_pe, latents, k_pe)
 
-    assert applies(1, 16, 4096) and applies(1, 40, 4096, 256, 32) and applies(4, 16, 700)
-    assert not applies(1, 16, 32768)  # 4 tiles of 4 heads x 32k keys
-    assert not applies(16, 16, 2048)
-    assert not applies(1, 128, 4096)  # 32 tiles
+    assert applies(1, 16, 4096) and applies(1, 40, 16384, 256, 32) and applies(4, 16, 700)
+    assert applies(1, 16, 32768) and applies(16, 16, 2048)  # 4 tiles of 4 heads: 131k
+    assert applies(1, 128, 1024)  # 32 tiles
+    assert not applies(1, 128, 4096)
+    assert not applies(1, 16, 65536) and not applies(64, 16, 1024)  # 262k: not measured
     assert not applies(1, 16, 512, C=200)  # widths its loads do not divide

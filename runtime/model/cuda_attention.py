@@ -253,13 +253,17 @@ LATENT_SUMS = 64
 LATENT_BLOCKS = 32
 
 
-# The most keys, summed over a call's blocks of heads (rows x tiles of heads x keys), for which
-# ``latent_attention`` is faster than the composed form (``latent.composed_attention``). Each
-# tile reads its row's latents itself and each lane walks whole keys, so the kernel's time grows
-# with this sum about twice as fast as the cuBLAS products' (``bench.attention_kernels``, an
-# H100, s41: 1.49-1.57x faster at 2k-20k, 0.66-0.89x at 131k: one row of 32k keys, 16 rows of
-# 2k, 128 heads of 4k). Between, the crossover was not measured; this splits the difference.
-LATENT_TILE_KEYS = 48 * 1024
+# Where ``latent_attention`` is faster than the composed form (``latent.composed_attention``),
+# in keys summed over a call's rows (``B x T``, "row keys"). Each tile of heads reads its row's
+# latents itself, where the composed form's products read them once for all heads. An H100
+# (s42, ``bench.attention_kernels`` and its chunk sweeps, 512-32k keys, one to 16 rows): with
+# 4 tiles (DeepSeek's 16 heads) the kernel's time grew with the row keys about as the composed
+# form's and stayed 1.2-3.2x faster up to 32k row keys (131k tile keys, the most measured); with
+# 32 tiles (128 heads) it was faster at 1k keys, 0.76x at 4k. So: row keys x tiles at most
+# LATENT_TILE_KEYS (past the measured, memory reads would favour the products), and row keys x
+# tiles beyond the fourth at most LATENT_EXTRA_TILE_KEYS.
+LATENT_TILE_KEYS = 160 * 1024
+LATENT_EXTRA_TILE_KEYS = 32 * 1024
 
 
 def latent_applies(q_lat: mx.array, q_pe: mx.array, latents, k_pe) -> bool:
@@ -267,8 +271,8 @@ def latent_applies(q_lat: mx.array, q_pe: mx.array, latents, k_pe) -> bool:
     latents and rope keys as floats of the queries' dtype or both packed alike (a quantised
     cache's ``QuantizedKV``, not a staged one), widths its loads divide (16-byte vectors, or
     words of packed values: C a multiple of 32 of them, RD of one; C at most 32 *
-    LATENT_SUMS), and no more work than LATENT_TILE_KEYS (a single stream's step, a small
-    batch's)."""
+    LATENT_SUMS), and no more work than it was measured faster for (LATENT_TILE_KEYS,
+    LATENT_EXTRA_TILE_KEYS)."""
     if not (available() and q_lat.shape[-2] == 1):
         return False
     dtype = q_lat.dtype
@@ -286,7 +290,12 @@ def latent_applies(q_lat: mx.array, q_pe: mx.array, latents, k_pe) -> bool:
     if not (C % (32 * per_vector) == 0 and C <= 32 * LATENT_SUMS):
         return False
     tiles = -(-H // _latent_rows(H, C))
-    return q_pe.shape[-1] % per_vector == 0 and B * tiles * latents.shape[2] <= LATENT_TILE_KEYS
+    row_keys = B * latents.shape[2]
+    return (
+        q_pe.shape[-1] % per_vector == 0
+        and row_keys * tiles <= LATENT_TILE_KEYS
+        and row_keys * max(0, tiles - 4) <= LATENT_EXTRA_TILE_KEYS
+    )
 
 
 def latent_attention(
