@@ -207,7 +207,7 @@ def main() -> None:
         "--latent-chunks",
         default="",
         help="also time the latent kernel at these chunk counts (comma-separated), besides its"
-        " default (cuda_attention.LATENT_BLOCKS)",
+        " default (cuda_attention.LATENT_BLOCK_SUMS)",
     )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -245,7 +245,7 @@ def main() -> None:
         "device": str(mx.default_device()),
         "mlx": mx.__version__,
         "host": platform.node(),
-        "commit": machine().get("commit", ""),
+        "commit": machine("gpu").get("commit", ""),
     }
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
@@ -275,7 +275,7 @@ def main() -> None:
             "",
             (
                 "The latent kernel by key chunks per block row (microseconds per call; `default`:"
-                " `cuda_attention.LATENT_BLOCKS`'s choice):"
+                " `cuda_attention.LATENT_BLOCK_SUMS`'s choice):"
             ),
             "",
             "| case | batch | keys | default | by chunks |",

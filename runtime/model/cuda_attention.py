@@ -245,12 +245,13 @@ def _latent_kernel():
 LATENT_SUMS = 64
 
 
-# Blocks in all that ``latent_attention`` aims at (``_chunks``'s target), far fewer than
-# ``attention``'s 512: the last of a row's chunks merges their C + 2 partial sums a head alone,
-# so chunks cost more with C = 512 than with a head dim of 64-128. An H100 (s42, nine shapes
-# of 512-32k keys, 16-128 heads, one to 16 rows): 2-8 chunks a block row ran 10-40% faster
-# than the 32-64 that 512 blocks asked for.
-LATENT_BLOCKS = 32
+# Blocks in all times the latent width that ``latent_attention`` aims at (``_chunks``'s target
+# is this over C): far fewer blocks than ``attention``'s 512, as the last of a row's chunks merges
+# their C + 2 partial sums a head alone, so a chunk costs more the wider the latents. An H100
+# (s42, ``bench.attention_kernels --latent-chunks``: 512-32k keys, 16-128 heads, one to 16 rows):
+# at C = 512 2-8 chunks a block row ran 10-40% faster than the 32-64 that 512 blocks asked for;
+# at C = 256 (MiniCPM3's 40 heads, 5 tiles) 16 chunks 15% faster than 8.
+LATENT_BLOCK_SUMS = 32 * 512
 
 
 # Where ``latent_attention`` is faster than the composed form (``latent.composed_attention``),
@@ -347,7 +348,7 @@ def _latent_launch(B, H, C, RD, key_rounds, dtype, key_dtype, scale_dtype, bits,
     R = _latent_rows(H, C)
     template = _latent_template(dtype, key_dtype, scale_dtype, C, RD, R, bits, group)
     blocks = B * math.ceil(H / R)
-    chunks = chunks or _chunks(blocks, key_rounds, LATENT_BLOCKS)
+    chunks = chunks or _chunks(blocks, key_rounds, LATENT_BLOCK_SUMS // C)
     return _chunked_launch(template, blocks, key_rounds, chunks, (B, H, 1, C), dtype)
 
 
