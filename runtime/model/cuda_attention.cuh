@@ -47,6 +47,20 @@ __device__ __forceinline__ float online_softmax(float x, float& m, float& s, flo
   m = mn;
   return f;
 }
+// A key round's weights: each of R rows' score of this lane's key (``d``; ``use(r)``: whether
+// row r may attend to the key) through the online softmax, the row's NA weighted sums rescaled,
+// and its weight for the key in shared memory (``pw[r][lane]``) for the value pass.
+template <int R, int NA, typename Use>
+__device__ __forceinline__ void round_weights(const float* d, float* m, float* s,
+    float (&acc)[R][NA], float (&pw)[R][32], int lane, const Use& use) {
+  const float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
+  for (int r = 0; r < R; ++r) {
+    float p;
+    const float f = online_softmax(use(r) ? d[r] : NEG_INF, m[r], s[r], p);
+    for (int j = 0; j < NA; ++j) acc[r][j] *= f;
+    pw[r][lane] = p;
+  }
+}
 // VE elements of a row from element e0 (a multiple of VE), as floats. Float rows: one 16-byte
 // load where the head dim is contiguous and aligned (``vec``), else one element at a time.
 // Packed rows (MLX's affine layout: values low bits first in uint32 words, a scale and a bias
@@ -335,15 +349,13 @@ __device__ __forceinline__ void attention(
           key_scores<R, VE, D>(
               qs, 0, [&](int e0, float* out) { load_staged_key(t, e0, out); }, d);
       }
-      for (int r = 0; r < R; ++r) {
+      round_weights(d, m, s, acc, ps[warp], lane, [&](int r) {
         bool use = t < end;
         if (use && mask_kind == 1) use = t <= Tk - L + rl[r];
-        else if (use && mask_kind == 2) use = mask[at4(mask_shape, mask_strides, b, rh[r], rl[r], t)];
-        float p;
-        const float f = online_softmax(use ? d[r] : NEG_INF, m[r], s[r], p);
-        for (int j = 0; j < VE; ++j) acc[r][j] *= f;
-        ps[warp][r][lane] = p;
-      }
+        else if (use && mask_kind == 2)
+          use = mask[at4(mask_shape, mask_strides, b, rh[r], rl[r], t)];
+        return use;
+      });
       __syncwarp();
       // KPL value rows per warp load, and UV such loads issued before any is used: the loads
       // overlap.
@@ -526,14 +538,11 @@ __device__ __forceinline__ void latent_attention(
         key_scores<R, VE, C>(qs, 0, [&](int e0, float* out) { load_latent(t, e0, out); }, d);
         key_scores<R, VE, RD>(qs, C, [&](int e0, float* out) { load_rope(t, e0, out); }, d);
       }
-      for (int r = 0; r < R; ++r) {
+      round_weights(d, m, s, acc, ps[warp], lane, [&](int r) {
         bool use = t < end;
         if (use && masked) use = mask[at4(mask_shape, mask_strides, b, rh[r], 0, t)];
-        float p;
-        const float f = online_softmax(use ? d[r] : NEG_INF, m[r], s[r], p);
-        for (int j = 0; j < NV; ++j) acc[r][j] *= f;
-        ps[warp][r][lane] = p;
-      }
+        return use;
+      });
       __syncwarp();
       // The 32 latents as values: a row per load, this lane's NV elements of each; the loads of
       // UV rows (about 32 floats) issued before any is used.
