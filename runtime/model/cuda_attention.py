@@ -259,8 +259,8 @@ LATENT_BLOCK_SUMS = 32 * 512
 # latents itself, where the composed form's products read them once for all heads. An H100
 # (s42, ``bench.attention_kernels`` and its chunk sweeps, 512-32k keys, one to 16 rows): with
 # 4 tiles (DeepSeek's 16 heads) the kernel's time grew with the row keys about as the composed
-# form's and stayed 1.2-3.2x faster up to 32k row keys (131k tile keys, the most measured); with
-# 32 tiles (128 heads) it was faster at 1k keys, 0.76x at 4k. So: row keys x tiles at most
+# form's and stayed 1.16-3.22x faster up to 32k row keys (131k tile keys, the most measured);
+# with 32 tiles (128 heads) 1.15-1.64x at 1k keys, 0.76-1.03x at 4k. So: row keys x tiles at most
 # LATENT_TILE_KEYS (past the measured, memory reads would favour the products), and row keys x
 # tiles beyond the fourth at most LATENT_EXTRA_TILE_KEYS.
 LATENT_TILE_KEYS = 160 * 1024
