@@ -241,21 +241,33 @@ def main() -> None:
         r["mlx_over_mlxc"] = r["mlx"] / r["mlxc"]
         r["mlxc_over_ceiling"] = r["mlxc"] / r["ceiling"]
         print(json.dumps(r), flush=True)
-    meta = {
+    meta = _meta()
+    with open(args.out + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(_markdown(meta, rows))
+
+
+def _meta() -> dict:
+    """The run's machine and versions, and the commit measured."""
+    return {
         "device": str(mx.default_device()),
         "mlx": mx.__version__,
         "host": platform.node(),
         "commit": machine("gpu").get("commit", ""),
     }
-    with open(args.out + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+def _markdown(meta: dict, rows: list[dict]) -> str:
+    """The results file's text: a row a cell, then the latent kernel by chunk counts (where
+    ``--latent-chunks`` timed them)."""
     lines = [
         "# Attention kernels: mlxc's CUDA kernel against MLX's, microseconds per call",
         "",
         (
-            f"MLX {meta['mlx']}, {meta['device']}, mlxc @ {meta['commit']}; 32 query heads, 8 KV heads, head dim 64, bf16"
-            " (latent: heads x latent width + rope width);"
-            " median per call of 16-call evaluations. `ceiling`: MLX with no mask on equal rows (ragged), one"
+            f"MLX {meta['mlx']}, {meta['device']}, mlxc @ {meta['commit']}; 32 query heads, 8 KV"
+            " heads, head dim 64, bf16 (latent: heads x latent width + rope width); median per"
+            " call of 16-call evaluations. `ceiling`: MLX with no mask on equal rows (ragged), one"
             " query (verify), bf16 keys (kv4), MLX's attention on the joined halves (latent; `MLX`"
             " there: the composed form mlxc ran before the kernel)."
         ),
@@ -284,8 +296,7 @@ def main() -> None:
         for r in by_chunks:
             each = ", ".join(f"{k[6:]}: {v:.1f}" for k, v in r.items() if k.startswith("mlxc c"))
             lines.append(f"| {r['case']} | {r['batch']} | {r['keys']} | {r['mlxc']:.1f} | {each} |")
-    with open(args.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
