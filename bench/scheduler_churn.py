@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> None:
             models.write_checkpoint(path, "llama", args.size)
             models.write_tokenizer(path, models.config("llama", args.size)["vocab_size"])
         model, tokenizer = load_model(str(path)), load_tokenizer(path)
+    if tokenizer is None:
+        raise SystemExit(f"no tokenizer in {path}: the scheduler needs one to decode its answers")
     scheduler = Scheduler(
         model, tokenizer, max_concurrency=args.rows, max_queue=args.requests, prefix_cache_bytes=0
     )
