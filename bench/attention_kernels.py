@@ -24,6 +24,7 @@ graph builds per shape are in), and reports the median microseconds per call; th
 the medium llama's attention (32 query heads, 8 KV heads, head dim 64).
 
     python -m bench.attention_kernels --out bench/results/attention-kernels-gpu-h200
+    python -m bench.attention_kernels --against before.cuh --out NAME  # an A/B of two headers
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -195,7 +199,7 @@ def latent(B: int, H: int, C: int, RD: int, T: int, steps: int, chunks=()) -> di
     return cell
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -209,8 +213,24 @@ def main() -> None:
         help="also time the latent kernel at these chunk counts (comma-separated), besides its"
         " default (cuda_attention.LATENT_BLOCK_SUMS)",
     )
+    ap.add_argument(
+        "--header",
+        help="time the kernels of this copy of cuda_attention.cuh, not the package's",
+    )
+    ap.add_argument(
+        "--against",
+        help="a copy of cuda_attention.cuh to A/B against: each side runs in processes of its own"
+        " (MLX keys a kernel by its source string, which only #includes the header), in"
+        " alternating rounds, and the report sets the medians side by side",
+    )
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of an --against A/B")
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.against:
+        _ab(args)
+        return
+    if args.header:
+        cuda_attention._HEADER = cuda_attention.include_header(Path(args.header).resolve())
     if not cuda_attention.available():
         raise SystemExit(
             "bench.attention_kernels needs MLX's CUDA backend (the kernels are CUDA's)"
@@ -241,11 +261,52 @@ def main() -> None:
         r["mlx_over_mlxc"] = r["mlx"] / r["mlxc"]
         r["mlxc_over_ceiling"] = r["mlxc"] / r["ceiling"]
         print(json.dumps(r), flush=True)
-    meta = _meta()
+    meta = _meta() | {"header": args.header or "the package's"}
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     with open(args.out + ".md", "w") as f:
         f.write(_markdown(meta, rows))
+
+
+def _ab(args) -> None:
+    """The cases with the package's header ("here") and with ``--against``, alternating, each
+    run a process of its own; per cell the median of each side's rounds."""
+    common = ["--steps", str(args.steps), "--cases", args.cases]
+    common += ["--latent-chunks", args.latent_chunks]
+    runs = {"here": [], "against": []}
+    for i in range(args.rounds):
+        for side, extra in (("here", []), ("against", ["--header", args.against])):
+            out = f"{args.out}.{side}{i}"
+            cmd = [sys.executable, "-m", "bench.attention_kernels", *common, *extra, "--out", out]
+            subprocess.run(cmd, check=True)
+            runs[side].append(json.loads(Path(out + ".json").read_text()))
+    meta = runs["here"][0]["meta"] | {"against": args.against, "rounds": args.rounds}
+    rows = _paired([r["rows"] for r in runs["here"]], [r["rows"] for r in runs["against"]])
+    with open(args.out + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(_markdown(meta, rows))
+
+
+def _paired(here: list[list[dict]], against: list[list[dict]]) -> list[dict]:
+    """Each cell's median over the rounds of "here", its kernel's median over those of
+    "against" as ``mlxc against``, and the two sides' ratio."""
+
+    def key(r: dict) -> tuple:
+        return r["case"], r["batch"], r["keys"], r["queries"]
+
+    rows = []
+    for cells in zip(*here, strict=True):
+        row = dict(cells[0])
+        for name in [k for k in row if isinstance(row[k], float)]:
+            row[name] = statistics.median(c[name] for c in cells)
+        there = [r for rnd in against for r in rnd if key(r) == key(row)]
+        row["mlx_over_mlxc"] = row["mlx"] / row["mlxc"]
+        row["mlxc_over_ceiling"] = row["mlxc"] / row["ceiling"]
+        row["mlxc against"] = statistics.median(r["mlxc"] for r in there)
+        row["against_over_here"] = row["mlxc against"] / row["mlxc"]
+        rows.append(row)
+    return rows
 
 
 def _meta() -> dict:
@@ -296,6 +357,23 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
         for r in by_chunks:
             each = ", ".join(f"{k[6:]}: {v:.1f}" for k, v in r.items() if k.startswith("mlxc c"))
             lines.append(f"| {r['case']} | {r['batch']} | {r['keys']} | {r['mlxc']:.1f} | {each} |")
+    if rows and "mlxc against" in rows[0]:
+        lines += [
+            "",
+            (
+                f"mlxc's kernels against those of `{meta['against']}` (medians of"
+                f" {meta['rounds']} alternating rounds, each side a process of its own;"
+                " microseconds per call):"
+            ),
+            "",
+            "| case | batch | keys | queries | mlxc | against | against / mlxc |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in rows:
+            lines.append(
+                f"| {r['case']} | {r['batch']} | {r['keys']} | {r['queries']} | {r['mlxc']:.1f} |"
+                f" {r['mlxc against']:.1f} | {r['against_over_here']:.2f}x |"
+            )
     return "\n".join(lines) + "\n"
 
 
