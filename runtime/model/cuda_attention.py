@@ -347,9 +347,8 @@ def _latent_launch(B, H, C, RD, key_rounds, dtype, key_dtype, scale_dtype, bits,
     """``_launch`` for ``latent_attention``: the tickets and the kernel call's arguments."""
     R = _latent_rows(H, C)
     template = _latent_template(dtype, key_dtype, scale_dtype, C, RD, R, bits, group)
-    blocks = B * math.ceil(H / R)
-    chunks = chunks or _chunks(blocks, key_rounds, LATENT_BLOCK_SUMS // C)
-    return _chunked_launch(template, blocks, key_rounds, chunks, (B, H, 1, C), dtype)
+    blocks, target = B * math.ceil(H / R), LATENT_BLOCK_SUMS // C
+    return _chunked_launch(template, blocks, key_rounds, chunks, (B, H, 1, C), dtype, target)
 
 
 def _latent_rows(heads: int, latent_dim: int) -> int:
@@ -416,13 +415,16 @@ def _launch(B, Hq, L, D, n_kv, key_rounds, dtype, key_dtype, scale_dtype, bits, 
     return _chunked_launch(template, blocks, key_rounds, chunks, (B, Hq, L, D), dtype)
 
 
-def _chunked_launch(template, blocks: int, key_rounds: int, chunks, out_shape, dtype):
+def _chunked_launch(
+    template, blocks: int, key_rounds: int, chunks, out_shape, dtype, target: int = 512
+):
     """Either kernel's launch: ``blocks`` block rows, each over ``chunks`` chunks of keys (by
-    default ``_chunks``), the output ``out_shape`` (its last dim the weighted sums a row) and,
-    chunked, the chunks' shares; and the tickets the chunks need (0 for one chunk)."""
+    default ``_chunks`` towards ``target`` blocks), the output ``out_shape`` (its last dim the
+    weighted sums a row) and, chunked, the chunks' shares; and the tickets the chunks need (0
+    for one chunk)."""
     if chunks is not None and not 1 <= chunks <= MAX_CHUNKS:
         raise ValueError(f"chunks must be 1 to {MAX_CHUNKS}, not {chunks}")
-    n_chunks = chunks or _chunks(blocks, key_rounds)
+    n_chunks = chunks or _chunks(blocks, key_rounds, target)
     part = (1,) if n_chunks == 1 else (math.prod(out_shape[:-1]), n_chunks, out_shape[-1] + 2)
     launch = {
         "template": template,
