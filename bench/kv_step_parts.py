@@ -37,8 +37,11 @@ a plain loop that splits a step into building its graph (host, Python) and evalu
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
+import io
 import json
+import pstats
 import statistics
 import sys
 import tempfile
@@ -54,6 +57,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also profile each variant's graph building (cProfile) and report its N costliest "
+        "functions by own and by cumulative time (OUT-profile.txt, or printed)",
+    )
     args = p.parse_args(argv)
 
     from mlxc.runtime import blas
@@ -126,7 +137,9 @@ def main(argv: list[str] | None = None) -> None:
         cuda_attention.applies = (
             through_kernel if "k" in options else float_only if "d" in options else real_applies
         )
-        cuda_attention._chunks = (lambda blocks, key_rounds: 1) if "c" in options else real_chunks
+        cuda_attention._chunks = (
+            (lambda blocks, key_rounds, target=512: 1) if "c" in options else real_chunks
+        )
         cuda_attention.TICKETS = FreshTickets() if "z" in options else real_tickets
         cuda_attention._launch.cache_clear()  # launches planned under the other _chunks
 
@@ -136,14 +149,18 @@ def main(argv: list[str] | None = None) -> None:
             times.append(time.perf_counter())
         return args.tokens / (times[-1] - times[0])
 
-    def split_loop(kv_quant) -> tuple[float, float]:
+    def split_loop(kv_quant, profiler=None) -> tuple[float, float]:
         cache = kv.make_caches(model, kv_quant)
         y = mx.argmax(model(mx.array([ids]), cache=cache)[:, -1, :], axis=-1)
         mx.eval(y)
         builds, evals = [], []
         for _ in range(args.tokens):
             t0 = time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
             y = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
+            if profiler is not None:
+                profiler.disable()
             t1 = time.perf_counter()
             mx.eval(y)
             builds.append(t1 - t0)
@@ -164,6 +181,16 @@ def main(argv: list[str] | None = None) -> None:
         for name, (kv_quant, options) in variants.items():
             patched(options)
             split[name] = split_loop(kv_quant)
+        profiles = {}
+        for name, (kv_quant, options) in variants.items() if args.profile else ():
+            patched(options)
+            profiler = cProfile.Profile()
+            split_loop(kv_quant, profiler)
+            report = io.StringIO()
+            stats = pstats.Stats(profiler, stream=report)
+            for key in ("tottime", "cumulative"):
+                stats.sort_stats(key).print_stats(args.profile)
+            profiles[name] = report.getvalue()
     finally:
         patched({})
 
@@ -207,6 +234,15 @@ def main(argv: list[str] | None = None) -> None:
             json.dumps({"args": vars(args), "device": device, "variants": rows}, indent=1)
         )
         out.with_suffix(".md").write_text(text)
+    if profiles:
+        report = "".join(
+            f"## {name}: building {args.tokens} steps' graphs under cProfile\n{text}\n"
+            for name, text in profiles.items()
+        )
+        if args.out:
+            Path(f"{args.out}-profile.txt").write_text(report)
+        else:
+            print(report)
 
 
 if __name__ == "__main__":
