@@ -172,6 +172,39 @@ def test_staged(bits, group, D, L, T, recent):
 
 
 @cuda_only
+def test_staged_cache_steps_replay_compiled():
+    """Decode steps on a quantised cache (``QuantizedKVCache``, staging on CUDA) hand the
+    kernel its whole buffers and the live lengths, and the call replays compiled while the
+    shapes hold: each step's output must follow the new lengths (a replayed trace that kept
+    the first step's would read stale keys), across flushes of the stage and the packed
+    buffers' growth past 256 tokens."""
+    from mlxc.runtime.model.cache import QuantizedKVCache, StagedKV
+
+    B, Hq, Hkv, D = 1, 8, 2, 64
+    quant = KVQuant(bits=4, group_size=64)
+    cache = QuantizedKVCache(quant)
+    key = mx.random.key(7)
+    k, v = (
+        mx.random.normal((B, Hkv, 200, D), key=kk).astype(mx.bfloat16)
+        for kk in mx.random.split(key)
+    )
+    cache.update_and_fetch(k, v)
+    all_k, all_v = k, v
+    for step in range(90):
+        kk = mx.random.split(mx.random.key(step), 3)
+        q = mx.random.normal((B, Hq, 1, D), key=kk[0]).astype(mx.bfloat16)
+        k1, v1 = (mx.random.normal((B, Hkv, 1, D), key=x).astype(mx.bfloat16) for x in kk[1:])
+        keys, values = cache.update_and_fetch(k1, v1)
+        assert isinstance(keys, StagedKV) and keys.buffers
+        got = layers.attend(q, keys, values, scale=0.125, mask=None)
+        all_k, all_v = mx.concatenate([all_k, k1], axis=2), mx.concatenate([all_v, v1], axis=2)
+        want = _oracle(
+            q, quant.quantize(all_k).dequantize(), quant.quantize(all_v).dequantize(), 0.125, None
+        )
+        _check(got, want)
+
+
+@cuda_only
 def test_attend_routes_here_only_where_mlx_has_no_fast_path():
     q, k, v = _inputs(2, 8, 2, 1, 64, 64, seed=0)
     mask = _ragged_valid(2, 64, 1, seed=0)

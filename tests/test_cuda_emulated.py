@@ -51,7 +51,7 @@ class Kernel:
 
 def attention_kernel(kt: str, D: int, R: int, bits: int, group: int) -> Kernel:
     """``cuda_attention.attention``'s kernel, on keys of C++ type ``kt``."""
-    types = ["float", kt, kt, *["float"] * 6, "bool", "float", "float", "uint32_t"]
+    types = ["float", kt, kt, *["float"] * 6, "bool", "float", "float", "int32_t", "uint32_t"]
     constants = (
         f"using T = float; using KT = {kt}; using S = float; constexpr int D = {D}, R = {R}, "
         f"BITS = {bits}, GS = {group}, WARPS = {ca.WARPS};"
@@ -170,14 +170,17 @@ def test_kernel_matches_mlx(
     k_buf, v_buf = (rng.standard_normal((B, Hkv, cap, D), np.float32) for _ in range(2))
     none = np.zeros(1, np.float32)
     k_recent = v_recent = np.zeros((1, 1, 1, 1), np.float32)  # the kernel's "none"
+    lengths = np.array([T, 0], np.int32)  # the keys the kernel reads of each buffer
     if bits:
         # Tokens [packed, T) go in as floats (a cache's staged tokens), which the kernel
-        # rounds as quantising them does: the oracle reads every token dequantised.
+        # rounds as quantising them does: the oracle reads every token dequantised. The
+        # packed buffers go in whole, their first ``packed`` tokens live, as a cache's do.
         packed = T - recent
+        lengths = np.array([packed, recent], np.int32)
         parts = {}
         for name, buf in (("k", k_buf), ("v", v_buf)):
             w, s, b = mx.quantize(mx.array(buf), group_size=group, bits=bits)
-            parts[name] = [np.array(p)[:, :, :packed] for p in (w, s, b)]
+            parts[name] = [np.array(p) for p in (w, s, b)]
             dequant = mx.dequantize(w, s, b, group_size=group, bits=bits)
             parts[name + "_ref"] = np.array(dequant)[:, :, :T]
         k, k_scales, k_biases = parts["k"]
@@ -188,15 +191,15 @@ def test_kernel_matches_mlx(
             step = 2 if strided else 1  # strided: every other element (no vector loads)
             for buf, own in zip((k_buf, v_buf), staged):
                 own[:, :, :recent, : D * step : step] = buf[:, :, packed:T]
-            k_recent, v_recent = (a[:, :, :recent, : D * step : step] for a in staged)
+            k_recent, v_recent = (a[:, :, :, : D * step : step] for a in staged)
     else:
         k_scales = k_biases = v_scales = v_biases = none
         if strided:  # every other element of a twice-wider head dim: no vector loads
             wide = [np.zeros((B, Hkv, cap, 2 * D), np.float32) for _ in range(2)]
             wide[0][..., ::2], wide[1][..., ::2] = k_buf, v_buf
-            k, v = wide[0][:, :, :T, ::2], wide[1][:, :, :T, ::2]
+            k, v = wide[0][..., ::2], wide[1][..., ::2]
         else:
-            k, v = k_buf[:, :, :T], v_buf[:, :, :T]
+            k, v = k_buf, v_buf
         k_ref, v_ref = k_buf[:, :, :T], v_buf[:, :, :T]
 
     column, query = np.arange(T)[None, :], np.arange(L)[:, None]
@@ -216,7 +219,7 @@ def test_kernel_matches_mlx(
     flags = np.array([scale, mask_kind, float(with_sinks)], np.float32)
     inputs = [
         q, k, v, k_scales, k_biases, v_scales, v_biases, k_recent, v_recent, mask, sinks, flags,
-        np.zeros(blocks, np.uint32),  # the chunks' tickets
+        lengths, np.zeros(blocks, np.uint32),  # the chunks' tickets
     ]  # fmt: skip
     arrays = dict(zip(ca._INPUTS, [none if a is None else a for a in inputs], strict=True))
     kt = "uint32_t" if bits else "float"
@@ -286,6 +289,8 @@ def _emulated_kernel(tmp: Path):
         (2, 8, 2, 1, 300, 64, 0, "ragged", False, 0),  # a decode batch: chunks merged
         (1, 4, 4, 4, 200, 64, 0, "causal array", False, 0),  # an [L, T] mask, raised to 4-d
         (1, 8, 2, 1, 270, 64, 4, "none", False, 9),  # one stream on a staged 4-bit cache
+        (1, 8, 2, 3, 150, 64, 4, "causal", False, 6),  # a verification on a staged cache
+        (2, 8, 2, 1, 200, 64, 4, "ragged", False, 5),  # a staged decode batch
         (2, 4, 2, 3, 150, 128, 8, "causal", True, 0),  # a verification on 8-bit keys, sinks
     ],
 )
@@ -293,10 +298,20 @@ def test_attention_call_matches_mlx(
     tmp_path, monkeypatch, B, Hq, Hkv, L, T, D, bits, mask_kind, with_sinks, recent
 ):
     """``attention`` itself, its launch included (rows per block, chunks, tickets, the mask's
-    rank, the flags), run by the emulator in place of MLX's kernel call."""
+    rank, the flags, the live lengths), run by the emulator in place of MLX's kernel call. A
+    staged cache's whole buffers (``StagedKV.buffers``, live tokens first) go through the
+    compiled call unless a mask array comes with them; here ``mx.compile`` is the identity
+    (the emulator runs on real arrays, not a trace) that counts its calls."""
     from mlxc.runtime.model.cache import KVQuant, StagedKV
 
     monkeypatch.setattr(ca, "_kernel", lambda: _emulated_kernel(tmp_path))
+    replays = []
+
+    def counted(fn):
+        return lambda *inputs: replays.append(1) or fn(*inputs)
+
+    monkeypatch.setattr(mx, "compile", counted)
+    ca._launch.cache_clear()  # launches made elsewhere hold MLX's compiled calls
     rng = np.random.default_rng(T + L)
     q, k, v = (
         mx.array(rng.standard_normal(shape, np.float32))
@@ -307,8 +322,19 @@ def test_attention_call_matches_mlx(
         quant = KVQuant(bits, 64)
         packed = T - recent
         keys, values = (quant.quantize(x[:, :, :packed]) for x in (k, v))
-        if recent:
-            keys, values = StagedKV(keys, k[:, :, packed:]), StagedKV(values, v[:, :, packed:])
+        if recent:  # the cache's buffers, 7 tokens wider than the live ones
+            more = [mx.array(rng.standard_normal((B, Hkv, 7, D), np.float32)) for _ in "kv"]
+            keys, values = (
+                StagedKV(
+                    quant.quantize(mx.concatenate([x[:, :, :packed], m], axis=2)),
+                    mx.concatenate([x[:, :, packed:], m], axis=2),
+                    packed,
+                    recent,
+                    buffers=True,
+                )
+                for x, m in zip((k, v), more)
+            )
+            assert keys.shape == (B, Hkv, T, D)
         k_ref, v_ref = keys.dequantize(), values.dequantize()
     column, query = np.arange(T)[None, :], np.arange(L)[:, None]
     mask = None
@@ -320,7 +346,11 @@ def test_attention_call_matches_mlx(
     elif mask_kind == "causal":
         mask = "causal"
     sinks = mx.array(rng.standard_normal(Hq).astype(np.float32)) if with_sinks else None
-    got = ca.attention(q, keys, values, scale=D**-0.5, mask=mask, sinks=sinks)
+    try:
+        got = ca.attention(q, keys, values, scale=D**-0.5, mask=mask, sinks=sinks)
+    finally:
+        ca._launch.cache_clear()  # nor may others meet these launches' stand-in compiles
+    assert len(replays) == (recent > 0 and not isinstance(mask, mx.array))
     want = mx.fast.scaled_dot_product_attention(
         q, k_ref, v_ref, scale=D**-0.5, mask=mask, sinks=sinks, stream=mx.cpu
     )

@@ -56,7 +56,7 @@ using Strides = cuda::std::array<int64_t, 10>;
 """
 CUDA_TYPES = {
     mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float",
-    mx.uint32: "uint32_t", mx.bool_: "bool",
+    mx.uint32: "uint32_t", mx.int32: "int32_t", mx.bool_: "bool",
 }  # fmt: skip
 
 
@@ -128,7 +128,7 @@ VARIANTS = [
 def test_nvrtc_compiles_the_kernel(dtype, bits, head_dim, rows):
     key = mx.uint32 if bits else dtype
     dtypes = [dtype, key, key, dtype, dtype, dtype, dtype, dtype, dtype, mx.bool_, dtype]
-    inputs = list(zip(ca._INPUTS, [*dtypes, mx.float32, mx.uint32], strict=True))
+    inputs = list(zip(ca._INPUTS, [*dtypes, mx.float32, mx.int32, mx.uint32], strict=True))
     outputs = list(zip(ca._OUTPUTS, [dtype, mx.float32], strict=True))
     template = ca._template(dtype, key, dtype, head_dim, rows, bits, 64 if bits else 1)
     result, log = _compile(_kernel_source(inputs, outputs, template))

@@ -334,11 +334,15 @@ def test_staged_tokens_are_the_newest_and_flush_as_if_quantised_on_arrival(rng, 
         for g, w in zip(got, want):
             if isinstance(g, StagedKV):
                 staged_seen += 1
-                P = g.packed.shape[2]
-                assert ours.staged == g.recent.shape[2] and P + ours.staged == w.shape[2]
+                P = g.n_packed
+                assert ours.staged == g.n_recent and P + ours.staged == w.shape[2]
+                assert g.shape == w.shape
+                # Full KV hands its whole buffers (live tokens first); a window its slices.
+                assert g.buffers == (window is None)
+                assert g.buffers or g.packed.shape[2] == P
                 packed_w = quant.quantize(w[:, :, :P]).dequantize()
-                assert mx.array_equal(g.packed.dequantize(), packed_w)
-                assert mx.array_equal(g.recent, w[:, :, P:])
+                assert mx.array_equal(g.packed[:, :, :P].dequantize(), packed_w)
+                assert mx.array_equal(g.recent[:, :, : g.n_recent], w[:, :, P:])
                 assert mx.array_equal(g.dequantize(), quant.quantize(w).dequantize())
             else:
                 assert n > QuantizedKVCache.STAGE // 2 and ours.staged == 0  # a long chunk

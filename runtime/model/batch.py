@@ -469,29 +469,24 @@ class BatchStaging(StagingMixin):
             index = mx.array(rows)
             self.recent_keys = self.recent_keys[index]
             self.recent_values = self.recent_values[index]
-        self._packed_live = None
         super().keep_rows(rows)
 
     def _compact(self) -> None:
         self.flush()
         super()._compact()
-        self._packed_live = None
 
     def extend(self, caches: list[KVCache]) -> None:
         self.flush()
-        self._packed_live = None
         super().extend(caches)
 
     def append_batch(self, other: BatchKVCache) -> None:
         self.flush()
         other.flush()
-        self._packed_live = None
         super().append_batch(other)
 
     def place(self, slots: list[int], other: BatchKVCache) -> None:
         self.flush()
         other.flush()
-        self._packed_live = None
         super().place(slots, other)
 
     def row_prefix_block(self, b: int) -> list[mx.array] | None:

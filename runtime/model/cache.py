@@ -432,23 +432,37 @@ def _nibbles(dtype: mx.Dtype) -> Callable[[mx.array], tuple[mx.array, mx.array]]
 
 class StagedKV:
     """A quantised cache's live keys or values while its newest tokens are staged in float
-    (``QuantizedKVCache``): ``packed`` (``QuantizedKV`` ``[B, H, P, D]``, the older tokens),
-    then ``recent`` (float ``[B, H, n, D]``), which every reader takes as quantising would
-    store them: mlxc's CUDA kernel rounds them in registers (``cuda_attention``),
-    ``dequantize`` through ``mx.quantize``. ``shape`` is the whole window's."""
+    (``QuantizedKVCache``): the first ``n_packed`` tokens of ``packed`` (``QuantizedKV``
+    ``[B, H, P, D]``, the older tokens), then the first ``n_recent`` of ``recent`` (float
+    ``[B, H, n, D]``), which every reader takes as quantising would store them: mlxc's CUDA
+    kernel rounds them in registers (``cuda_attention``), ``dequantize`` through
+    ``mx.quantize``. The counts default to the arrays' lengths; ``buffers``: the arrays are
+    the cache's buffers themselves, whose shapes hold from step to step until they grow (so
+    the kernel's call replays compiled). ``shape`` is the live window's."""
 
-    def __init__(self, packed: QuantizedKV, recent: mx.array) -> None:
+    def __init__(
+        self,
+        packed: QuantizedKV,
+        recent: mx.array,
+        n_packed: int | None = None,
+        n_recent: int | None = None,
+        buffers: bool = False,
+    ) -> None:
         self.packed = packed
         self.recent = recent
+        self.n_packed = packed.shape[2] if n_packed is None else n_packed
+        self.n_recent = recent.shape[2] if n_recent is None else n_recent
+        self.buffers = buffers
 
     @property
     def shape(self) -> tuple[int, ...]:
-        B, H, P, D = self.packed.shape
-        return (B, H, P + self.recent.shape[2], D)
+        B, H, _, D = self.recent.shape
+        return (B, H, self.n_packed + self.n_recent, D)
 
     def dequantize(self) -> mx.array:
-        recent = self.packed.quant.quantize(self.recent)
-        return mx.concatenate([self.packed.dequantize(), recent.dequantize()], axis=2)
+        packed = self.packed[:, :, : self.n_packed].dequantize()
+        recent = self.packed.quant.quantize(self.recent[:, :, : self.n_recent])
+        return mx.concatenate([packed, recent.dequantize()], axis=2)
 
 
 def dense(kv: mx.array | QuantizedKV | StagedKV | None) -> mx.array | None:
@@ -514,7 +528,6 @@ class StagingMixin:
         self.recent_keys: mx.array | None = None  # [B, H, STAGE, D], the staged tokens first
         self.recent_values: mx.array | None = None
         self.staged = 0  # the newest tokens held, in the recent buffers
-        self._packed_live: tuple[QuantizedKV, QuantizedKV] | None = None  # see _packed
 
     def update_and_fetch(
         self, keys: mx.array, values: mx.array | None = None
@@ -522,7 +535,6 @@ class StagingMixin:
         n_new = keys.shape[2]
         if not self._stages(keys, values):
             self.flush()
-            self._packed_live = None
             return super().update_and_fetch(keys, values)
         if self.staged + n_new > self.STAGE:
             self.flush()
@@ -535,17 +547,23 @@ class StagingMixin:
         self.recent_values[:, :, start:end] = values
         self.staged = end
         self._advance(n_new)
-        packed_keys, packed_values = self._packed_window(n_new)
+        packed_keys, packed_values, n_packed = self._packed_window(n_new)
+        # The whole buffers where the packed tokens are a prefix of them (no slices to build
+        # a step; the kernel reads the live lengths).
+        buffers = packed_keys is self.keys
         fetched = (
-            StagedKV(packed_keys, self.recent_keys[:, :, :end]),
-            StagedKV(packed_values, self.recent_values[:, :, :end]),
+            StagedKV(packed_keys, self.recent_keys, n_packed, end, buffers),
+            StagedKV(packed_values, self.recent_values, n_packed, end, buffers),
         )
-        self._after_staging()  # the views hold the buffers as they are now, whatever it moves
+        # The forward reads them before the cache writes again; a window's drops move only
+        # packed tokens, of which it fetched slices.
+        self._after_staging()
         return fetched
 
-    def _packed_window(self, n_new: int) -> tuple[QuantizedKV, QuantizedKV]:
-        """The packed tokens a staged chunk of ``n_new`` attends to: every one (full KV)."""
-        return self._packed()
+    def _packed_window(self, n_new: int) -> tuple[QuantizedKV, QuantizedKV, int]:
+        """The packed keys and values a staged chunk of ``n_new`` attends to, and how many of
+        their first tokens: every one, so the whole buffers and the packed end (full KV)."""
+        return self.keys, self.values, self._packed_end
 
     def _after_staging(self) -> None:
         """What the kind does after an append besides writing it (a window's drops)."""
@@ -567,20 +585,9 @@ class StagingMixin:
             self.staged = 0
             self._advance(-n)
             super().update_and_fetch(self.recent_keys[:, :, :n], self.recent_values[:, :, :n])
-            self._packed_live = None
-
-    def _packed(self) -> tuple[QuantizedKV, QuantizedKV]:
-        """The packed live keys and values: views kept from step to step (three slices each,
-        host work a staged step would otherwise repeat) until the packed buffers change."""
-        if self._packed_live is None:
-            n = self._packed_end
-            self._packed_live = (self.keys[:, :, :n], self.values[:, :, :n])
-        return self._packed_live
 
     def rewind(self, n: int) -> None:
         super().rewind(n)
-        if int(n) > self.staged:
-            self._packed_live = None  # the packed end moves back too
         self.staged = max(self.staged - int(n), 0)
 
     def arrays(self) -> list[mx.array]:
@@ -618,7 +625,6 @@ class SequenceStaging(StagingMixin):
             self.offset += staged
         if dropped:
             self.trimmed_at = self.offset
-            self._packed_live = None
         return dropped
 
     @property
@@ -635,7 +641,7 @@ class SequenceStaging(StagingMixin):
 
     def resume(self, blocks: list[list[mx.array]], offset: int) -> None:
         super().resume(blocks, offset)
-        self.staged, self._packed_live = 0, None
+        self.staged = 0
 
     def live(self) -> tuple[QuantizedKV, QuantizedKV | None]:
         self.flush()
@@ -670,12 +676,12 @@ class QuantizedWindowedKVCache(SequenceStaging, QuantizedKVMixin, WindowedKVCach
     def _stages(self, keys: mx.array, values: mx.array | None) -> bool:
         return self.window > self.STAGE and super()._stages(keys, values)
 
-    def _packed_window(self, n_new: int) -> tuple[QuantizedKV, QuantizedKV]:
+    def _packed_window(self, n_new: int) -> tuple[QuantizedKV, QuantizedKV, int]:
         # WindowedKVCache's fetch: the live tokens before the chunk, then the chunk; with a
         # window wider than a stage, the staged ones are its newest and packed ones precede.
         seen = min(self.held - n_new, self.window - 1) + n_new - self.staged
         end = self._packed_end
-        return self.keys[:, :, end - seen : end], self.values[:, :, end - seen : end]
+        return self.keys[:, :, end - seen : end], self.values[:, :, end - seen : end], seen
 
     def _after_staging(self) -> None:
         self._drop_unseen()

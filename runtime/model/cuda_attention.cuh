@@ -235,12 +235,12 @@ __device__ __forceinline__ void attention(
     const S* k_biases, const mlx::core::cu::Strides& k_biases_strides,
     const S* v_scales, const mlx::core::cu::Strides& v_scales_strides,
     const S* v_biases, const mlx::core::cu::Strides& v_biases_strides,
-    const T* k_recent, const mlx::core::cu::Shape& k_recent_shape,
-    const mlx::core::cu::Strides& k_recent_strides,
+    const T* k_recent, const mlx::core::cu::Strides& k_recent_strides,
     const T* v_recent, const mlx::core::cu::Strides& v_recent_strides,
     const bool* mask, const mlx::core::cu::Shape& mask_shape,
     const mlx::core::cu::Strides& mask_strides,
-    const SK* sinks, const float* flags, const uint32_t* tickets, T* out, float* part) {
+    const SK* sinks, const float* flags, const int32_t* lengths, const uint32_t* tickets,
+    T* out, float* part) {
   // A load takes VE elements of a row (16 bytes of floats, one word of packed values). For
   // the values, LPR lanes cover a row's D elements and a warp loads KPL rows at once.
   constexpr int VE = BITS == 0 ? 16 / sizeof(KT) : 32 / BITS;
@@ -248,12 +248,14 @@ __device__ __forceinline__ void attention(
   constexpr float LOG2E = 1.4426950408889634f;
   const float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
   const int chunk = blockIdx.x, n_chunks = gridDim.x;
-  const int Hq = q_shape[1], L = q_shape[2], Hkv = k_shape[1], Tp = k_shape[2];
-  // Packed keys may be followed by recent ones in float (``k_recent``/``v_recent``
-  // [B, Hkv, n, D], the queries' dtype): a quantised cache's newest tokens, not yet quantised
-  // (``cache.StagingMixin``), read as quantising would store them (``rounding``). A
-  // stand-in whose last dim is not D means none.
-  const int Tk = Tp + (BITS != 0 && k_recent_shape[3] == D ? k_recent_shape[2] : 0);
+  // The keys attended are the first ``lengths[0]`` of ``k``/``v`` (a cache's whole buffers, or
+  // exactly the live keys), then, where they are packed, the first ``lengths[1]`` of
+  // ``k_recent``/``v_recent`` ([B, Hkv, n, D], the queries' dtype): a quantised cache's newest
+  // tokens, not yet quantised (``cache.StagingMixin``), read as quantising would store them
+  // (``rounding``). Lengths, not shapes: a call on whole buffers keeps its shapes from step to
+  // step, so ``cuda_attention`` replays it compiled.
+  const int Hq = q_shape[1], L = q_shape[2], Hkv = k_shape[1], Tp = lengths[0];
+  const int Tk = Tp + (BITS != 0 ? lengths[1] : 0);
   const int G = Hq / Hkv, n_rows = G * L, tiles = (n_rows + R - 1) / R;
   const int tile = blockIdx.y % tiles, kvh = (blockIdx.y / tiles) % Hkv;
   const int b = blockIdx.y / (tiles * Hkv);

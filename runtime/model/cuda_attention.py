@@ -77,14 +77,14 @@ _HEADER = include_header(KERNEL_FILE)
 _SOURCE = """
   ::mlxc::attention<T, KT, S, D, R, BITS, GS, WARPS>(q, q_shape, q_strides, k, k_shape,
       k_strides, v, v_strides, k_scales, k_scales_strides, k_biases, k_biases_strides,
-      v_scales, v_scales_strides, v_biases, v_biases_strides, k_recent, k_recent_shape,
-      k_recent_strides, v_recent, v_recent_strides, mask, mask_shape, mask_strides, sinks,
-      flags, tickets, out, part);
+      v_scales, v_scales_strides, v_biases, v_biases_strides, k_recent, k_recent_strides,
+      v_recent, v_recent_strides, mask, mask_shape, mask_strides, sinks, flags, lengths,
+      tickets, out, part);
 """
 
 _INPUTS = [
     "q", "k", "v", "k_scales", "k_biases", "v_scales", "v_biases", "k_recent", "v_recent",
-    "mask", "sinks", "flags", "tickets",
+    "mask", "sinks", "flags", "lengths", "tickets",
 ]  # fmt: skip
 _OUTPUTS = ["out", "part"]
 
@@ -178,14 +178,23 @@ def attention(
     ``[B, Hq, L, D]`` in the queries' dtype.
 
     Called by every attention layer of a step on a host-bound device, so it does as little
-    Python as it can: what follows from the shapes comes from ``_launch``, cached."""
+    Python as it can: what follows from the shapes comes from ``_launch``, cached. A
+    ``StagedKV`` of a cache's whole buffers (``buffers``) without a mask array keeps its
+    shapes from step to step (the live lengths are an input): its call is replayed through
+    ``mx.compile``, where a direct call has MLX assemble the kernel's source again (an H100,
+    s43: ~10 us of the host against ~26 with the slices of the live tokens)."""
     B, Hq, L, D = queries.shape
     dtype = queries.dtype
     k_recent = v_recent = _dummy(dtype, 4)
     n_recent = 0
+    replay = False
     if hasattr(keys, "recent"):  # a StagedKV: packed tokens, then the newest still in float
-        k_recent, v_recent = keys.recent, values.recent
-        keys, values, n_recent = keys.packed, values.packed, k_recent.shape[2]
+        k_recent, v_recent, n_recent = keys.recent, values.recent, keys.n_recent
+        replay = keys.buffers and not isinstance(mask, mx.array)
+        n_live = keys.n_packed
+        keys, values = keys.packed, values.packed
+    else:
+        n_live = keys.shape[2]
     if isinstance(keys, mx.array):
         k, v = keys, values
         k_scales = k_biases = v_scales = v_biases = _dummy(dtype)
@@ -195,7 +204,7 @@ def attention(
         v, v_scales, v_biases = values.parts
         bits, group = keys.quant.bits, keys.quant.group_size
         scale_dtype = k_scales.dtype
-    _, n_kv, n_packed, _ = k.shape
+    _, n_kv, n_held, _ = k.shape
     if isinstance(mask, mx.array):
         kind = 2
         if mask.ndim < 4:
@@ -203,22 +212,32 @@ def attention(
     else:
         kind = 1 if mask == "causal" else 0
         mask = _dummy(mx.bool_, 4)
-    key_rounds = -(-(n_packed + n_recent) // (WARPS * 32))
-    n_tickets, launch = _launch(
+    # From the shapes, not the live lengths: a replayed call's launch holds while its
+    # buffers do (its chunks then split the live keys at run time).
+    n_recent_held = k_recent.shape[2] if n_recent else 0
+    key_rounds = -(-(n_held + n_recent_held) // (WARPS * 32))
+    n_tickets, launch, replayed = _launch(
         B, Hq, L, D, n_kv, key_rounds, dtype, k.dtype, scale_dtype, bits, group, chunks
     )
     sink_arr = _dummy(dtype) if sinks is None else sinks
-    flags = _flags(scale, kind, sinks is not None)
     # With one chunk a block writes its rows' output; with more, each its chunk's share
     # (``part``), and the last of a block row's chunks to finish merges them, counting on
     # zeroed tickets of the call's own.
     tickets = TICKETS.take(n_tickets) if n_tickets else _dummy(mx.uint32)
-    out, _ = _kernel()(
-        inputs=[queries, k, v, k_scales, k_biases, v_scales, v_biases]
-        + [k_recent, v_recent, mask, sink_arr, flags, tickets],
-        **launch,
-    )
+    inputs = [queries, k, v, k_scales, k_biases, v_scales, v_biases, k_recent, v_recent, mask]
+    inputs += [sink_arr, _flags(scale, kind, sinks is not None), _lengths(n_live, n_recent)]
+    inputs.append(tickets)
+    if replay:
+        return replayed(*inputs)
+    out, _ = _kernel()(inputs=inputs, **launch)
     return out
+
+
+@functools.lru_cache(maxsize=512)
+def _lengths(keys: int, staged: int) -> mx.array:
+    """The kernel's live lengths (keys of ``k``/``v``, then staged ones): one small array a
+    step shared by its layers."""
+    return mx.array([keys, staged], mx.int32)
 
 
 # MLA's decode attention (``latent_attention`` in ``cuda_attention.cuh``): the latents are the
@@ -406,13 +425,20 @@ TICKETS = Tickets()
 
 @functools.lru_cache(maxsize=1024)
 def _launch(B, Hq, L, D, n_kv, key_rounds, dtype, key_dtype, scale_dtype, bits, group, chunks):
-    """A call's launch from its shapes: the tickets its chunks need (0 for one chunk) and the
-    kernel call's keyword arguments (template, grid, block, outputs)."""
+    """A call's launch from its shapes: the tickets its chunks need (0 for one chunk), the
+    kernel call's keyword arguments (template, grid, block, outputs) and the call compiled
+    (``mx.compile``: its traces replayed while its inputs keep their shapes; a function of its
+    own per launch, as MLX looks through a compiled function's traces one by one)."""
     rows_per_kv = Hq // n_kv * L
     R = _rows(rows_per_kv)
     blocks = B * n_kv * math.ceil(rows_per_kv / R)
     template = _template(dtype, key_dtype, scale_dtype, D, R, bits, group)
-    return _chunked_launch(template, blocks, key_rounds, chunks, (B, Hq, L, D), dtype)
+    n_tickets, launch = _chunked_launch(template, blocks, key_rounds, chunks, (B, Hq, L, D), dtype)
+
+    def call(*inputs: mx.array) -> mx.array:
+        return _kernel()(inputs=list(inputs), **launch)[0]
+
+    return n_tickets, launch, mx.compile(call)
 
 
 def _chunked_launch(
