@@ -6,12 +6,14 @@ one model, its decode timed with parts of the quantised step swapped out::
 Variants (llama from ``bench.models``, greedy, a 512-token prompt then 128 tokens, interleaved,
 median of ``--repeats``):
 
-* ``float``: the float cache, as ``mlxc generate`` runs it (MLX's own one-query attention);
-* ``float, mlxc kernel`` (CUDA only): the float cache, but attention through mlxc's kernel
-  (``runtime.model.cuda_attention``), which every 4-bit step takes: the kernel's cost alone;
-* ``float, mlxc kernel, fresh tickets`` (CUDA only): as the one before, each chunked call's
-  tickets zeroed by a kernel of their own (an ``mx.zeros``, as before s27), not sliced from
-  zeros shared by many calls (``cuda_attention.Tickets``): what that extra kernel a call costs;
+* ``float``: the float cache, as ``mlxc generate`` runs it: on CUDA its whole buffers read by
+  mlxc's kernel (``runtime.model.cuda_attention``, replayed compiled; ``cache.BufferKV``), as
+  every 4-bit step reads its cache;
+* ``float, MLX's decode kernel`` (CUDA only): the float cache's live slices read by MLX's own
+  one-query attention (``cuda_attention.BUFFER_DECODE`` off; how ``generate`` ran before s43);
+* ``float, fresh tickets`` (CUDA only): as ``float``, each chunked call's tickets zeroed by a
+  kernel of their own (an ``mx.zeros``, as before s27), not sliced from zeros shared by many
+  calls (``cuda_attention.Tickets``): what that extra kernel a call costs;
 * ``kv4``: the 4-bit cache (on CUDA its newest tokens staged in float and quantised 32 at a
   time, ``cache.StagingMixin``);
 * ``kv4, fresh tickets`` (CUDA only): the same, for the 4-bit cache;
@@ -111,18 +113,18 @@ def main(argv: list[str] | None = None) -> None:
     def no_quantize(self, x):
         return kv.QuantizedKV(zero_parts(tuple(x.shape), x.dtype, self.bits, self.group_size), self)
 
-    def through_kernel(queries, values_dim, mask, quantized):
-        return real_applies(queries, values_dim, mask, True)
+    def mlx_decode(queries, values_dim, mask, quantized, buffers=False):
+        return real_applies(queries, values_dim, mask, quantized)  # as if on the live slices
 
-    def float_only(queries, values_dim, mask, quantized):
+    def float_only(queries, values_dim, mask, quantized, buffers=False):
         return not quantized and real_applies(queries, values_dim, mask, quantized)
 
     variants = {"float": (None, {}), "kv4": (quant, {}), "kv4, no quantise": (quant, {"q": 1})}
     if cuda_attention.available():
         variants = {
             "float": variants["float"],
-            "float, mlxc kernel": (None, {"k": 1}),
-            "float, mlxc kernel, fresh tickets": (None, {"k": 1, "z": 1}),
+            "float, MLX's decode kernel": (None, {"m": 1}),
+            "float, fresh tickets": (None, {"z": 1}),
             "kv4": variants["kv4"],
             "kv4, fresh tickets": (quant, {"z": 1}),
             "kv4, one chunk": (quant, {"c": 1}),
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         kv.KVQuant.quantize = no_quantize if "q" in options else real_quantize
         kv.staging = (lambda keys, values: False) if "u" in options else real_staging
         cuda_attention.applies = (
-            through_kernel if "k" in options else float_only if "d" in options else real_applies
+            mlx_decode if "m" in options else float_only if "d" in options else real_applies
         )
         cuda_attention._chunks = (
             (lambda blocks, key_rounds, target=512: 1) if "c" in options else real_chunks

@@ -145,8 +145,10 @@ def _parts(model, ids, cache, n: int, prompt_len: int, count: int, repeats: int,
     kernel_applies = cuda_attention.applies
     rows_applies = cuda_matmul.applies
 
-    def one_query_only(queries, values_dim, mask, quantized):
-        return queries.shape[-2] == 1 and kernel_applies(queries, values_dim, mask, quantized)
+    def one_query_only(queries, values_dim, mask, quantized, buffers=False):
+        return queries.shape[-2] == 1 and kernel_applies(
+            queries, values_dim, mask, quantized, buffers
+        )
 
     composed = cuda_attention.available()  # the kernel serves verifications only on CUDA
     layer = model.model.layers[0]

@@ -205,6 +205,37 @@ def test_staged_cache_steps_replay_compiled():
 
 
 @cuda_only
+@pytest.mark.parametrize("L", [1, 4])
+def test_float_cache_steps_replay_compiled(L):
+    """Decode steps (and verifications of 4 queries) on a float ``KVCache``: it hands its
+    whole buffers (``BufferKV``), which the kernel reads replayed while the buffer's shape
+    holds; each step's output follows the new live count, across the buffer's growth past
+    256 tokens."""
+    from mlxc.runtime.model.cache import BufferKV, KVCache
+
+    B, Hq, Hkv, D = 1, 8, 2, 64
+    cache = KVCache()
+    k, v = (
+        mx.random.normal((B, Hkv, 230, D), key=kk).astype(mx.bfloat16)
+        for kk in mx.random.split(mx.random.key(3))
+    )
+    cache.update_and_fetch(k, v)
+    all_k, all_v = k, v
+    for step in range(40):
+        kk = mx.random.split(mx.random.key(step), 3)
+        q = mx.random.normal((B, Hq, L, D), key=kk[0]).astype(mx.bfloat16)
+        k1, v1 = (mx.random.normal((B, Hkv, L, D), key=x).astype(mx.bfloat16) for x in kk[1:])
+        keys, values = cache.update_and_fetch(k1, v1)
+        assert isinstance(keys, BufferKV) and keys.shape[2] == all_k.shape[2] + L
+        mask = "causal" if L > 1 else None
+        got = layers.attend(q, keys, values, scale=0.125, mask=mask)
+        all_k, all_v = mx.concatenate([all_k, k1], axis=2), mx.concatenate([all_v, v1], axis=2)
+        T = all_k.shape[2]
+        want_mask = masks.causal_array(L, T) if L > 1 else None
+        _check(got, _oracle(q, all_k, all_v, 0.125, want_mask))
+
+
+@cuda_only
 def test_attend_routes_here_only_where_mlx_has_no_fast_path():
     q, k, v = _inputs(2, 8, 2, 1, 64, 64, seed=0)
     mask = _ragged_valid(2, 64, 1, seed=0)

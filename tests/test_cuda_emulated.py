@@ -358,6 +358,41 @@ def test_attention_call_matches_mlx(
     assert err < TOL, f"max error {err}"
 
 
+@pytest.mark.parametrize("L, mask_kind", [(1, "none"), (3, "causal"), (1, "ragged")])
+def test_attention_on_a_caches_buffers(tmp_path, monkeypatch, L, mask_kind):
+    """A float cache's whole buffers and live count (``BufferKV``, as ``KVCache`` hands them
+    where the kernel reads its keys): the kernel reads the live keys only, through the
+    compiled call unless a mask array comes along (``mx.compile`` the counting identity, as
+    above)."""
+    from mlxc.runtime.model.cache import BufferKV
+
+    monkeypatch.setattr(ca, "_kernel", lambda: _emulated_kernel(tmp_path))
+    replays = []
+    monkeypatch.setattr(mx, "compile", lambda fn: lambda *a: replays.append(1) or fn(*a))
+    ca._launch.cache_clear()
+    B, Hq, Hkv, T, D, cap = 2, 8, 2, 150, 64, 256
+    rng = np.random.default_rng(L)
+    q = mx.array(rng.standard_normal((B, Hq, L, D), np.float32))
+    k_buf, v_buf = (mx.array(rng.standard_normal((B, Hkv, cap, D), np.float32)) for _ in "kv")
+    keys, values = BufferKV(k_buf, T), BufferKV(v_buf, T)
+    assert keys.shape == (B, Hkv, T, D)
+    column, query = np.arange(T)[None, :], np.arange(L)[:, None]
+    mask = {"none": None, "causal": "causal"}.get(mask_kind)
+    if mask_kind == "ragged":
+        pad = rng.integers(0, T // 3, B)[:, None, None, None]
+        mask = mx.array((column[None, None] >= pad) & (column <= T - L + query))
+    try:
+        got = ca.attention(q, keys, values, scale=D**-0.5, mask=mask)
+    finally:
+        ca._launch.cache_clear()
+    assert len(replays) == (mask_kind != "ragged")
+    want = mx.fast.scaled_dot_product_attention(
+        q, keys.live(), values.live(), scale=D**-0.5, mask=mask, stream=mx.cpu
+    )
+    err = mx.abs(got - want).max().item()
+    assert err < TOL, f"max error {err}"
+
+
 def _latent_reference(q_lat, q_pe, latents, k_pe, scale, valid):
     """MLA's decode attention by MLX's own attention: the two halves of each query and key
     joined, one shared key head, the latents as the values."""

@@ -162,6 +162,13 @@ class KVCache:
         if values is not None:
             self.values[:, :, start:end] = values
         self.offset += n_new
+        if (
+            type(self) is KVCache
+            and n_new <= cuda_attention.MAX_QUERIES
+            and reads_buffers(keys, values)
+        ):
+            # Kinds built on this one take slices of what it fetches: only it hands buffers.
+            return BufferKV(self.keys, end), BufferKV(self.values, end)
         live_values = None if values is None else self.values[:, :, :end]
         return self.keys[:, :, :end], live_values
 
@@ -465,9 +472,36 @@ class StagedKV:
         return mx.concatenate([packed, recent.dequantize()], axis=2)
 
 
-def dense(kv: mx.array | QuantizedKV | StagedKV | None) -> mx.array | None:
+class BufferKV:
+    """A float cache's live keys or values as its whole buffer ``[B, H, capacity, D]`` and
+    the count ``n`` of its first tokens that are live (``KVCache``, where mlxc's CUDA kernel
+    reads them: ``reads_buffers``). The kernel takes the count as an input, so its call keeps
+    its shapes from step to step until the buffer grows, and replays compiled
+    (``cuda_attention``); every other reader takes ``live()``, the slice. ``shape`` is the
+    live window's."""
+
+    def __init__(self, buffer: mx.array, n: int) -> None:
+        self.buffer = buffer
+        self.n = n
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        B, H, _, D = self.buffer.shape
+        return (B, H, self.n, D)
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.buffer.dtype
+
+    def live(self) -> mx.array:
+        return self.buffer[:, :, : self.n]
+
+
+def dense(kv: mx.array | QuantizedKV | StagedKV | BufferKV | None) -> mx.array | None:
     """``kv`` as a float array: what ``update_and_fetch`` returned, dequantised where the cache
     is quantised (an MLA latent feeds plain matmuls, not ``layers.attend``'s packed path)."""
+    if isinstance(kv, BufferKV):
+        return kv.live()
     return kv.dequantize() if isinstance(kv, QuantizedKV | StagedKV) else kv
 
 
@@ -694,11 +728,18 @@ class QuantizedWindowedKVCache(SequenceStaging, QuantizedKVMixin, WindowedKVCach
 
 def staging(keys: mx.array, values: mx.array) -> bool:
     """Whether a quantised cache stages its newest tokens in float (``StagingMixin``): where
-    attention reads its keys through mlxc's CUDA kernel (a device with MLX's CUDA backend,
-    head dims it is built for), which reads packed and staged tokens in one pass. Elsewhere
-    each token is quantised on arrival."""
+    attention reads its keys through mlxc's CUDA kernel, which reads packed and staged tokens
+    in one pass (``reads_buffers``). Elsewhere each token is quantised on arrival."""
+    return reads_buffers(keys, values)
+
+
+def reads_buffers(keys: mx.array, values: mx.array | None) -> bool:
+    """Whether attention on these keys and values (a forward's new ones) reads a cache's
+    buffers through mlxc's CUDA kernel: a device with MLX's CUDA backend, float keys and
+    values of a head dim it is built for (``BufferKV``, ``StagingMixin``)."""
     return (
-        keys.shape[-1] == values.shape[-1]
+        values is not None
+        and keys.shape[-1] == values.shape[-1]
         and keys.shape[-1] in cuda_attention.HEAD_DIMS
         and keys.dtype in (mx.bfloat16, mx.float16, mx.float32)
         and cuda_attention.available()

@@ -118,12 +118,17 @@ def _cuda_backend() -> bool:
 
 
 def applies(
-    queries: mx.array, values_dim: int, mask: mx.array | str | None, quantized: bool
+    queries: mx.array,
+    values_dim: int,
+    mask: mx.array | str | None,
+    quantized: bool,
+    buffers: bool = False,
 ) -> bool:
     """Whether ``layers.attend`` should take ``attention`` for these queries on this device:
     where MLX has no fused kernel (one query with an array mask, or quantised keys) or builds
     a graph per key length (two or more queries), for the head dims and dtypes it is built
-    for."""
+    for; and one query on a float cache's whole buffers (``buffers``: ``cache.BufferKV``)
+    where BUFFER_DECODE says."""
     L, D = queries.shape[-2], queries.shape[-1]
     if not (1 <= L <= MAX_QUERIES and D == values_dim and D in HEAD_DIMS):
         return False
@@ -131,10 +136,19 @@ def applies(
         return False
     if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
         return False  # additive masks (MLA's rope scores) stay with MLX
-    if L == 1 and not isinstance(mask, mx.array) and not quantized:
+    if (
+        L == 1
+        and not isinstance(mask, mx.array)
+        and not quantized
+        and not (buffers and BUFFER_DECODE)
+    ):
         return False  # MLX's own decode kernels (cuDNN, vector) are exact and fast here
     return available()
 
+
+# Whether a one-query step on a float cache's whole buffers (``cache.BufferKV``) takes
+# ``attention``, replayed compiled, rather than MLX's own decode kernel on the live slices.
+BUFFER_DECODE = True
 
 # Query rows per block, at most: registers hold each row's query and sums.
 MAX_ROWS = 8
@@ -171,18 +185,19 @@ def attention(
     chunks: int | None = None,
 ) -> mx.array:
     """``softmax(scale * q k^T + mask) v`` for ``queries [B, Hq, L, D]`` (L <= MAX_QUERIES)
-    against ``keys``/``values`` ``[B, Hkv, T, D]``, float arrays, ``QuantizedKV`` or
-    ``StagedKV`` (packed, then recent tokens in the queries' dtype: ``cache.StagingMixin``); ``mask``:
+    against ``keys``/``values`` ``[B, Hkv, T, D]``, float arrays, ``BufferKV``, ``QuantizedKV``
+    or ``StagedKV`` (packed, then recent tokens in the queries' dtype: ``cache.StagingMixin``); ``mask``:
     None, ``"causal"`` (queries last) or a boolean array broadcastable to ``[B, Hq, L, T]``.
     ``chunks``: blocks per (row, head) along the keys (default: by the shapes). Returns
     ``[B, Hq, L, D]`` in the queries' dtype.
 
     Called by every attention layer of a step on a host-bound device, so it does as little
     Python as it can: what follows from the shapes comes from ``_launch``, cached. A
-    ``StagedKV`` of a cache's whole buffers (``buffers``) without a mask array keeps its
-    shapes from step to step (the live lengths are an input): its call is replayed through
-    ``mx.compile``, where a direct call has MLX assemble the kernel's source again (an H100,
-    s43: ~10 us of the host against ~26 with the slices of the live tokens)."""
+    cache's whole buffers (a ``BufferKV``, or a ``StagedKV`` with ``buffers``) without a
+    mask array keep their shapes from step to step (the live lengths are an input): the call
+    is replayed through ``mx.compile``, where a direct call has MLX assemble the kernel's
+    source again (an H100, s43: ~10 us of the host against ~26 with the slices of the live
+    tokens)."""
     B, Hq, L, D = queries.shape
     dtype = queries.dtype
     k_recent = v_recent = _dummy(dtype, 4)
@@ -193,6 +208,10 @@ def attention(
         replay = keys.buffers and not isinstance(mask, mx.array)
         n_live = keys.n_packed
         keys, values = keys.packed, values.packed
+    elif hasattr(keys, "buffer"):  # a BufferKV: a float cache's buffers, its first n live
+        replay = not isinstance(mask, mx.array)
+        n_live = keys.n
+        keys, values = keys.buffer, values.buffer
     else:
         n_live = keys.shape[2]
     if isinstance(keys, mx.array):

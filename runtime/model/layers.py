@@ -14,7 +14,7 @@ from mlx.nn.layers.distributed import AllToShardedLinear, QuantizedAllToShardedL
 
 from mlxc.runtime import blas
 from mlxc.runtime.model import cuda_attention, masks
-from mlxc.runtime.model.cache import QuantizedKV, StagedKV
+from mlxc.runtime.model.cache import BufferKV, QuantizedKV, StagedKV
 
 
 def relu2(x: mx.array) -> mx.array:
@@ -360,8 +360,11 @@ def attend(
     blocked = cpu and causal and L > (rows or CAUSAL_BLOCK)
     if isinstance(mask, masks.Window) and not blocked:  # a Window is the CPU's (masks.causal)
         mask = mask.array()
-    if cuda_attention.applies(queries, values.shape[-1], mask, quantized):
+    buffers = isinstance(keys, BufferKV)
+    if cuda_attention.applies(queries, values.shape[-1], mask, quantized, buffers):
         return cuda_attention.attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    if buffers:  # a float cache's whole buffers, for that kernel: the rest read the live keys
+        keys, values = keys.live(), values.live()
     if isinstance(keys, StagedKV):  # staged for that kernel (an additive mask stays with MLX)
         keys, values, quantized = keys.dequantize(), values.dequantize(), False
     if quantized:
