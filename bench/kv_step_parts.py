@@ -11,11 +11,15 @@ median of ``--repeats``):
   every 4-bit step reads its cache;
 * ``float, MLX's decode kernel`` (CUDA only): the float cache's live slices read by MLX's own
   one-query attention (``cuda_attention.BUFFER_DECODE`` off; how ``generate`` ran before s43);
+* ``float, mlxc kernel on slices`` (CUDA only): mlxc's kernel on the live slices, called
+  directly (no ``BufferKV``), as every 4-bit and verification step did before s43;
 * ``float, fresh tickets`` (CUDA only): as ``float``, each chunked call's tickets zeroed by a
   kernel of their own (an ``mx.zeros``, as before s27), not sliced from zeros shared by many
   calls (``cuda_attention.Tickets``): what that extra kernel a call costs;
 * ``kv4``: the 4-bit cache (on CUDA its newest tokens staged in float and quantised 32 at a
   time, ``cache.StagingMixin``);
+* ``kv4, packed slices`` (CUDA only): the 4-bit cache handing slices of its packed tokens
+  (the kernel called directly, as before s43), not its whole buffers (replayed compiled);
 * ``kv4, fresh tickets`` (CUDA only): the same, for the 4-bit cache;
 * ``kv4, one chunk`` (CUDA only): the 4-bit cache with the kernel's keys in one chunk a block
   (no partial sums to merge): whether, at batch one, the work a chunked call adds costs more
@@ -89,10 +93,11 @@ def main(argv: list[str] | None = None) -> None:
     ids = prompt(args.prompt, model.args.vocab_size, 1)
     quant = kv.KVQuant(4, 64)
     cuda_attention.warm(model, (1,), quant)
-    real_quantize, real_applies, real_staging, real_chunks, real_tickets = (
+    real_quantize, real_applies, real_staging, real_buffers, real_chunks, real_tickets = (
         kv.KVQuant.quantize,
         cuda_attention.applies,
         kv.staging,
+        kv.reads_buffers,
         cuda_attention._chunks,
         cuda_attention.TICKETS,
     )
@@ -113,6 +118,15 @@ def main(argv: list[str] | None = None) -> None:
     def no_quantize(self, x):
         return kv.QuantizedKV(zero_parts(tuple(x.shape), x.dtype, self.bits, self.group_size), self)
 
+    real_window = kv.StagingMixin._packed_window
+
+    def sliced_window(self, n_new):  # the packed live tokens as slices: direct kernel calls
+        end = self._packed_end
+        return self.keys[:, :, :end], self.values[:, :, :end], end
+
+    def through_kernel(queries, values_dim, mask, quantized, buffers=False):
+        return real_applies(queries, values_dim, mask, True)
+
     def mlx_decode(queries, values_dim, mask, quantized, buffers=False):
         return real_applies(queries, values_dim, mask, quantized)  # as if on the live slices
 
@@ -124,8 +138,10 @@ def main(argv: list[str] | None = None) -> None:
         variants = {
             "float": variants["float"],
             "float, MLX's decode kernel": (None, {"m": 1}),
+            "float, mlxc kernel on slices": (None, {"k": 1, "s": 1}),
             "float, fresh tickets": (None, {"z": 1}),
             "kv4": variants["kv4"],
+            "kv4, packed slices": (quant, {"p": 1}),
             "kv4, fresh tickets": (quant, {"z": 1}),
             "kv4, one chunk": (quant, {"c": 1}),
             "kv4, unstaged": (quant, {"u": 1}),
@@ -136,8 +152,16 @@ def main(argv: list[str] | None = None) -> None:
     def patched(options):
         kv.KVQuant.quantize = no_quantize if "q" in options else real_quantize
         kv.staging = (lambda keys, values: False) if "u" in options else real_staging
+        kv.reads_buffers = (lambda keys, values: False) if "s" in options else real_buffers
+        kv.StagingMixin._packed_window = sliced_window if "p" in options else real_window
         cuda_attention.applies = (
-            mlx_decode if "m" in options else float_only if "d" in options else real_applies
+            mlx_decode
+            if "m" in options
+            else through_kernel
+            if "k" in options
+            else float_only
+            if "d" in options
+            else real_applies
         )
         cuda_attention._chunks = (
             (lambda blocks, key_rounds, target=512: 1) if "c" in options else real_chunks
