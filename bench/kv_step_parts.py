@@ -6,11 +6,10 @@ one model, its decode timed with parts of the quantised step swapped out::
 Variants (llama from ``bench.models``, greedy, a 512-token prompt then 128 tokens, interleaved,
 median of ``--repeats``):
 
-* ``float``: the float cache, as ``mlxc generate`` runs it: on CUDA its whole buffers read by
-  mlxc's kernel (``runtime.model.cuda_attention``, replayed compiled; ``cache.BufferKV``), as
-  every 4-bit step reads its cache;
-* ``float, MLX's decode kernel`` (CUDA only): the float cache's live slices read by MLX's own
-  one-query attention (``cuda_attention.BUFFER_DECODE`` off; how ``generate`` ran before s43);
+* ``float``: the float cache, as ``mlxc generate`` runs it (MLX's own one-query attention);
+* ``float, mlxc kernel on buffers`` (CUDA only): the float cache's whole buffers read by mlxc's
+  kernel (``runtime.model.cuda_attention``, replayed compiled; ``cache.BufferKV``,
+  ``cuda_attention.BUFFER_DECODE`` on), as every 4-bit step reads its cache;
 * ``float, mlxc kernel on slices`` (CUDA only): mlxc's kernel on the live slices, called
   directly (no ``BufferKV``), as every 4-bit and verification step did before s43;
 * ``float, fresh tickets`` (CUDA only): as ``float``, each chunked call's tickets zeroed by a
@@ -119,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         return kv.QuantizedKV(zero_parts(tuple(x.shape), x.dtype, self.bits, self.group_size), self)
 
     real_window = kv.StagingMixin._packed_window
+    real_buffer_decode = cuda_attention.BUFFER_DECODE
 
     def sliced_window(self, n_new):  # the packed live tokens as slices: direct kernel calls
         end = self._packed_end
@@ -127,9 +127,6 @@ def main(argv: list[str] | None = None) -> None:
     def through_kernel(queries, values_dim, mask, quantized, buffers=False):
         return real_applies(queries, values_dim, mask, True)
 
-    def mlx_decode(queries, values_dim, mask, quantized, buffers=False):
-        return real_applies(queries, values_dim, mask, quantized)  # as if on the live slices
-
     def float_only(queries, values_dim, mask, quantized, buffers=False):
         return not quantized and real_applies(queries, values_dim, mask, quantized)
 
@@ -137,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     if cuda_attention.available():
         variants = {
             "float": variants["float"],
-            "float, MLX's decode kernel": (None, {"m": 1}),
+            "float, mlxc kernel on buffers": (None, {"b": 1}),
             "float, mlxc kernel on slices": (None, {"k": 1, "s": 1}),
             "float, fresh tickets": (None, {"z": 1}),
             "kv4": variants["kv4"],
@@ -150,18 +147,13 @@ def main(argv: list[str] | None = None) -> None:
         }
 
     def patched(options):
+        cuda_attention.BUFFER_DECODE = True if "b" in options else real_buffer_decode
         kv.KVQuant.quantize = no_quantize if "q" in options else real_quantize
         kv.staging = (lambda keys, values: False) if "u" in options else real_staging
         kv.reads_buffers = (lambda keys, values: False) if "s" in options else real_buffers
         kv.StagingMixin._packed_window = sliced_window if "p" in options else real_window
         cuda_attention.applies = (
-            mlx_decode
-            if "m" in options
-            else through_kernel
-            if "k" in options
-            else float_only
-            if "d" in options
-            else real_applies
+            through_kernel if "k" in options else float_only if "d" in options else real_applies
         )
         cuda_attention._chunks = (
             (lambda blocks, key_rounds, target=512: 1) if "c" in options else real_chunks

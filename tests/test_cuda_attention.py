@@ -206,12 +206,14 @@ def test_staged_cache_steps_replay_compiled():
 
 @cuda_only
 @pytest.mark.parametrize("L", [1, 4])
-def test_float_cache_steps_replay_compiled(L):
-    """Decode steps (and verifications of 4 queries) on a float ``KVCache``: it hands its
-    whole buffers (``BufferKV``), which the kernel reads replayed while the buffer's shape
-    holds; each step's output follows the new live count, across the buffer's growth past
-    256 tokens."""
+def test_float_cache_steps_replay_compiled(monkeypatch, L):
+    """Verifications of 4 queries (and decode steps, with BUFFER_DECODE) on a float
+    ``KVCache``: it hands its whole buffers (``BufferKV``), which the kernel reads replayed
+    while the buffer's shape holds; each step's output follows the new live count, across the
+    buffer's growth past 256 tokens."""
     from mlxc.runtime.model.cache import BufferKV, KVCache
+
+    monkeypatch.setattr(cuda_attention, "BUFFER_DECODE", True)
 
     B, Hq, Hkv, D = 1, 8, 2, 64
     cache = KVCache()

@@ -162,15 +162,21 @@ class KVCache:
         if values is not None:
             self.values[:, :, start:end] = values
         self.offset += n_new
-        if (
-            type(self) is KVCache
-            and n_new <= cuda_attention.MAX_QUERIES
-            and reads_buffers(keys, values)
-        ):
+        if type(self) is KVCache and self._hands_buffers(keys, values):
             # Kinds built on this one take slices of what it fetches: only it hands buffers.
             return BufferKV(self.keys, end), BufferKV(self.values, end)
         live_values = None if values is None else self.values[:, :, :end]
         return self.keys[:, :, :end], live_values
+
+    @staticmethod
+    def _hands_buffers(keys: mx.array, values: mx.array | None) -> bool:
+        """Whether a fetch after these new tokens hands the whole buffers (``BufferKV``): where
+        mlxc's CUDA kernel reads them, a verification's few queries (one query's step too
+        with ``cuda_attention.BUFFER_DECODE``; else MLX's decode kernel reads the slices)."""
+        n_new = keys.shape[2]
+        if not (n_new > 1 or cuda_attention.BUFFER_DECODE):
+            return False
+        return n_new <= cuda_attention.MAX_QUERIES and reads_buffers(keys, values)
 
     def _grown(self, buffer: mx.array | None, new: mx.array, needed: int) -> mx.array:
         """A buffer with room for ``needed`` tokens holding the live window of ``buffer``."""

@@ -146,9 +146,11 @@ def applies(
     return available()
 
 
-# Whether a one-query step on a float cache's whole buffers (``cache.BufferKV``) takes
-# ``attention``, replayed compiled, rather than MLX's own decode kernel on the live slices.
-BUFFER_DECODE = True
+# Whether a one-query step on a float cache takes ``attention`` on its whole buffers
+# (``cache.BufferKV``), replayed compiled, rather than MLX's own decode kernel on the live
+# slices. Off: on an H100 (s43, ``kv-step-parts-gpu-h100-s43b``, llama medium) decode took
+# 0.89x MLX's tokens/s on the buffers, though its graph built in 0.72x the time.
+BUFFER_DECODE = False
 
 # Query rows per block, at most: registers hold each row's query and sums.
 MAX_ROWS = 8
