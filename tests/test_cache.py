@@ -162,3 +162,41 @@ def test_buffers_are_never_a_multiple_of_256_tokens():
     for n in (1, 255, 256, 300):
         cache.update_and_fetch(*kv(n))
         assert cache.keys.shape[2] % 256 and cache.keys.shape[2] >= cache.offset
+
+
+def test_buffers_handed_where_the_cuda_kernel_reads_them(monkeypatch):
+    """Where mlxc's CUDA kernel reads the keys (``reads_buffers``, true here as on CUDA), a
+    float ``KVCache`` fetch of a verification's few tokens is its whole buffers and the live
+    count (``BufferKV``), after a trim too; a one-token step (``BUFFER_DECODE`` off), a prefill
+    chunk longer than the kernel takes, and the kinds built on it (a window slices what it
+    fetches; quantised kinds) hand slices. ``attend`` reads a ``BufferKV`` as the slices it
+    stands for: off CUDA, exactly them."""
+    from mlxc.runtime.model import cache as kv_cache
+    from mlxc.runtime.model import cuda_attention
+    from mlxc.runtime.model.cache import BufferKV, KVQuant
+    from mlxc.runtime.model.layers import attend
+
+    monkeypatch.setattr(kv_cache, "reads_buffers", lambda keys, values: True)
+    monkeypatch.setattr(kv_cache, "staging", lambda keys, values: False)
+    cache = KVCache()
+    keys, _ = cache.update_and_fetch(*kv(40))  # a prefill chunk: past MAX_QUERIES
+    assert isinstance(keys, mx.array) and positions(keys) == list(range(40))
+    cache.trim_front(5, keep=2)
+    keys, values = cache.update_and_fetch(*kv(4, start=40))
+    assert isinstance(keys, BufferKV) and keys.buffer is cache.keys and keys.n == cache.live_len
+    assert keys.shape == (1, 1, 39, 2) and values.shape == (1, 1, 39, 2)
+    assert keys.buffer.shape[2] == buffer_tokens(40, KVCache.step) > 39  # the buffer itself
+    assert positions(keys.live()) == [0, 1, *range(7, 44)]
+    q = mx.array([[[[0.5, -0.25]] * 4]])  # [1, 1, 4, 2]
+    got = attend(q, keys, values, scale=1.0, mask="causal")
+    want = attend(q, keys.live(), values.live(), scale=1.0, mask="causal")
+    assert mx.array_equal(got, want)
+    step, _ = cache.update_and_fetch(*kv(1, start=44))
+    assert isinstance(step, mx.array) and not cuda_attention.BUFFER_DECODE
+    monkeypatch.setattr(cuda_attention, "BUFFER_DECODE", True)
+    step, _ = cache.update_and_fetch(*kv(1, start=45))
+    assert isinstance(step, BufferKV) and step.n == 41
+    for other in (WindowedKVCache(8), QuantizedKVCache(KVQuant(4, 32))):
+        other.update_and_fetch(*(mx.zeros((1, 1, 20, 32)) for _ in "kv"))
+        fetched, _ = other.update_and_fetch(*(mx.zeros((1, 1, 3, 32)) for _ in "kv"))
+        assert not isinstance(fetched, BufferKV)
