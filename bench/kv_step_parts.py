@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
             profiler = cProfile.Profile()
             split_loop(kv_quant, profiler)
             report = io.StringIO()
-            stats = pstats.Stats(profiler, stream=report)
+            stats = pstats.Stats(profiler, stream=report).strip_dirs()  # no machine's paths
             for key in ("tottime", "cumulative"):
                 stats.sort_stats(key).print_stats(args.profile)
             profiles[name] = report.getvalue()
