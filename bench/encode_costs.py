@@ -34,7 +34,7 @@ LATENT = 512  # MLA's kv_lora_rank (deepseek_v3, glm4_moe_lite): a decode step's
 def kinds(mx, nn) -> dict[str, Callable[[int], list]]:
     """``{kind: build(n) -> n independent results}``, their inputs made (and evaluated) here."""
     from mlxc.runtime.model import cuda_attention, layers, moe
-    from mlxc.runtime.model.cache import KVQuant, StagedKV
+    from mlxc.runtime.model.cache import BufferKV, KVQuant, StagedKV
 
     dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
     rand = lambda *shape: mx.random.normal(shape).astype(dtype)
@@ -140,6 +140,23 @@ def kinds(mx, nn) -> dict[str, Callable[[int], list]]:
         )
         table["mlxc CUDA attention kernel (4-bit keys, 16 of them staged)"] = each(
             lambda: cuda_attention.attention(q, sk, sv, scale=0.125, mask=None)
+        )
+        # The same as a quantised cache hands them since s43: its whole buffers (packed, twice
+        # the live keys; staged, a stage of 32) and the live counts, the call replayed compiled
+        twice = [mx.concatenate([x, x], axis=2) for x in (keys, values)]
+        recent = [mx.concatenate([x[:, :, KEYS - 16 :]] * 2, axis=2) for x in (keys, values)]
+        bk, bv = (
+            StagedKV(quant.quantize(x), r, KEYS - 16, 16, buffers=True)
+            for x, r in zip(twice, recent)
+        )
+        mx.eval(bk.packed.parts, bv.packed.parts, recent)
+        table["mlxc CUDA attention kernel (same, the cache's buffers: replayed)"] = each(
+            lambda: cuda_attention.attention(q, bk, bv, scale=0.125, mask=None)
+        )
+        # A float cache's buffer (BufferKV: what a verification reads since s43), one query
+        fk, fv = BufferKV(twice[0], KEYS), BufferKV(twice[1], KEYS)
+        table["mlxc CUDA attention kernel (1 query, a float cache's buffers: replayed)"] = each(
+            lambda: cuda_attention.attention(q, fk, fv, scale=0.125, mask=None)
         )
         # The same call with the kernel's code inline in the source MLX assembles and hashes
         # per call, as before s25 (cuda_attention.cuh's text as the header, not its #include)
