@@ -197,9 +197,9 @@ def attention(
     Python as it can: what follows from the shapes comes from ``_launch``, cached. A
     cache's whole buffers (a ``BufferKV``, or a ``StagedKV`` with ``buffers``) without a
     mask array keep their shapes from step to step (the live lengths are an input): the call
-    is replayed through ``mx.compile``, where a direct call has MLX assemble the kernel's
-    source again (an H100, s43: ~10 us of the host against ~26 with the slices of the live
-    tokens)."""
+    is replayed through ``mx.compile`` (``_replayed``), where a direct call has MLX assemble
+    the kernel's source again (an H100, s43: a call with its inputs prebuilt ~9 us of the
+    host to build compiled, ~14 direct)."""
     B, Hq, L, D = queries.shape
     dtype = queries.dtype
     k_recent = v_recent = _dummy(dtype, 4)
@@ -237,7 +237,7 @@ def attention(
     # buffers do (its chunks then split the live keys at run time).
     n_recent_held = k_recent.shape[2] if n_recent else 0
     key_rounds = -(-(n_held + n_recent_held) // (WARPS * 32))
-    n_tickets, launch, replayed = _launch(
+    n_tickets, launch = _launch(
         B, Hq, L, D, n_kv, key_rounds, dtype, k.dtype, scale_dtype, bits, group, chunks
     )
     sink_arr = _dummy(dtype) if sinks is None else sinks
@@ -249,9 +249,41 @@ def attention(
     inputs += [sink_arr, _flags(scale, kind, sinks is not None), _lengths(n_live, n_recent)]
     inputs.append(tickets)
     if replay:
-        return replayed(*inputs)
+        return _replayed(launch, inputs, packed=bits != 0)
     out, _ = _kernel()(inputs=inputs, **launch)
     return out
+
+
+# The inputs that change from call to call of a replayed launch: the queries, the keys and
+# values (and, packed, their scales, biases and staged tokens), the lengths and the tickets. The
+# others (the stand-ins a variant does not read, the mask's, the sinks, the flags) are the
+# trace's constants: each input a compiled call is handed costs the host ~1 us (an H100, s43:
+# 4 inputs ~9 us a call, all 14 ~13).
+_FLOAT_SLOTS = (0, 1, 2, 12, 13)
+_PACKED_SLOTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 13)
+_REPLAYS: dict[tuple, object] = {}
+
+
+def _replayed(launch: dict, inputs: list[mx.array], packed: bool) -> mx.array:
+    """The kernel's call through ``mx.compile``: a compiled function per launch and constants
+    (a trace replayed while the inputs keep their shapes; MLX looks through a compiled
+    function's traces one by one, so they stay few)."""
+    slots = _PACKED_SLOTS if packed else _FLOAT_SLOTS
+    key = (id(launch), packed, id(inputs[10]), id(inputs[11]))  # held below: ids stay theirs
+    call = _REPLAYS.get(key)
+    if call is None:
+        if len(_REPLAYS) >= 1024:
+            _REPLAYS.clear()
+        constants = [None if i in slots else a for i, a in enumerate(inputs)]
+
+        def traced(*changing: mx.array) -> mx.array:
+            full = list(constants)
+            for i, a in zip(slots, changing, strict=True):
+                full[i] = a
+            return _kernel()(inputs=full, **launch)[0]
+
+        call = _REPLAYS[key] = mx.compile(traced)
+    return call(*(inputs[i] for i in slots))
 
 
 @functools.lru_cache(maxsize=512)
@@ -446,20 +478,13 @@ TICKETS = Tickets()
 
 @functools.lru_cache(maxsize=1024)
 def _launch(B, Hq, L, D, n_kv, key_rounds, dtype, key_dtype, scale_dtype, bits, group, chunks):
-    """A call's launch from its shapes: the tickets its chunks need (0 for one chunk), the
-    kernel call's keyword arguments (template, grid, block, outputs) and the call compiled
-    (``mx.compile``: its traces replayed while its inputs keep their shapes; a function of its
-    own per launch, as MLX looks through a compiled function's traces one by one)."""
+    """A call's launch from its shapes: the tickets its chunks need (0 for one chunk) and the
+    kernel call's keyword arguments (template, grid, block, outputs)."""
     rows_per_kv = Hq // n_kv * L
     R = _rows(rows_per_kv)
     blocks = B * n_kv * math.ceil(rows_per_kv / R)
     template = _template(dtype, key_dtype, scale_dtype, D, R, bits, group)
-    n_tickets, launch = _chunked_launch(template, blocks, key_rounds, chunks, (B, Hq, L, D), dtype)
-
-    def call(*inputs: mx.array) -> mx.array:
-        return _kernel()(inputs=list(inputs), **launch)[0]
-
-    return n_tickets, launch, mx.compile(call)
+    return _chunked_launch(template, blocks, key_rounds, chunks, (B, Hq, L, D), dtype)
 
 
 def _chunked_launch(
