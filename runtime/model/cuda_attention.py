@@ -275,6 +275,9 @@ def _replayed(launch: dict, inputs: list[mx.array], packed: bool) -> mx.array:
         if len(_REPLAYS) >= 1024:
             _REPLAYS.clear()
         constants = [None if i in slots else a for i, a in enumerate(inputs)]
+        # Evaluated first: MLX replays a captured array that still has its op (a stand-in's
+        # zeros) as part of the trace, a kernel every call; an evaluated one is a constant.
+        mx.eval([a for a in constants if a is not None])
 
         def traced(*changing: mx.array) -> mx.array:
             full = list(constants)
