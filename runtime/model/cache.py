@@ -172,7 +172,8 @@ class KVCache:
     def _hands_buffers(keys: mx.array, values: mx.array | None) -> bool:
         """Whether a fetch after these new tokens hands the whole buffers (``BufferKV``): where
         mlxc's CUDA kernel reads them, a verification's few queries (one query's step too
-        with ``cuda_attention.BUFFER_DECODE``; else MLX's decode kernel reads the slices)."""
+        with ``cuda_attention.BUFFER_DECODE``; else MLX's decode kernel reads the slices). Never
+        for MLA's latent and rope key, whose widths differ (``reads_buffers``)."""
         n_new = keys.shape[2]
         if not (n_new > 1 or cuda_attention.BUFFER_DECODE):
             return False
