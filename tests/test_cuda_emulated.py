@@ -517,3 +517,32 @@ def test_latent_call_matches_mlx(tmp_path, monkeypatch, B, H, T, C, RD, ragged, 
     want = _latent_reference(q_lat, q_pe, lat_ref, pe_ref, 0.2, valid)
     err = mx.abs(got - want).max().item()
     assert err < TOL, f"max error {err}"
+
+
+def test_replayed_calls_follow_their_changing_inputs(monkeypatch):
+    """``_replayed`` through MLX's own ``mx.compile`` (a stand-in kernel made of MLX ops, on
+    the CPU): a compiled function per launch and constants, its trace replayed with each
+    call's lengths, keys and queries (a trace that kept the first call's would repeat its
+    answer), the stand-ins and flags its constants."""
+    calls = []
+
+    def stand_in(*, inputs, output_shapes, **launch):
+        calls.append(1)  # once per trace: replays do not call it
+        q, k, flags, lengths = inputs[0], inputs[1], inputs[11], inputs[12]
+        live = (k * (mx.arange(k.shape[2]) < lengths[0])[:, None]).sum(axis=2, keepdims=True)
+        return [q * flags[0] + live.sum() + lengths[1], None]
+
+    monkeypatch.setattr(ca, "_kernel", lambda: stand_in)
+    monkeypatch.setattr(ca, "_REPLAYS", {})
+    q = mx.ones((1, 4, 1, 8))
+    buf = mx.ones((1, 2, 32, 8))
+    flags = ca._flags(0.5, 0, False)
+    launch = {"output_shapes": [(1, 4, 1, 8)]}
+    for n, staged, scale in ((10, 0, 1.0), (11, 0, 2.0), (3, 4, 1.0)):
+        inputs = [q * scale, buf, buf, *[ca._dummy(mx.float32)] * 4]
+        inputs += [ca._dummy(mx.float32, 4)] * 2 + [ca._dummy(mx.bool_, 4), ca._dummy(mx.float32)]
+        inputs += [flags, ca._lengths(n, staged), ca._dummy(mx.uint32)]
+        got = ca._replayed(launch, inputs, packed=False)
+        want = q * scale * 0.5 + 2 * 8 * n + staged
+        assert mx.allclose(got, want).item(), (n, staged, scale)
+    assert len(ca._REPLAYS) == 1 and len(calls) == 1
