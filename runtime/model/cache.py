@@ -496,10 +496,6 @@ class BufferKV:
         B, H, _, D = self.buffer.shape
         return (B, H, self.n, D)
 
-    @property
-    def dtype(self) -> mx.Dtype:
-        return self.buffer.dtype
-
     def live(self) -> mx.array:
         return self.buffer[:, :, : self.n]
 

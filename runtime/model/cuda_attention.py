@@ -205,7 +205,9 @@ def attention(
     k_recent = v_recent = _dummy(dtype, 4)
     n_recent = 0
     replay = False
-    if hasattr(keys, "recent"):  # a StagedKV: packed tokens, then the newest still in float
+    if isinstance(keys, mx.array):  # the live keys themselves (a decode batch's): no lookups
+        n_live = keys.shape[2]
+    elif hasattr(keys, "recent"):  # a StagedKV: packed tokens, then the newest still in float
         k_recent, v_recent, n_recent = keys.recent, values.recent, keys.n_recent
         replay = keys.buffers and not isinstance(mask, mx.array)
         n_live = keys.n_packed
@@ -214,7 +216,7 @@ def attention(
         replay = not isinstance(mask, mx.array)
         n_live = keys.n
         keys, values = keys.buffer, values.buffer
-    else:
+    else:  # a QuantizedKV: the live tokens, packed
         n_live = keys.shape[2]
     if isinstance(keys, mx.array):
         k, v = keys, values
@@ -259,8 +261,9 @@ def attention(
 # others (the stand-ins a variant does not read, the mask's, the sinks, the flags) are the
 # trace's constants: each input a compiled call is handed costs the host ~1 us (an H100, s43:
 # 4 inputs ~9 us a call, all 14 ~13).
-_FLOAT_SLOTS = (0, 1, 2, 12, 13)
-_PACKED_SLOTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 13)
+_PACKED_SLOTS = tuple(i for i, n in enumerate(_INPUTS) if n not in ("mask", "sinks", "flags"))
+_FLOAT_SLOTS = tuple(_INPUTS.index(n) for n in ("q", "k", "v", "lengths", "tickets"))
+_SINKS, _FLAGS = _INPUTS.index("sinks"), _INPUTS.index("flags")
 _REPLAYS: dict[tuple, object] = {}
 
 
@@ -269,7 +272,7 @@ def _replayed(launch: dict, inputs: list[mx.array], packed: bool) -> mx.array:
     (a trace replayed while the inputs keep their shapes; MLX looks through a compiled
     function's traces one by one, so they stay few)."""
     slots = _PACKED_SLOTS if packed else _FLOAT_SLOTS
-    key = (id(launch), packed, id(inputs[10]), id(inputs[11]))  # held below: ids stay theirs
+    key = (id(launch), packed, id(inputs[_SINKS]), id(inputs[_FLAGS]))  # held: ids stay theirs
     call = _REPLAYS.get(key)
     if call is None:
         if len(_REPLAYS) >= 1024:
