@@ -4,7 +4,7 @@
 On the CPU ``quantized_product`` reads the codes as float planes through BLAS and applies each
 token's scales and biases to the products; elsewhere it is ``quantized_matmul`` itself. Cases:
 ``scores`` (``q k^T``, ``transpose``) and ``values`` (``p v``) for the small llama's heads (4 KV
-heads, 4 query heads each) at 512 cached tokens, a decode step of 1 and 16 rows and a
+heads, 4 query heads each) at 512 cached tokens (``--tokens``), a decode step of 1 and 16 rows and a
 verification of 8 queries (32 query rows a KV head), over bits, group sizes and head dims.
 The keys are a slice of a longer buffer, as a cache hands them over. Median microseconds of
 ``--steps`` evaluations of 8 calls in a chain (a forward's layers) each.
@@ -20,7 +20,7 @@ import platform
 import statistics
 import time
 
-KV_HEADS, TOKENS, CALLS = 4, 512, 8
+KV_HEADS, CALLS = 4, 8
 CASES = [  # (batch, query rows per KV head)
     (1, 4),
     (16, 4),
@@ -51,17 +51,19 @@ def _time(fn, a, steps: int) -> float:
     return 1e6 * statistics.median(times) / CALLS
 
 
-def measure(batch: int, rows: int, bits: int, group: int, dims: int, steps: int) -> list[dict]:
+def measure(
+    batch: int, rows: int, bits: int, group: int, dims: int, tokens: int, steps: int
+) -> list[dict]:
     import mlx.core as mx
 
     from mlxc.runtime.model.cache import KVQuant
     from mlxc.runtime.model.layers import quantized_product
 
     quant = KVQuant(bits, group)
-    shape = (batch, KV_HEADS, TOKENS + 64, dims)
-    keys, values = (quant.quantize(mx.random.normal(shape))[..., :TOKENS, :] for _ in range(2))
+    shape = (batch, KV_HEADS, tokens + 64, dims)
+    keys, values = (quant.quantize(mx.random.normal(shape))[..., :tokens, :] for _ in range(2))
     queries = mx.random.normal((batch, KV_HEADS, rows, dims))
-    weights = mx.softmax(mx.random.normal((batch, KV_HEADS, rows, TOKENS)), axis=-1)
+    weights = mx.softmax(mx.random.normal((batch, KV_HEADS, rows, tokens)), axis=-1)
     mx.eval(keys.parts, values.parts, queries, weights)
     out = []
     for case, a, b, transpose in [
@@ -103,6 +105,7 @@ def main() -> None:
     )
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--tokens", type=int, default=512, help="cached tokens (default 512)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from mlxc.runtime import blas
@@ -114,7 +117,7 @@ def main() -> None:
     rows = []
     for batch, n in CASES:
         for bits, group, dims in QUANTS:
-            for r in measure(batch, n, bits, group, dims, args.steps):
+            for r in measure(batch, n, bits, group, dims, args.tokens, args.steps):
                 print(json.dumps(r), flush=True)
                 rows.append(r)
     meta = {
@@ -132,10 +135,10 @@ def main() -> None:
         ),
         "",
         (
-            f"MLX {meta['mlx']}, {meta['device']}, {meta['blas']}; {KV_HEADS} KV heads, {TOKENS} cached tokens"
+            f"MLX {meta['mlx']}, {meta['device']}, {meta['blas']}; {KV_HEADS} KV heads, {args.tokens} cached tokens"
             " (a slice of a longer buffer); rows: query rows per KV head (4: a decode step of 4"
             " query heads a KV head; 32: a verification of 8 queries); median per call of"
-            f" evaluations of {CALLS} calls in a chain (a forward's layers). `python -m bench.quantized_product --out ...`"
+            f" evaluations of {CALLS} calls in a chain (a forward's layers). `python -m bench.quantized_product --tokens N --out ...`"
         ),
         "",
         "| case | batch | rows | bits | group | head dim | MLX | mlxc | MLX / mlxc | max rel. error |",

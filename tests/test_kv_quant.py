@@ -132,8 +132,8 @@ def test_composed_attention_is_the_fused_kernel(rng, mask_kind, sinks, packed):
 
 
 GROUPS_AND_DIMS = [(32, 64), (64, 64), (32, 128), (64, 128), (128, 128)]
-# (bits, group, head dim, transpose): scores for every quantisation; values where the planes
-# take them (4 bits, a head one group: ``quantized_product`` leaves the others to MLX).
+# (bits, group, head dim, transpose): scores for every quantisation; values of 4 bits, a head
+# one group (where the planes go: ``test_values_on_planes_where_they_pay``; 8 bits stay with MLX).
 PLANE_PRODUCTS = [
     *((bits, group, dims, True) for bits in KV_BITS for group, dims in GROUPS_AND_DIMS),
     (4, 64, 64, False),
@@ -170,6 +170,37 @@ def test_quantized_product_is_quantized_matmul(rng, monkeypatch, bits, group, di
         # Float32 sums of 40-128 products in another order: rounding of a few ulps of the sum.
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-4)
     assert len(planes) == 2  # the planes, not quantized_matmul, gave both results
+
+
+@pytest.mark.usefixtures("on_cpu")
+@pytest.mark.parametrize("group, dims", [(64, 64), (32, 64), (64, 128), (32, 128)])
+def test_values_on_planes_where_they_pay(rng, monkeypatch, group, dims):
+    """Weights over 4-bit values equal MLX's ``quantized_matmul`` whichever way they go: through
+    the code planes while the planes stay within ``VALUE_PLANES_BYTES`` and, for a head of
+    several groups (each group's columns the diagonal blocks of one product a plane), from
+    ``VALUE_PLANES_KEYS`` keys; else through ``quantized_matmul`` itself."""
+    monkeypatch.setattr(blas, "fast_cpu_matmul", lambda: True)
+    monkeypatch.setattr(layers, "VALUE_PLANES_KEYS", 40)
+    monkeypatch.setattr(layers, "VALUE_PLANES_BYTES", 2 * 40 * dims * 4)  # one sequence's
+    planes = []
+    monkeypatch.setattr(
+        QuantizedKV,
+        "code_planes",
+        lambda self, dtype, real=QuantizedKV.code_planes: planes.append(1) or real(self, dtype),
+    )
+    quant = KVQuant(4, group)
+    buffer = quant.quantize(mx.array(rng.standard_normal((3, 2, 48, dims)).astype(np.float32)))
+    for batch, keys in ((1, 40), (3, 40), (1, 39)):
+        packed = buffer[:batch, :, 5 : 5 + keys, :]
+        on_planes = batch == 1 and (dims == group or keys >= 40)
+        for rows in (1, 12):
+            a = mx.array(rng.standard_normal((batch, 2, rows, keys)).astype(np.float32))
+            want = mx.quantized_matmul(a, *packed.parts, transpose=False, group_size=group, bits=4)
+            planes.clear()
+            got = layers.quantized_product(a, packed, False)
+            assert got.shape == want.shape
+            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-4)
+            assert bool(planes) == on_planes, (batch, keys, rows)
 
 
 @pytest.mark.usefixtures("on_cpu")

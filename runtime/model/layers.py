@@ -576,19 +576,21 @@ def quantized_product(a: mx.array, b: QuantizedKV, transpose: bool) -> mx.array:
     through it as float planes (``QuantizedKV.code_planes``) and each token's scales and biases
     are applied to the products: there MLX 0.32.4's ``quantized_matmul`` takes 2-10x as long
     for the scores of a decode step or a verification, and 1.8-6x for the values of 4-bit
-    heads of one group (``bench/results/kv4-cpu-product.md``). Values of several groups, or
-    of 8 bits (whose float planes outgrow the caches in a decode batch), keep it, as does
-    MLX's reference BLAS, on which the planes would be the slower."""
+    heads of one group (``bench/results/kv4-cpu-product.md``). Values keep it where their
+    planes would outgrow the caches, or not pay for their extra ops (``_values_on_planes``;
+    8 bits always), as does MLX's reference BLAS, on which the planes would be the slower."""
     q = b.quant
     groups = b.shape[-1] // q.group_size
     on_blas = mx.default_device() == mx.cpu and blas.fast_cpu_matmul()
-    if not on_blas or (not transpose and (groups > 1 or q.bits != 4)):
+    if not on_blas or (not transpose and not _values_on_planes(b, groups)):
         return mx.quantized_matmul(
             a, *b.parts, transpose=transpose, group_size=q.group_size, bits=q.bits
         )
     planes, scales, biases = b.code_planes(a.dtype), b.parts[1], b.parts[2]  # [.., T, groups] each
     p = len(planes)
     *lead, rows, width = a.shape
+    if not transpose and groups > 1:
+        return _grouped_values(a, planes, scales, biases, q.group_size)
     if not transpose:  # one group: out[r] = sum_t a[r, t] * (scale[t] * codes[t] + bias[t])
         weighted = a * scales.swapaxes(-1, -2)
         parts = [weighted @ plane for plane in planes]
@@ -605,6 +607,42 @@ def quantized_product(a: mx.array, b: QuantizedKV, transpose: bool) -> mx.array:
     dots = dots.reshape(*lead, rows, groups, -1) * mx.expand_dims(scales.swapaxes(-1, -2), -3)
     sums = a.reshape(*lead, rows, groups, q.group_size).sum(-1)  # [.., rows, groups]
     return dots.sum(-2) + sums @ biases.swapaxes(-1, -2)
+
+
+# Values go through float planes (4 bits) while the planes stay within VALUE_PLANES_BYTES, and
+# a head of several groups from VALUE_PLANES_KEYS keys. On this project's CPU (s44, 8 chained
+# calls, 4 query rows a KV head) against ``quantized_matmul``: planes of up to 4 MiB 1.9-3.8x
+# its speed for one group, 1.5-2.8x for several at 1,024-2,048 keys (0.69-1.07x at 512);
+# planes of 8-32 MiB (a long context, a decode batch) 0.49-0.86x in five cases of six (one
+# 8 MiB batch 1.32x): they spill from the caches.
+VALUE_PLANES_BYTES = 4 << 20
+VALUE_PLANES_KEYS = 1024
+
+
+def _values_on_planes(b: QuantizedKV, groups: int) -> bool:
+    """Whether ``quantized_product`` reads values ``b`` through float planes."""
+    if b.quant.bits != 4 or math.prod(b.shape) * 4 > VALUE_PLANES_BYTES:  # float32 planes
+        return False
+    return groups == 1 or b.shape[-2] >= VALUE_PLANES_KEYS
+
+
+def _grouped_values(
+    a: mx.array, planes: list[mx.array], scales: mx.array, biases: mx.array, group_size: int
+) -> mx.array:
+    """``a @ values`` for values of several groups, from their code planes: each row, weighted
+    by every group's scales, takes one product a plane (``rows x groups`` rows), of which each
+    group keeps its own columns (the diagonal blocks; the rest is work thrown away, cheaper
+    than a product a group)."""
+    *lead, rows, keys = a.shape
+    groups, p = scales.shape[-1], len(planes)
+    weighted = mx.expand_dims(a, -2) * mx.expand_dims(scales.swapaxes(-1, -2), -3)
+    weighted = weighted.reshape(*lead, rows * groups, keys)
+    own = []
+    for plane in planes:  # [.., rows, the row's group, the column's group, group_size / p]
+        full = (weighted @ plane).reshape(*lead, rows, groups, groups, group_size // p)
+        own.append(mx.diagonal(full, 0, -3, -2).swapaxes(-1, -2))  # [.., rows, groups, G / p]
+    out = mx.stack(own, axis=-1).reshape(*lead, rows, groups, group_size)  # planes interleaved
+    return (out + mx.expand_dims(a @ biases, -1)).reshape(*lead, rows, -1)
 
 
 def softcap(x: mx.array, cap: float | None) -> mx.array:
