@@ -612,7 +612,7 @@ def quantized_product(a: mx.array, b: QuantizedKV, transpose: bool) -> mx.array:
 # Values go through float planes (4 bits) while the planes stay within VALUE_PLANES_BYTES, and
 # a head of several groups from VALUE_PLANES_KEYS keys. On this project's CPU (s44, 8 chained
 # calls, 4 query rows a KV head) against ``quantized_matmul``: planes of up to 4 MiB 1.9-3.8x
-# its speed for one group, 1.5-2.8x for several at 1,024-2,048 keys (0.69-1.07x at 512);
+# its speed for one group, 1.5-3.2x for several at 1,024-2,048 keys (0.69-1.07x at 512);
 # planes of 8-32 MiB (a long context, a decode batch) 0.49-0.86x in five cases of six (one
 # 8 MiB batch 1.32x): they spill from the caches.
 VALUE_PLANES_BYTES = 4 << 20
@@ -631,8 +631,7 @@ def _grouped_values(
 ) -> mx.array:
     """``a @ values`` for values of several groups, from their code planes: each row, weighted
     by every group's scales, takes one product a plane (``rows x groups`` rows), of which each
-    group keeps its own columns (the diagonal blocks; the rest is work thrown away, cheaper
-    than a product a group)."""
+    group keeps its own columns (the diagonal blocks; the rest is work thrown away)."""
     *lead, rows, keys = a.shape
     groups, p = scales.shape[-1], len(planes)
     weighted = mx.expand_dims(a, -2) * mx.expand_dims(scales.swapaxes(-1, -2), -3)
