@@ -4,8 +4,9 @@
 On the CPU ``quantized_product`` reads the codes as float planes through BLAS and applies each
 token's scales and biases to the products; elsewhere it is ``quantized_matmul`` itself. Cases:
 ``scores`` (``q k^T``, ``transpose``) and ``values`` (``p v``) for the small llama's heads (4 KV
-heads, 4 query heads each) at 512 cached tokens (``--tokens``), a decode step of 1 and 16 rows and a
-verification of 8 queries (32 query rows a KV head), over bits, group sizes and head dims.
+heads, 4 query heads each) at 512 cached tokens (``--tokens``), a decode step of 1 and 16
+rows and a verification of 8 queries (32 query rows a KV head), over bits, group sizes and
+head dims.
 The keys are a slice of a longer buffer, as a cache hands them over. Median microseconds of
 ``--steps`` evaluations of 8 calls in a chain (a forward's layers) each.
 
