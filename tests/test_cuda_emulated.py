@@ -155,6 +155,8 @@ CASES = [
     (1, 8, 2, 1, 200, 64, 4, 64, "none", False, 2, False, 17),
     (2, 8, 2, 3, 150, 128, 4, 32, "causal", True, 3, False, 5),
     (2, 4, 2, 1, 90, 64, 8, 64, "ragged", False, 1, True, 32),
+    # a chunk boundary (60) inside the staged tokens [58, 90): each block codes its own
+    (1, 8, 2, 1, 90, 128, 4, 64, "none", False, 3, False, 32),
 ]
 
 
@@ -236,9 +238,14 @@ def test_kernel_matches_mlx(
 
 
 def test_the_chunk_limit_is_the_kernels():
-    """The merge holds MAX_CHUNKS chunks' sums in shared memory: Python plans no more."""
+    """The merge holds MAX_CHUNKS chunks' sums in shared memory: Python plans no more. A
+    block codes up to MAX_STAGED staged tokens there: a quantised cache stages no more."""
+    from mlxc.runtime.model.cache import StagingMixin
+
     source = ca.KERNEL_FILE.read_text()
     assert f"constexpr int MAX_CHUNKS = {ca.MAX_CHUNKS};" in source
+    assert f"constexpr int MAX_STAGED = {ca.MAX_STAGED};" in source
+    assert StagingMixin.STAGE <= ca.MAX_STAGED
     assert ca._chunks(1, 10_000) == ca.MAX_CHUNKS
     with pytest.raises(ValueError, match="chunks"):
         ca._launch(1, 8, 1, 64, 2, 4, mx.float32, mx.float32, mx.float32, 0, 1, ca.MAX_CHUNKS + 1)

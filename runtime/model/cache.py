@@ -449,7 +449,7 @@ class StagedKV:
     (``QuantizedKVCache``): the first ``n_packed`` tokens of ``packed`` (``QuantizedKV``
     ``[B, H, P, D]``, the older tokens), then the first ``n_recent`` of ``recent`` (float
     ``[B, H, n, D]``), which every reader takes as quantising would store them: mlxc's CUDA
-    kernel rounds them in registers (``cuda_attention``), ``dequantize`` through
+    kernel quantises them into shared memory (``cuda_attention``), ``dequantize`` through
     ``mx.quantize``. The counts default to the arrays' lengths; ``buffers``: the arrays are
     the cache's buffers themselves, whose shapes hold from step to step until they grow (so
     the kernel's call replays compiled). ``shape`` is the live window's."""
@@ -558,7 +558,7 @@ class StagingMixin:
     """
 
     # Forwards of up to STAGE / 2 tokens stage (the kernel's most queries: a verification's)
-    STAGE = 2 * cuda_attention.MAX_QUERIES
+    STAGE = cuda_attention.MAX_STAGED
     quant: KVQuant
 
     def _clear_staging(self) -> None:

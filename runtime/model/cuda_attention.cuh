@@ -10,6 +10,9 @@ namespace mlxc {
 // The most chunks a row's keys split into (``cuda_attention.MAX_CHUNKS``): the merge keeps
 // each chunk's maximum and sum of a tile's rows in shared memory.
 constexpr int MAX_CHUNKS = 64;
+// The most staged tokens a quantised cache holds (``cuda_attention.MAX_STAGED``): a block
+// quantises those it reads into shared memory.
+constexpr int MAX_STAGED = 32;
 
 // A compile-time bool as an argument's type: ``with_flag(b, f)`` calls the generic lambda
 // ``f`` compiled for each value of ``b``, so ``b`` is a constant in its body.
@@ -112,8 +115,8 @@ __device__ __forceinline__ void key_scores(const float (&qs)[R][QD], int q0, con
 // A group of a float row as MLX's CUDA ``affine_quantize`` codes it, from the group's range
 // (``lo``: its minimum; ``hi``: its maximum, or 0 if larger, as MLX's starts at 0), by the
 // same operations in the same order: the scale and bias it codes with, and those it stores
-// (rounded to S), which dequantisation reads. A quantised cache's staged tokens are read
-// through it (``round_vec``), so they attend exactly as the packed tokens they become.
+// (rounded to S), which dequantisation reads. A quantised cache's staged tokens are coded
+// through it (``code``), so they attend exactly as the packed tokens they become.
 struct Rounding { float scale, bias, stored_scale, stored_bias; };
 template <typename S, int BITS>
 __device__ __forceinline__ Rounding rounding(float lo, float hi) {
@@ -138,14 +141,12 @@ __device__ __forceinline__ void widen(const float* x, float& lo, float& hi) {
     hi = fmaxf(hi, x[j]);
   }
 }
-// VE elements of a row, each coded and decoded as ``r`` says.
-template <int BITS, int VE>
-__device__ __forceinline__ void round_vec(const Rounding& r, float* x) {
+// An element's code in a group coded as ``r`` says.
+template <int BITS>
+__device__ __forceinline__ uint32_t code(const Rounding& r, float x) {
   constexpr float n_bins = (1 << BITS) - 1;
-  for (int j = 0; j < VE; ++j) {
-    const uint8_t q = fminf(roundf((x[j] - r.bias) / r.scale), n_bins);
-    x[j] = r.stored_scale * static_cast<float>(q) + r.stored_bias;
-  }
+  const uint8_t q = fminf(roundf((x - r.bias) / r.scale), n_bins);
+  return q;
 }
 // A value another block of this launch wrote: a volatile load, from L2, not this SM's L1, and
 // one the compiler keeps after the fence that orders it (an asm load such as CUDA's ldcg
@@ -303,54 +304,76 @@ __device__ __forceinline__ void attention(
           (VE * sizeof(T)) == 0;
   // This lane's share of the value rows: row sub of each KPL, elements [ve, ve + VE).
   const int sub = lane / LPR, ve = (lane % LPR) * VE;
+  // The staged tokens this chunk reads (the ``lengths[1]`` after the packed ones), quantised
+  // once for the block into shared memory in the packed layout: both passes then read them as
+  // they read packed tokens. (Rounded inside the passes instead, by the lanes whose keys were
+  // staged while the warp's other lanes waited, and by shuffles across the value rows, they
+  // took ~9 of a 4-bit decode call's ~26 us on an H100: ``docs/performance.md``, s45.)
+  constexpr int WORDS = BITS == 0 ? 1 : D * BITS / 32, GROUPS = BITS == 0 ? 1 : D / GS;
+  constexpr int STAGED = BITS == 0 ? 1 : MAX_STAGED;
+  __shared__ uint32_t staged_codes[2][STAGED][WORDS];  // keys, then values
+  __shared__ float staged_scales[2][STAGED][GROUPS], staged_biases[2][STAGED][GROUPS];
+  if constexpr (BITS != 0) {
+    // An item is one word's VE elements of a staged row; a group's GS / VE items are adjacent
+    // lanes of a warp, which range the group together (every lane takes part in each round).
+    const int s0 = max(start, Tp) - Tp, items = max(0, end - max(start, Tp)) * WORDS;
+    for (int i0 = 0; i0 < items; i0 += blockDim.x) {
+      const int i = i0 + threadIdx.x, w = i % WORDS;
+      const int st = s0 + (i < items ? i / WORDS : 0);  // past the items, a row (not stored)
+      for (int kv = 0; kv < 2; ++kv) {
+        float x[VE];
+        if (kv == 0)
+          load_vec<T, S, 0, GS, VE>(krec + st * k_recent_strides[2], ksc, kbi, w * VE,
+              k_recent_strides[3], 0, rvec, x);
+        else
+          load_vec<T, S, 0, GS, VE>(vrec + st * v_recent_strides[2], vsc, vbi, w * VE,
+              v_recent_strides[3], 0, rvec, x);
+        float lo = RANGE_LO, hi = RANGE_HI;
+        widen<VE>(x, lo, hi);
+        for (int o = 1; o < GS / VE; o <<= 1) {
+          lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+          hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+        }
+        const Rounding r = rounding<S, BITS>(lo, hi);
+        uint32_t word = 0;
+        for (int j = 0; j < VE; ++j) word |= code<BITS>(r, x[j]) << (j * BITS);
+        if (i < items) {
+          staged_codes[kv][st][w] = word;
+          if (w % (GS / VE) == 0) {
+            staged_scales[kv][st][w * VE / GS] = r.stored_scale;
+            staged_biases[kv][st][w * VE / GS] = r.stored_bias;
+          }
+        }
+      }
+    }
+  }
+  __syncthreads();
   // The key rounds, compiled for vector loads of float rows and for element-wise ones
   // (``VEC``, a constant: no branch sits between a lane's loads, which can then overlap).
   auto rounds = [&](auto vec_flag) {
     constexpr bool VEC = decltype(vec_flag)::value;
-    // Elements e0.. of key (or value) row t: packed below Tp, a recent float row from there
-    // (never with float keys: BITS == 0 leaves no branch between a lane's loads).
-    // A lane walks its key's elements in order: a staged key's group is ranged (its VE-element
-    // loads, again from L1 after) and rounded at its first element. A staged value row's
-    // groups span GS / VE lanes, which range them together (the value pass, below).
-    auto load_key = [&](int t, int e0, float* out) {
-      load_vec<KT, S, BITS, GS, VE>(krow + t * k_strides[2], ksc + t * k_scales_strides[2],
-          kbi + t * k_biases_strides[2], e0, k_strides[3], k_scales_strides[3], VEC, out);
-    };
-    [[maybe_unused]] Rounding key_group;  // a staged key's group (packed keys only)
-    auto load_staged_key = [&](int t, int e0, float* out) {
-      if constexpr (BITS != 0) {
-        const T* row = krec + (t - Tp) * k_recent_strides[2];
-        if (e0 % GS == 0) {
-          float lo = RANGE_LO, hi = RANGE_HI;
-          for (int g = e0; g < e0 + GS; g += VE) {
-            load_vec<T, S, 0, GS, VE>(row, ksc, kbi, g, k_recent_strides[3], 0, rvec, out);
-            widen<VE>(out, lo, hi);
-          }
-          key_group = rounding<S, BITS>(lo, hi);
-        }
-        load_vec<T, S, 0, GS, VE>(row, ksc, kbi, e0, k_recent_strides[3], 0, rvec, out);
-        round_vec<BITS, VE>(key_group, out);
+    // Elements e0.. of key (kv 0) or value (kv 1) row t: packed below Tp, staged (coded in
+    // shared memory above) from there (never with float keys: BITS == 0 leaves no branch
+    // between a lane's loads).
+    auto load_row = [&](int kv, int t, int e0, float* out) {
+      if (BITS == 0 || t < Tp) {
+        if (kv == 0)
+          load_vec<KT, S, BITS, GS, VE>(krow + t * k_strides[2], ksc + t * k_scales_strides[2],
+              kbi + t * k_biases_strides[2], e0, k_strides[3], k_scales_strides[3], VEC, out);
+        else
+          load_vec<KT, S, BITS, GS, VE>(vrow + t * v_strides[2], vsc + t * v_scales_strides[2],
+              vbi + t * v_biases_strides[2], e0, v_strides[3], v_scales_strides[3], VEC, out);
+      } else if constexpr (BITS != 0) {
+        load_vec<uint32_t, float, BITS, GS, VE>(staged_codes[kv][t - Tp],
+            staged_scales[kv][t - Tp], staged_biases[kv][t - Tp], e0, 1, 1, false, out);
       }
-    };
-    auto load_value = [&](int t, int e0, float* out) {  // a staged row as it is, unrounded
-      if (BITS == 0 || t < Tp)
-        load_vec<KT, S, BITS, GS, VE>(vrow + t * v_strides[2], vsc + t * v_scales_strides[2],
-            vbi + t * v_biases_strides[2], e0, v_strides[3], v_scales_strides[3], VEC, out);
-      else
-        load_vec<T, S, 0, GS, VE>(vrec + (t - Tp) * v_recent_strides[2], vsc, vbi, e0,
-            v_recent_strides[3], 0, rvec, out);
     };
     for (int t0 = start + warp * 32; t0 < end; t0 += WARPS * 32) {
       const int t = t0 + lane;  // this lane's key
       float d[R];
       for (int r = 0; r < R; ++r) d[r] = 0.f;
-      if (t < end) {
-        if (BITS == 0 || t < Tp)
-          key_scores<R, VE, D>(qs, 0, [&](int e0, float* out) { load_key(t, e0, out); }, d);
-        else if constexpr (BITS != 0)
-          key_scores<R, VE, D>(
-              qs, 0, [&](int e0, float* out) { load_staged_key(t, e0, out); }, d);
-      }
+      if (t < end)
+        key_scores<R, VE, D>(qs, 0, [&](int e0, float* out) { load_row(0, t, e0, out); }, d);
       round_weights(d, m, s, acc, ps[warp], lane, [&](int r) {
         bool use = t < end;
         if (use && mask_kind == 1) use = t <= Tk - L + rl[r];
@@ -370,24 +393,10 @@ __device__ __forceinline__ void attention(
         // Rows past the chunk's end load its last row, weighted 0 (no branch between loads).
 #pragma unroll
         for (int i = 0; i < UV; ++i)
-          load_value(t0 + min(b0 + i * KPL + sub, n_keys - 1), ve, vr[i]);
+          load_row(1, t0 + min(b0 + i * KPL + sub, n_keys - 1), ve, vr[i]);
 #pragma unroll
         for (int i = 0; i < UV; ++i) {
           const int u = b0 + i * KPL + sub;
-          if constexpr (BITS != 0) {
-            // Staged rows: each group's range across its GS / VE lanes (lanes of one row,
-            // aligned), by shuffles every lane of the warp takes part in.
-            const bool staged = u < n_keys && t0 + u >= Tp;
-            if (__any_sync(0xffffffffu, staged)) {
-              float lo = RANGE_LO, hi = RANGE_HI;
-              if (staged) widen<VE>(vr[i], lo, hi);
-              for (int o = 1; o < GS / VE; o <<= 1) {
-                lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
-                hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
-              }
-              if (staged) round_vec<BITS, VE>(rounding<S, BITS>(lo, hi), vr[i]);
-            }
-          }
           if (u < n_keys) {
             for (int r = 0; r < R; ++r) {
               const float p = ps[warp][r][u];

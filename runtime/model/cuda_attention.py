@@ -17,8 +17,8 @@ forwards land there:
 of them to finish): rows and heads of any strides, GQA without broadcasting the keys, a boolean
 mask of any broadcast shape or a bottom-right causal one, attention sinks, and keys and values
 read either as floats or packed (4 or 8 bits, MLX's affine layout) and dequantised in registers,
-packed ones optionally followed by a quantised cache's staged float tokens, rounded as
-quantising stores them (``cache.StagingMixin``). ``applies`` says when ``layers.attend`` takes
+packed ones optionally followed by a quantised cache's staged float tokens, which each block
+quantises as MLX would store them (``cache.StagingMixin``). ``applies`` says when ``layers.attend`` takes
 it.
 
 ``latent_attention`` is a second kernel of the same header, for MLA's decode step
@@ -51,6 +51,9 @@ import mlx.core as mx
 
 # The most queries per row the kernel takes (a verification forward of up to 15 drafts).
 MAX_QUERIES = 16
+# The most tokens a quantised cache stages in float (``cache.StagingMixin``): a block of the
+# kernel quantises those it reads into shared memory (``MAX_STAGED`` in the header).
+MAX_STAGED = 2 * MAX_QUERIES
 HEAD_DIMS = (64, 128)
 WARPS = 4  # warps per block; each walks its own keys of the block's chunk
 
