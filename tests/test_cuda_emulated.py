@@ -157,6 +157,7 @@ CASES = [
     (2, 4, 2, 1, 90, 64, 8, 64, "ragged", False, 1, True, 32),
     # a chunk boundary (60) inside the staged tokens [58, 90): each block codes its own
     (1, 8, 2, 1, 90, 128, 4, 64, "none", False, 3, False, 32),
+    (1, 4, 1, 2, 120, 128, 8, 32, "causal", False, 2, False, 31),  # 8 rounds of codes a block
 ]
 
 
