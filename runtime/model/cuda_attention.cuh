@@ -346,8 +346,8 @@ __device__ __forceinline__ void attention(
         }
       }
     }
+    if (items > 0) __syncthreads();  // block-uniform; float kernels and other chunks skip it
   }
-  __syncthreads();
   // The key rounds, compiled for vector loads of float rows and for element-wise ones
   // (``VEC``, a constant: no branch sits between a lane's loads, which can then overlap).
   auto rounds = [&](auto vec_flag) {
