@@ -18,8 +18,8 @@ of them to finish): rows and heads of any strides, GQA without broadcasting the 
 mask of any broadcast shape or a bottom-right causal one, attention sinks, and keys and values
 read either as floats or packed (4 or 8 bits, MLX's affine layout) and dequantised in registers,
 packed ones optionally followed by a quantised cache's staged float tokens, which each block
-quantises as MLX would store them (``cache.StagingMixin``). ``applies`` says when ``layers.attend`` takes
-it.
+quantises as MLX would store them (``cache.StagingMixin``). ``applies`` says when
+``layers.attend`` takes it.
 
 ``latent_attention`` is a second kernel of the same header, for MLA's decode step
 (``latent.absorbed_attention``): one query a head against its row's latents (the keys' first
