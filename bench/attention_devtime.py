@@ -26,7 +26,8 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
+
+from bench.report import write_results
 
 HQ, HKV, D, LAYERS, STEPS = 32, 8, 64, 16, 40
 
@@ -168,9 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": info,
         "rows": run(keys, chunk_counts),
     }
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text(report(result))
+    write_results(args.out, result, report(result))
     print(report(result))
     return 0
 

@@ -41,6 +41,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from bench.report import write_results
 from bench.run import machine
 from mlxc.runtime.model import cuda_attention
 from mlxc.runtime.model import latent as mla  # the bench names its MLA case `latent`
@@ -260,10 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         r["mlxc_over_ceiling"] = r["mlxc"] / r["ceiling"]
         print(json.dumps(r), flush=True)
     meta = _meta() | {"header": args.header or "the package's"}
-    with open(args.out + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(_markdown(meta, rows))
+    write_results(args.out, {"meta": meta, "rows": rows}, _markdown(meta, rows))
 
 
 def _ab(args) -> None:
@@ -280,10 +278,7 @@ def _ab(args) -> None:
             runs[side].append(json.loads(Path(out + ".json").read_text()))
     meta = runs["here"][0]["meta"] | {"against": args.against, "rounds": args.rounds}
     rows = _paired([r["rows"] for r in runs["here"]], [r["rows"] for r in runs["against"]])
-    with open(args.out + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(_markdown(meta, rows))
+    write_results(args.out, {"meta": meta, "rows": rows}, _markdown(meta, rows))
 
 
 def _paired(here: list[list[dict]], against: list[list[dict]]) -> list[dict]:

@@ -34,12 +34,13 @@ host is the limit; where they fall short of it, the device is.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench.report import write_results
 
 IDLE_STEPS = 8  # steps after the timed ones whose async_eval runs on an idle device
 
@@ -189,10 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     text = _markdown(results, args, device, mx.__version__, argv)
     print(text)
     if args.out:
-        out = Path(args.out)
         payload = {"args": vars(args), "device": device, "mlx": mx.__version__, **results}
-        out.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
-        out.with_suffix(".md").write_text(text)
+        write_results(args.out, payload, text)
 
 
 def _markdown(results: dict, args, device: str, mlx_version: str, argv) -> str:

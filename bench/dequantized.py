@@ -23,10 +23,11 @@ Median milliseconds of ``--repeats`` evaluated calls, and the extra peak memory 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
+
+from bench.report import write_results
 
 # (name, experts E, hidden, expert width, chosen per token k)
 SHAPES = [
@@ -291,10 +292,7 @@ def main(argv: list[str] | None = None) -> None:
         """Write what is measured so far: a run cut short (a lent GPU's time limit) keeps its
         rows, marked partial until the last."""
         if args.out:
-            with open(args.out + ".json", "w") as f:
-                json.dump(result, f, indent=1)
-            with open(args.out + ".md", "w") as f:
-                f.write(markdown(result))
+            write_results(args.out, result, markdown(result))
 
     result["partial"] = True
     if args.part in ("products", "both"):

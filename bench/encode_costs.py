@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
+
+from bench.report import write_results
 
 H, E, K, I, HEADS, KV_HEADS, D, KEYS = 2048, 64, 8, 512, 32, 8, 64, 512
 LATENT = 512  # MLA's kv_lora_rank (deepseek_v3, glm4_moe_lite): a decode step's latent head
@@ -261,11 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "kinds": results,
     }
-    with open(f"{args.out}.json", "w") as f:
-        json.dump(report, f, indent=1)
     text = markdown(report)
-    with open(f"{args.out}.md", "w") as f:
-        f.write(text)
+    write_results(args.out, report, text)
     print(text)
     return 0
 

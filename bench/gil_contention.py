@@ -22,6 +22,8 @@ import threading
 import time
 from pathlib import Path
 
+from bench.report import write_results
+
 BURNER = "gil-burner"  # the burning thread's name
 # (label, busy ms, asleep ms, switch interval s)
 VARIANTS = (
@@ -120,12 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(rows, levels, command, machine)
     print(text)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(
-            json.dumps({"command": command, "machine": machine, "rows": rows}, indent=1)
-        )
-        out.with_suffix(".md").write_text(text)
+        write_results(args.out, {"command": command, "machine": machine, "rows": rows}, text)
     return 0
 
 

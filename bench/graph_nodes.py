@@ -62,6 +62,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.report import write_results
 from bench.run import peer_checkpoint, peer_convert
 
 # Primitives that launch nothing (see the module docstring for where each comes from).
@@ -448,8 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     for arch in args.arch or models.ARCHS:
         result["archs"][arch] = measure(arch, args.size, args.bits, log=_stderr)
         # Written after every arch: a long run keeps what it finished.
-        Path(f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")
-        Path(f"{args.out}.md").write_text(markdown(result))
+        write_results(args.out, result, markdown(result))
     print(markdown(result))
     return 0
 

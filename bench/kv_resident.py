@@ -22,11 +22,12 @@ float32, as mlxc does there, so both hold the same bytes per token.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench.report import write_results
 
 GROUPS = ("windowed", "full")
 
@@ -185,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         result["runs"][name] = {"side": side, "max_kv_size": max_kv, "samples": samples}
         # Written after every run: a long CPU run keeps what it finished.
         text = markdown(result)
-        Path(f"{args.out}.json").write_text(json.dumps(result) + "\n")
-        Path(f"{args.out}.md").write_text(text)
+        write_results(args.out, result, text)
     print(text)
     return 0
 

@@ -45,13 +45,14 @@ import argparse
 import cProfile
 import functools
 import io
-import json
 import pstats
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench.report import write_results
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -247,11 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        out = Path(args.out)
-        out.with_suffix(".json").write_text(
-            json.dumps({"args": vars(args), "device": device, "variants": rows}, indent=1)
-        )
-        out.with_suffix(".md").write_text(text)
+        write_results(args.out, {"args": vars(args), "device": device, "variants": rows}, text)
     if profiles:
         report = "".join(
             f"## {name}: building {args.tokens} steps' graphs under cProfile\n{text}\n"

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from bench import serve_load
+from bench.report import write_results
 from bench.serve_compare import _wait_ready
 
 
@@ -190,8 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         "turns": summary(runs, args.turns),
         "runs": runs,
     }
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(report))
+    write_results(out, report, markdown(report))
     print(markdown(report))
     return 0
 

@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.report import write_results
+
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.profile_decode")
@@ -148,10 +150,9 @@ def main(argv: list[str] | None = None) -> None:
         "mlx-lm all positions": prefill(peer, lambda: make_prompt_cache(peer), False),
         "mlx-lm last position (L-1, then 1)": prefill(peer, lambda: make_prompt_cache(peer), True),
     }
-    text = json.dumps(report, indent=1)
-    print(text)
+    print(json.dumps(report, indent=1))
     if args.out:
-        Path(f"{args.out}.json").write_text(text + "\n")
+        write_results(args.out, report, None)
 
 
 if __name__ == "__main__":

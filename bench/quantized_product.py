@@ -21,6 +21,8 @@ import platform
 import statistics
 import time
 
+from bench.report import write_results
+
 KV_HEADS, CALLS = 4, 8
 CASES = [  # (batch, query rows per KV head)
     (1, 4),
@@ -127,8 +129,6 @@ def main() -> None:
         "blas": blas.status().name,
         "host": platform.node(),
     }
-    with open(args.out + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
     lines = [
         (
             "# Products on packed keys and values: mlxc's `quantized_product` against MLX's"
@@ -151,8 +151,7 @@ def main() -> None:
             f" {r['dims']} | {r['mlx_us']:.0f} | {r['mlxc_us']:.0f} | {r['mlx_over_mlxc']:.2f}x |"
             f" {r['max_rel_error']:.1e} |"
         )
-    with open(args.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_results(args.out, {"meta": meta, "rows": rows}, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

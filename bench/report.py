@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from bench.run import Q4_FILES
 
 
@@ -194,11 +197,19 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_results(out: str | Path, result: dict, markdown: str | None) -> None:
+    """``OUT.json`` (the result) and ``OUT.md`` (its table) beside each other, the folder made if
+    missing; only the JSON where ``markdown`` is None. ``out`` is a path without suffix: a name
+    with dots keeps them (``Path.with_suffix`` would replace the part after the last dot)."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.json").write_text(json.dumps(result, indent=1) + "\n")
+    if markdown is not None:
+        Path(f"{out}.md").write_text(markdown)
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m bench.report RESULT.json``: rewrite RESULT.md from the JSON."""
-    import json
     import sys
-    from pathlib import Path
 
     for path in argv if argv is not None else sys.argv[1:]:
         text = markdown(json.loads(Path(path).read_text()))

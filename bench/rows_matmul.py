@@ -23,10 +23,11 @@ MLX multiplies one row by a weight with its matrix-vector kernel and two or more
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
+
+from bench.report import write_results
 
 SHAPES = [(2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048), (2048, 128256)]  # K, N
 
@@ -130,9 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     device = mx.device_info().get("device_name", "gpu")
     result = {"args": vars(args), "device": device, "mlx": mx.__version__}
     result |= {"products": table, "decode": steps}
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text(_markdown(result))
+    write_results(args.out, result, _markdown(result))
     print(_markdown(result))
 
 

@@ -520,8 +520,7 @@ def main(argv: list[str] | None = None) -> None:
         "passes": passes,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-    Path(f"{out}.json").write_text(json.dumps(result, indent=1) + "\n")
-    Path(f"{out}.md").write_text(report.markdown(result))
+    report.write_results(out, result, report.markdown(result))
     _log(f"wrote {out}.json and {out}.md ({result['wall_s']} s)")
     print(report.markdown(result))
 

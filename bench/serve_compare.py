@@ -28,6 +28,7 @@ import urllib.request
 from pathlib import Path
 
 from bench import serve_load
+from bench.report import write_results
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
@@ -504,8 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     text = markdown(report)
     print(text)
-    Path(f"{args.out}.json").write_text(json.dumps(report, indent=1) + "\n")
-    Path(f"{args.out}.md").write_text(text)
+    write_results(args.out, report, text)
     return 0
 
 

@@ -35,8 +35,9 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
-from pathlib import Path
 from urllib.parse import urlsplit
+
+from bench.report import write_results
 
 WORDS = [
     "the",
@@ -448,8 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(report)
     print(text)
     if args.out:
-        Path(f"{args.out}.json").write_text(json.dumps(report, indent=1) + "\n")
-        Path(f"{args.out}.md").write_text(text)
+        write_results(args.out, report, text)
     return 0 if all(lv["errors"] == 0 for lv in levels) else 1
 
 

@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.report import write_results
+
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
@@ -424,11 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "server": server,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     text = report(result)
-    out.with_suffix(".md").write_text(text)
+    write_results(args.out, result, text)
     print(text, end="")
     return 0 if all(r["identical"] for r in rows + server) else 1
 

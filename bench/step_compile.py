@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.report import write_results
+
 WAYS = ("as_written", "compiled")
 
 
@@ -191,9 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(json.dumps({arch: result["archs"][arch]}), file=sys.stderr, flush=True)
         del model
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text(report(result))
+    write_results(args.out, result, report(result))
     print(report(result))
     return 0
 

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.report import write_results
+
 ROOT = Path(__file__).resolve().parent.parent
 FLOAT32_TOL = 1e-4  # of the logits' standard deviation
 FLOOR_FACTOR = 2.0  # a half-precision run: within this many bf16 floors
@@ -75,8 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     text = markdown(result, args)
     print(text)
     if args.out:
-        Path(args.out + ".json").write_text(json.dumps(result, indent=2) + "\n")
-        Path(args.out + ".md").write_text(text)
+        write_results(args.out, result, text)
 
 
 def compare_arch(arch: str, args, backend: str, work: Path) -> dict:

@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.report import write_results
+
 
 def _per_call(fn, count: int, repeats: int) -> float:
     """Median seconds per call of ``fn`` (which builds one lazy result), ``count`` calls per
@@ -300,9 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         "count": args.count,
         "rows": rows,
     }
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text(report(result))
+    write_results(args.out, result, report(result))
     print(report(result))
     return 0
 

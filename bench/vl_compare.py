@@ -32,7 +32,6 @@ comparison of bench.run's openblas pass); on a GPU both run the bf16 weights as 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from typing import Any
 
 import mlxc  # first: its import hook loads OpenBLAS before MLX (runtime/blas.py)
 from bench.harness import Side
+from bench.report import write_results
 
 DEFAULTS = {
     # size: image (height, width), decode tokens, repeats
@@ -407,8 +407,7 @@ def main(argv: list[str] | None = None) -> None:
             result["archs"][arch] = {"params": params, **r}
     result["loadavg_end"] = os.getloadavg()
     result["wall_s"] = round(time.perf_counter() - t0, 1)
-    Path(f"{out}.json").write_text(json.dumps(result, indent=1) + "\n")
-    Path(f"{out}.md").write_text(markdown(result))
+    write_results(out, result, markdown(result))
     _log(f"wrote {out}.json and {out}.md ({result['wall_s']} s)")
     print(markdown(result))
 
