@@ -23,8 +23,8 @@ the tables report, the kernels a GPU launches, give or take a fast kernel that l
 (MLX's two-pass attention for long keys). mlxc also takes paths of its own on a CPU (attention
 in blocks of queries, a compiled polynomial exp, float copies of quantised weights), chosen by
 asking ``mx.default_device()``: for the kernel counts its model is loaded again and run under
-``gpu_paths``, which answers "a GPU", so they are of the graph mlxc builds for one (CUDA's own
-kernels, ``cuda_attention`` and ``cuda_matmul``, aside: each is one kernel where it applies).
+``gpu_paths``, which answers "a GPU" with MLX's CUDA backend, so they are of the graph mlxc
+builds for one, its own CUDA kernels (``cuda_attention``'s) one stand-in node a call.
 
 Each primitive is classed as a **kernel** (launches work on the device) or a **view** (shares
 its input's buffer, launches nothing). The classes come from MLX 0.32's GPU backend,
@@ -124,7 +124,7 @@ def summary(counts: collections.Counter) -> dict:
 # ``project``) stays one node there too.
 # The stand-ins ``gpu_paths`` itself puts in mlxc's graph (CUDA kernels of mlxc's own, one node
 # each): a graph built under it may hold them.
-GPU_PATHS_STAND_INS = frozenset({"ErfInv"})
+GPU_PATHS_STAND_INS = frozenset({"ErfInv", "Sort"})
 
 STAND_INS = {
     "CumMax": "fast.rope",
@@ -132,6 +132,7 @@ STAND_INS = {
     "CumProd": "fast.layer_norm",
     "CumLogAddExp": "fast.scaled_dot_product_attention",
     "ErfInv": "cuda_attention.latent_attention",
+    "Sort": "cuda_attention.attention",
 }
 
 
@@ -196,28 +197,27 @@ def step_counts(make_step, placed: frozenset = frozenset()) -> dict:
 
 @contextlib.contextmanager
 def gpu_paths():
-    """mlxc told that the default device is a GPU: its CPU-only paths (attention in blocks of
-    queries, a compiled polynomial exp, float copies of quantised weights, experts by expert)
-    ask ``mx.default_device()``, so under this it builds the graph a GPU runs. MLX's own ops
-    still run on the CPU (their stream is chosen in C++, not by this function). MLA's CUDA-only
-    choices are taken too, so its decode attention is counted as CUDA runs it: the per-head
-    halves' layout (``latent._transposed_weights``), the composed scores where the kernel
-    does not apply (``latent.composes_scores``), and the kernel itself where it does
-    (``cuda_attention.latent_attention``, one custom kernel: a stand-in node here)."""
+    """mlxc told that the default device is a GPU with MLX's CUDA backend: its CPU-only paths
+    (attention in blocks of queries, a compiled polynomial exp, float copies of quantised
+    weights, experts by expert) ask ``mx.default_device()``, and its CUDA-only ones
+    ``cuda_attention.available()``, so under this it builds the graph CUDA runs, its Python
+    included. MLX's own ops still run on the CPU (their stream is chosen in C++, not by this
+    function). mlxc's attention kernel (``cuda_attention``: a verification's queries, a decode
+    batch's ragged rows, a quantised cache's packed and staged tokens) is one stand-in node a
+    call, built by the module's own Python (its replayed calls too), and MLA's decode kernel
+    (``cuda_attention.latent_attention``) another. Their values are not the kernels': for
+    counting and host timings only. ``cuda_matmul`` applies to half-precision weights only,
+    which a CPU's float32 model does not have."""
     import mlx.core as mx
 
-    from mlxc.runtime.model import cuda_attention, latent
+    from mlxc.runtime.model import cuda_attention
 
-    saved = mx.default_device, latent.composes_scores, latent._transposed_weights
-    saved_kernel = cuda_attention.latent_applies, cuda_attention.latent_attention
-    applies = cuda_attention.latent_applies
+    saved = mx.default_device, cuda_attention._cuda_backend, cuda_attention._kernel
+    saved_latent = cuda_attention.latent_attention
 
-    def latent_applies(*args):  # its width and dtype rules, CUDA taken as there
-        available, cuda_attention.available = cuda_attention.available, lambda: True
-        try:
-            return applies(*args)
-        finally:
-            cuda_attention.available = available
+    def kernel(*, inputs, output_shapes, output_dtypes, **_):  # mx.fast.cuda_kernel's call
+        out = _stand_in(mx.sort, mx.zeros(output_shapes[0], output_dtypes[0]), *inputs)
+        return [out, *(mx.zeros(s, d) for s, d in zip(output_shapes[1:], output_dtypes[1:]))]
 
     def latent_attention(q_lat, q_pe, latents, k_pe, *, scale, mask, chunks=None):
         out = mx.erfinv(q_lat)  # one node shaped as the kernel's output
@@ -225,16 +225,14 @@ def gpu_paths():
         return mx.depends([out], deps)[0]
 
     mx.default_device = lambda: mx.Device(mx.gpu)
-    latent.composes_scores = latent._transposed_weights = lambda: True
-    cuda_attention.latent_applies, cuda_attention.latent_attention = (
-        latent_applies,
-        latent_attention,
-    )
+    cuda_attention._cuda_backend = lambda: True
+    cuda_attention._kernel = lambda: kernel
+    cuda_attention.latent_attention = latent_attention
     try:
         yield
     finally:
-        mx.default_device, latent.composes_scores, latent._transposed_weights = saved
-        cuda_attention.latent_applies, cuda_attention.latent_attention = saved_kernel
+        mx.default_device, cuda_attention._cuda_backend, cuda_attention._kernel = saved
+        cuda_attention.latent_attention = saved_latent
 
 
 def mlxc_step(path: str) -> dict:

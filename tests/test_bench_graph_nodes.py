@@ -80,3 +80,29 @@ def test_mla_decode_attention_counted_as_its_cuda_kernel(tmp_path):
     assert counts["by_primitive"]["cuda_attention.latent_attention"] == 2
     assert "Softmax" not in counts["by_primitive"]
     assert "ErfInv" not in counts["cpu_graph"]["by_primitive"]  # the CPU runs its own attention
+
+
+def test_mlxc_attention_kernel_counted_where_cuda_takes_it(tmp_path):
+    """Under ``gpu_paths`` mlxc's CUDA attention runs its own Python to a stand-in node a call:
+    a verification's queries, and a 4-bit cache's step on its packed and staged tokens
+    (replayed through ``mx.compile``, as on CUDA); outside it the CPU's graph is as before."""
+    from mlxc import load_model
+    from mlxc.runtime.model.cache import KVQuant, cache_arrays, make_caches
+
+    heads = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
+    model = load_model(str(_checkpoint(tmp_path / "m", **heads, head_dim=64)))
+    prompt = mx.array([list(range(10, 50))])
+
+    def counted(quant, step):
+        cache = make_caches(model, quant)
+        mx.eval(model(prompt, cache=cache), cache_arrays(cache))
+        return graph_nodes.count(model(step, cache=cache)), cache
+
+    with graph_nodes.gpu_paths():
+        verification, _ = counted(None, mx.array([[5, 6, 7]]))
+        quantised, cache = counted(KVQuant(4, 64), mx.array([[5]]))
+    assert verification["Sort"] == 2 and "Softmax" not in verification  # one kernel a layer
+    assert quantised["Sort"] == 2 and cache[0].staged == 1  # the new token staged in float
+    on_cpu, _ = counted(None, mx.array([[5, 6, 7]]))
+    # the CPU composes its attention: scores and values, two products a layer more
+    assert "Sort" not in on_cpu and on_cpu["Matmul"] == verification["Matmul"] + 4
