@@ -213,7 +213,7 @@ def gpu_paths():
     from mlxc.runtime.model import cuda_attention
 
     saved = mx.default_device, cuda_attention._cuda_backend, cuda_attention._kernel
-    saved_latent = cuda_attention.latent_attention
+    saved_latent, saved_replays = cuda_attention.latent_attention, cuda_attention._REPLAYS
 
     def kernel(*, inputs, output_shapes, output_dtypes, **_):  # mx.fast.cuda_kernel's call
         out = _stand_in(mx.sort, mx.zeros(output_shapes[0], output_dtypes[0]), *inputs)
@@ -228,11 +228,12 @@ def gpu_paths():
     cuda_attention._cuda_backend = lambda: True
     cuda_attention._kernel = lambda: kernel
     cuda_attention.latent_attention = latent_attention
+    cuda_attention._REPLAYS = {}  # calls traced with the stand-in stay here
     try:
         yield
     finally:
         mx.default_device, cuda_attention._cuda_backend, cuda_attention._kernel = saved
-        cuda_attention.latent_attention = saved_latent
+        cuda_attention.latent_attention, cuda_attention._REPLAYS = saved_latent, saved_replays
 
 
 def mlxc_step(path: str) -> dict:

@@ -37,11 +37,17 @@ median of ``--repeats``):
 Each variant's tokens/s comes from ``generate_tokens``'s own loop; the same steps are also run in
 a plain loop that splits a step into building its graph (host, Python) and evaluating it
 (``mx.eval``: MLX's encoding and the device), medians per step.
+
+``--device cpu --gpu-paths`` builds every step as CUDA builds it (``bench.graph_nodes.gpu_paths``:
+mlxc's CUDA-only choices taken, its attention kernel one stand-in node a call, so the CUDA
+variants run): what a change to the step's Python saves the host can be read on a CPU. Only
+the build column and the profiles are a GPU's figures there; the tokens are the stand-ins'.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import functools
 import io
@@ -71,7 +77,16 @@ def main(argv: list[str] | None = None) -> None:
         help="also profile each variant's graph building (cProfile) and report its N costliest "
         "functions by own and by cumulative time (OUT-profile.txt, or printed)",
     )
+    p.add_argument(
+        "--gpu-paths",
+        action="store_true",
+        help="on the CPU, build each step as CUDA does (`bench.graph_nodes.gpu_paths`: mlxc's "
+        "CUDA-only choices, its attention kernel a stand-in node): only the build column is a "
+        "GPU's figure, the tokens the stand-ins' garbage",
+    )
     args = p.parse_args(argv)
+    if args.gpu_paths and args.device != "cpu":
+        p.error("--gpu-paths is for --device cpu")
 
     from mlxc.runtime import blas
 
@@ -92,6 +107,11 @@ def main(argv: list[str] | None = None) -> None:
         model = mlxc.load_model(path)
     ids = prompt(args.prompt, model.args.vocab_size, 1)
     quant = kv.KVQuant(4, 64)
+    paths = contextlib.ExitStack()
+    if args.gpu_paths:
+        from bench.graph_nodes import gpu_paths
+
+        paths.enter_context(gpu_paths())
     cuda_attention.warm(model, (1,), quant)
     real_quantize, real_applies, real_staging, real_buffers, real_chunks, real_tickets = (
         kv.KVQuant.quantize,
@@ -212,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
             profiles[name] = report.getvalue()
     finally:
         patched({})
+        paths.close()
 
     base = statistics.median(tps["float"])
     rows = {
@@ -231,6 +252,12 @@ def main(argv: list[str] | None = None) -> None:
         f"{mx.__version__}; {args.prompt}-token prompt, {args.tokens} greedy tokens, median of "
         f"{args.repeats}. Build: the step's graph built in Python; eval: `mx.eval` of it (MLX's "
         "encoding and the device); medians per step of a plain loop."
+        + (
+            " Built as CUDA builds it, on the CPU (`--gpu-paths`): only the build column is a "
+            "GPU's figure."
+            if args.gpu_paths
+            else ""
+        )
     )
     lines = [
         "# 4-bit KV decode, part by part",
