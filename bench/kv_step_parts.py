@@ -111,8 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.gpu_paths:
         from bench.graph_nodes import gpu_paths
 
-        paths.enter_context(gpu_paths())
-    cuda_attention.warm(model, (1,), quant)
+        paths.enter_context(gpu_paths())  # left in the `finally` below
     real_quantize, real_applies, real_staging, real_buffers, real_chunks, real_tickets = (
         kv.KVQuant.quantize,
         cuda_attention.applies,
@@ -208,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         return 1e3 * statistics.median(builds[skip:]), 1e3 * statistics.median(evals[skip:])
 
     try:
+        cuda_attention.warm(model, (1,), quant)
         for kv_quant, options in variants.values():  # warm: kernels compiled, buffers grown
             patched(options)
             own_loop(kv_quant)
