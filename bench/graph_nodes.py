@@ -214,6 +214,7 @@ def gpu_paths():
 
     saved = mx.default_device, cuda_attention._cuda_backend, cuda_attention._kernel
     saved_latent, saved_replays = cuda_attention.latent_attention, cuda_attention._REPLAYS
+    saved_warm = cuda_attention.warm, cuda_attention.warm_latent
 
     def kernel(*, inputs, output_shapes, output_dtypes, **_):  # mx.fast.cuda_kernel's call
         out = _stand_in(mx.sort, mx.zeros(output_shapes[0], output_dtypes[0]), *inputs)
@@ -229,11 +230,14 @@ def gpu_paths():
     cuda_attention._kernel = lambda: kernel
     cuda_attention.latent_attention = latent_attention
     cuda_attention._REPLAYS = {}  # calls traced with the stand-in stay here
+    # Nothing to compile, and warm's once-a-process cache is left to a real device's calls.
+    cuda_attention.warm = cuda_attention.warm_latent = lambda *args, **kwargs: None
     try:
         yield
     finally:
         mx.default_device, cuda_attention._cuda_backend, cuda_attention._kernel = saved
         cuda_attention.latent_attention, cuda_attention._REPLAYS = saved_latent, saved_replays
+        cuda_attention.warm, cuda_attention.warm_latent = saved_warm
 
 
 def mlxc_step(path: str) -> dict:
