@@ -212,10 +212,6 @@ def gpu_paths():
 
     from mlxc.runtime.model import cuda_attention
 
-    saved = mx.default_device, cuda_attention._cuda_backend, cuda_attention._kernel
-    saved_latent, saved_replays = cuda_attention.latent_attention, cuda_attention._REPLAYS
-    saved_warm = cuda_attention.warm, cuda_attention.warm_latent
-
     def kernel(*, inputs, output_shapes, output_dtypes, **_):  # mx.fast.cuda_kernel's call
         out = _stand_in(mx.sort, mx.zeros(output_shapes[0], output_dtypes[0]), *inputs)
         return [out, *(mx.zeros(s, d) for s, d in zip(output_shapes[1:], output_dtypes[1:]))]
@@ -225,19 +221,27 @@ def gpu_paths():
         deps = [a for a in (q_pe, latents, k_pe, mask) if isinstance(a, mx.array)]
         return mx.depends([out], deps)[0]
 
-    mx.default_device = lambda: mx.Device(mx.gpu)
-    cuda_attention._cuda_backend = lambda: True
-    cuda_attention._kernel = lambda: kernel
-    cuda_attention.latent_attention = latent_attention
-    cuda_attention._REPLAYS = {}  # calls traced with the stand-in stay here
-    # Nothing to compile, and warm's once-a-process cache is left to a real device's calls.
-    cuda_attention.warm = cuda_attention.warm_latent = lambda *args, **kwargs: None
+    def nothing(*args, **kwargs) -> None:
+        return None
+
+    patches = [
+        (mx, "default_device", lambda: mx.Device(mx.gpu)),
+        (cuda_attention, "_cuda_backend", lambda: True),
+        (cuda_attention, "_kernel", lambda: kernel),
+        (cuda_attention, "latent_attention", latent_attention),
+        (cuda_attention, "_REPLAYS", {}),  # calls traced with the stand-in stay here
+        # Nothing to compile, and warm's once-a-process cache is left to a real device's calls.
+        (cuda_attention, "warm", nothing),
+        (cuda_attention, "warm_latent", nothing),
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
     try:
         yield
     finally:
-        mx.default_device, cuda_attention._cuda_backend, cuda_attention._kernel = saved
-        cuda_attention.latent_attention, cuda_attention._REPLAYS = saved_latent, saved_replays
-        cuda_attention.warm, cuda_attention.warm_latent = saved_warm
+        for owner, name, value in saved:
+            setattr(owner, name, value)
 
 
 def mlxc_step(path: str) -> dict:
